@@ -1,0 +1,112 @@
+"""Assemble the per-site results of one backward pass into a :class:`GradBatch`.
+
+Each use of a captured module in a forward call (a *site*) yields per-row terms ``[B, T, ...]``.
+Here they are mapped to examples (packed rows split into documents), joined per parameter --
+sites of one forward call along the token axis (a module called twice, tied weights of the same
+kind), forward calls along the example axis -- and checked for NaN/inf per example.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from ..grad.terms import OuterTerm, Term, VectorTerm, is_index
+from .context import ForwardContext
+
+__all__ = ["SiteResult", "join_terms", "nonfinite_examples", "term_tensors"]
+
+
+@dataclass
+class SiteResult:
+    """Terms produced by one module call: ``{parameter name: per-row term}``."""
+
+    context: ForwardContext
+    order: int
+    terms: dict[str, Term]
+
+
+def term_tensors(term: Term) -> dict[str, Tensor]:
+    """The tensor fields of a term (all with the example axis first)."""
+    return {f.name: getattr(term, f.name) for f in dataclasses.fields(term)
+            if isinstance(getattr(term, f.name), Tensor)}
+
+
+def _signature(term: Term) -> tuple:
+    if isinstance(term, OuterTerm):
+        return ("outer", is_index(term.rows), is_index(term.cols), term.n_rows, term.n_cols,
+                term.rows.dtype, term.cols.dtype)
+    if isinstance(term, VectorTerm):
+        return ("vector", term.values.shape[-1], term.values.dtype)
+    raise TypeError(f"cannot join terms of type {type(term).__name__}")
+
+
+def _fill(x: Tensor) -> int:
+    return 0 if x.is_floating_point() else -1
+
+
+def _pad_tokens(x: Tensor, length: int) -> Tensor:
+    if x.shape[1] == length:
+        return x
+    pad = x.new_full((x.shape[0], length - x.shape[1], *x.shape[2:]), _fill(x))
+    return torch.cat([x, pad], dim=1)
+
+
+def _map(term: Term, fn: Callable[[Tensor], Tensor]) -> Term:
+    return dataclasses.replace(term, **{k: fn(v) for k, v in term_tensors(term).items()})
+
+
+def _cat(terms: list[Term], dim: int) -> Term:
+    """Concatenate same-signature terms along the example (0) or token (1) axis."""
+    if len(terms) == 1:
+        return terms[0]
+    length = max(t.num_tokens for t in terms)
+    fields = {}
+    for key in term_tensors(terms[0]):
+        parts = [getattr(t, key) for t in terms]
+        if dim == 0:
+            parts = [_pad_tokens(p, length) for p in parts]
+        fields[key] = torch.cat(parts, dim=dim)
+    return dataclasses.replace(terms[0], **fields)
+
+
+def _empty_like(term: Term, num_examples: int) -> Term:
+    return _map(term, lambda x: x.new_full((num_examples, 1, *x.shape[2:]), _fill(x)))
+
+
+def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[ForwardContext],
+               sum_contexts: bool) -> list[Term]:
+    """Join one parameter's site terms into per-example terms (one per signature).
+
+    entries: ``(context, call order, per-row term)`` for every site of the parameter.
+    contexts: all forward calls of the step, in order (their examples are concatenated, unless
+        ``sum_contexts``, in which case row ``i`` of every call is the same example).
+    """
+    groups: dict[tuple, dict[int, list[Term]]] = {}
+    for context, order, term in sorted(entries, key=lambda e: (e[0].index, e[1])):
+        per_example = _map(term, context.relayout)
+        groups.setdefault(_signature(per_example), {}).setdefault(context.index, []).append(per_example)
+    joined: list[Term] = []
+    for by_context in groups.values():
+        per_context = {i: _cat(terms, dim=1) for i, terms in by_context.items()}
+        if sum_contexts:
+            joined.append(_cat(list(per_context.values()), dim=1))
+            continue
+        template = next(iter(per_context.values()))
+        parts = [per_context.get(c.index) or _empty_like(template, c.num_examples) for c in contexts]
+        joined.append(_cat(parts, dim=0))
+    return joined
+
+
+def nonfinite_examples(terms: list[Term], num_examples: int, device: torch.device) -> Tensor:
+    """``[E]`` bool: examples with a NaN or inf in any float factor."""
+    bad = torch.zeros(num_examples, dtype=torch.bool, device=device)
+    for term in terms:
+        for x in term_tensors(term).values():
+            if x.is_floating_point():
+                bad |= (~torch.isfinite(x)).reshape(x.shape[0], -1).any(1).to(device)
+    return bad

@@ -1,0 +1,497 @@
+"""``gradtrace.capture``: per-example gradients from an unmodified training loop.
+
+How it works, in one pass of a loop:
+
+1. A forward pre-hook on the model reads the batch (rows, padding, packed documents, labels) into a
+   :class:`ForwardContext`.
+2. A forward hook on every captured module keeps what the gradient rule needs (the layer input,
+   projected right away under LoGra) and registers a hook on the module's output tensor. Output
+   hooks pair each call's activations with exactly that call's output-gradient, which makes modules
+   called several times, tied weights and gradient checkpointing (re-run forwards) exact.
+3. When the output-gradient arrives, the layer handler turns it into per-example gradient terms
+   (loss scale removed).
+4. An autograd-engine callback fires when the backward pass is complete; the terms are assembled
+   into a :class:`GradBatch`, kept in ``capture.batches`` and/or handed to callbacks.
+
+Nothing in the user's model is replaced or wrapped; on exit every hook is removed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..grad.batch import GradBatch, LossConvention, ParamGrad
+from ..grad.projection import LoGra, Projector
+from .assemble import SiteResult, join_terms, nonfinite_examples, term_tensors
+from .context import BatchInfo, ContextSettings, ForwardContext
+from .layers import LayerHandler
+from .report import CaptureReport
+from .selection import LayerSpec, select_layers, unwrap
+from .verify import check_batch_sum
+
+__all__ = ["Capture", "capture", "CaptureCallback"]
+
+_REDUCTIONS = ("mean", "sum", "token_mean")
+_EXAMPLE_LOSSES = ("sum", "mean")
+
+
+class CaptureCallback:
+    """Base class (optional: any object with these methods works) for consumers of captured batches.
+
+    Later building blocks -- the store writer, curvature accumulation, online data selection --
+    are callbacks. ``on_batch`` runs at the end of each backward pass, after ``param.grad`` is
+    complete and before the loop continues (so before ``optimizer.step()``).
+    """
+
+    def on_capture_start(self, capture: "Capture") -> None:
+        """Called when the capture context is entered."""
+
+    def on_batch(self, batch: GradBatch, capture: "Capture") -> None:
+        """Called with the per-example gradients of each backward pass."""
+
+    def on_capture_end(self, capture: "Capture", error: BaseException | None) -> None:
+        """Called when the capture context exits (``error`` is the loop's exception, if any)."""
+
+
+class _Ambiguous:
+    """Marker context for re-run forwards that cannot be matched to one forward call."""
+
+
+_AMBIGUOUS = _Ambiguous()
+
+
+class Capture:
+    """Context manager capturing per-example gradients of every backward pass inside it.
+
+    Args:
+        model: the model the loop calls (plain, DDP-wrapped, PEFT, FSDP2 ``fully_shard``-ed).
+        layers: module name globs or classes to capture (default: every supported module).
+        exclude: module name globs or classes to leave out.
+        include_frozen: also capture parameters with ``requires_grad=False``.
+        reduction: how the loop reduced per-example losses into the loss it backpropagates:
+            ``"mean"`` over rows, ``"sum"``, or ``"token_mean"`` (Hugging Face: target-token sum over
+            the batch divided by their count or ``num_items_in_batch``).
+        example_loss: the loss each captured gradient belongs to: ``"sum"`` over the example's target
+            tokens (default) or the per-token ``"mean"``.
+        loss_scale: any other constant the loop multiplied its loss by (e.g. ``1/accumulation_steps``,
+            an AMP ``GradScaler`` scale); a callable is evaluated at every forward call.
+        projection: ``gradtrace.LoGra(...)`` to project at capture time, or None for exact gradients.
+        ids: example ids consumed in order (one per example, per document for packed rows); without
+            them and without :meth:`annotate`, ids are content hashes of each example's tokens.
+        callbacks: objects with ``on_batch(batch, capture)`` (see :class:`CaptureCallback`) or plain
+            callables ``fn(batch)``.
+        keep_batches: keep batches in ``capture.batches`` (default: only when there are no callbacks).
+        packing: split packed rows into documents using ``position_ids`` restarts.
+        multi_forward: when the model runs several forward calls before one backward: ``"concat"``
+            (each call's rows are different examples) or ``"sum"`` (row ``i`` of every call is the
+            same example, e.g. two views of it).
+        broadcast: ``"expand"`` a layer output computed once for the whole batch (GPT-2's position
+            embeddings on a ``[1, T]`` tensor) to one row per example, so it gets per-example
+            gradients (values are unchanged); ``"skip"`` to leave such layers out.
+        causal_lm: whether labels are shifted by one (logits at ``t`` predict ``labels[t+1]``); by
+            default inferred from the model class name (``*ForCausalLM``, ``*LMHeadModel``).
+        ignore_index: label value that marks non-target tokens.
+        nonfinite: ``"flag"`` examples with NaN/inf gradients in ``batch.nonfinite`` (with a warning)
+            or ``"raise"``.
+        strict: raise instead of warning when trainable parameters cannot be captured.
+        verify: check after each backward pass that the per-example gradients, with the loss scale
+            put back, sum to the batch gradient autograd computed (debugging; costs a little).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: Iterable[LayerSpec] | None = None,
+        exclude: Iterable[LayerSpec] | None = None,
+        include_frozen: bool = False,
+        reduction: str = "mean",
+        example_loss: str = "sum",
+        loss_scale: float | Callable[[], float] = 1.0,
+        projection: LoGra | None = None,
+        ids: Sequence[Any] | None = None,
+        callbacks: Sequence[Any] = (),
+        keep_batches: bool | None = None,
+        packing: bool = True,
+        multi_forward: str = "concat",
+        broadcast: str = "expand",
+        causal_lm: bool | None = None,
+        ignore_index: int = -100,
+        nonfinite: str = "flag",
+        strict: bool = False,
+        verify: bool = False,
+    ) -> None:
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        if example_loss not in _EXAMPLE_LOSSES:
+            raise ValueError(f"example_loss must be one of {_EXAMPLE_LOSSES}, got {example_loss!r}")
+        if multi_forward not in ("concat", "sum"):
+            raise ValueError(f"multi_forward must be 'concat' or 'sum', got {multi_forward!r}")
+        if broadcast not in ("expand", "skip"):
+            raise ValueError(f"broadcast must be 'expand' or 'skip', got {broadcast!r}")
+        if nonfinite not in ("flag", "raise"):
+            raise ValueError(f"nonfinite must be 'flag' or 'raise', got {nonfinite!r}")
+        if projection is not None and not isinstance(projection, LoGra):
+            raise TypeError(f"projection must be a gradtrace.LoGra spec or None, got {type(projection).__name__}")
+        self.model = model
+        self.convention = LossConvention(reduction, example_loss)
+        self.loss_scale = loss_scale
+        self.projection = projection
+        self.projector = Projector(projection) if projection is not None else None
+        self.callbacks = list(callbacks)
+        self.keep_batches = (not self.callbacks) if keep_batches is None else keep_batches
+        self.packing = packing
+        self.multi_forward = multi_forward
+        self.broadcast = broadcast
+        self.ignore_index = ignore_index
+        self.nonfinite = nonfinite
+        self.strict = strict
+        self.verify = verify
+        name = type(unwrap(model)).__name__
+        self.causal_lm = causal_lm if causal_lm is not None else ("CausalLM" in name or "LMHead" in name)
+
+        self.selection = select_layers(model, layers, exclude, include_frozen)
+        self.handlers: list[LayerHandler] = self.selection.handlers
+        self.batches: list[GradBatch] = []
+        self.num_backward = 0
+        self._ids = iter(ids) if ids is not None else None
+        self._ids_given = ids is not None
+        self._hash_counts: dict[str, int] = {}
+        self._handles: list[Any] = []
+        self._active = False
+        self._pending_info: BatchInfo | None = None
+        self._report = CaptureReport.from_selection(self.selection)
+        self._reset_step()
+
+    # ------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "Capture":
+        if self._active:
+            raise RuntimeError("this capture is already active")
+        unsupported = self.selection.unsupported
+        if unsupported:
+            listing = "; ".join(f"{u.module} ({u.type_name}: {u.reason})" for u in unsupported[:6])
+            more = f" and {len(unsupported) - 6} more" if len(unsupported) > 6 else ""
+            message = (f"gradtrace: {len(unsupported)} module(s) with trainable parameters cannot be captured "
+                       f"per example and are left out: {listing}{more}. See capture.report().")
+            if self.strict:
+                raise ValueError(message)
+            warnings.warn(message, stacklevel=2)
+        self._install()
+        self._active = True
+        self._forwards_with_grad = 0
+        for cb in self.callbacks:
+            if hasattr(cb, "on_capture_start"):
+                cb.on_capture_start(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._remove()
+        self._active = False
+        self._reset_step()
+        if exc is None:
+            if self.num_backward == 0 and self._forwards_with_grad:
+                warnings.warn("gradtrace: no backward pass ran inside capture(); nothing was captured", stacklevel=2)
+            if self._ids is not None:
+                left = sum(1 for _ in self._ids)
+                if left:
+                    warnings.warn(f"gradtrace: {left} of the given ids were not used (fewer examples were "
+                                  "captured than ids given)", stacklevel=2)
+        for cb in self.callbacks:
+            if hasattr(cb, "on_capture_end"):
+                cb.on_capture_end(self, exc)
+
+    def _install(self) -> None:
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
+        for handler in self.handlers:
+            hook = self._make_layer_hook(handler)
+            self._handles.append(handler.module.register_forward_hook(hook, with_kwargs=True))
+        params = {id(p): p for h in self.handlers for role in h.params for p in [getattr(h.module, role)]}
+        names = {id(getattr(h.module, role)): name for h in self.handlers for role, name in h.params.items()}
+        for pid, param in params.items():
+            if param.requires_grad:
+                self._handles.append(param.register_hook(self._make_param_hook(names[pid])))
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _reset_step(self) -> None:
+        self._contexts: list[ForwardContext] = []
+        self._stack: list[ForwardContext | None] = []
+        self._results: list[SiteResult] = []
+        self._order = itertools.count()
+        self._end_queued = False
+        self._param_grads: dict[str, Tensor] = {}
+        self._params_seen: set[str] = set()
+        self._implicit: ForwardContext | None = None
+
+    # ------------------------------------------------------------------ public helpers
+    def annotate(self, *, ids: Sequence[Any] | None = None, labels: Tensor | None = None,
+                 attention_mask: Tensor | None = None, doc_ids: Tensor | None = None,
+                 num_items: float | Tensor | None = None, position_ids: Tensor | None = None) -> None:
+        """State facts about the *next* forward call that the model's arguments do not show.
+
+        ids: one per example (per document for packed rows). labels: ``[B, T]`` targets (for
+        ``token_mean`` / ``example_loss="mean"`` when the loop computes the loss outside the model).
+        attention_mask, position_ids, doc_ids: padding and packed-document layout. num_items: the
+        loop's token-mean denominator.
+        """
+        self._pending_info = BatchInfo(ids=ids, labels=labels, attention_mask=attention_mask, doc_ids=doc_ids,
+                                       num_items=num_items, position_ids=position_ids)
+
+    def reset_ids(self) -> None:
+        """Forget seen content hashes (a new epoch: repeated content is the same example again)."""
+        self._hash_counts.clear()
+
+    def report(self) -> CaptureReport:
+        """What is captured, what is left out and why (printable)."""
+        self._report.num_backward = self.num_backward
+        return self._report
+
+    def clear(self) -> None:
+        """Drop the batches kept in memory."""
+        self.batches.clear()
+
+    # ------------------------------------------------------------------ forward side
+    def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._end_queued and torch._C._current_graph_task_id() == -1:
+            warnings.warn("gradtrace: the previous backward pass did not complete; its partial results are "
+                          "dropped", stacklevel=2)
+            self._reset_step()
+        info = self._pending_info or BatchInfo()
+        self._pending_info = None
+        if not torch.is_grad_enabled():
+            self._stack.append(None)
+            return
+        self._forwards_with_grad += 1
+        context = self._new_context(args, kwargs, info)
+        self._contexts.append(context)
+        self._stack.append(context)
+
+    def _new_context(self, args: tuple, kwargs: dict, info: BatchInfo) -> ForwardContext:
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None and args and isinstance(args[0], Tensor) and not args[0].is_floating_point():
+            input_ids = args[0]
+        embeds = kwargs.get("inputs_embeds")
+        primary = input_ids if input_ids is not None else embeds
+        if primary is None:
+            primary = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, Tensor)), None)
+        if primary is None or primary.dim() == 0:
+            raise ValueError("gradtrace: cannot find the batch in the model's forward arguments; "
+                             "pass a tensor whose first dimension is the batch")
+        seq_len = None
+        if input_ids is not None and input_ids.dim() >= 2:
+            seq_len = input_ids.shape[1]
+        elif input_ids is None and embeds is not None and embeds.dim() >= 3:
+            seq_len = embeds.shape[1]
+
+        def pick(name: str, given: Any) -> Any:
+            return given if given is not None else kwargs.get(name)
+
+        num_items = info.num_items if info.num_items is not None else kwargs.get("num_items_in_batch")
+        merged = BatchInfo(ids=info.ids, labels=pick("labels", info.labels),
+                           attention_mask=pick("attention_mask", info.attention_mask), doc_ids=info.doc_ids,
+                           num_items=num_items, position_ids=pick("position_ids", info.position_ids))
+        scale = self.loss_scale() if callable(self.loss_scale) else self.loss_scale
+        settings = ContextSettings(self.convention, float(scale), self.causal_lm, self.ignore_index, self.packing)
+        content = input_ids if input_ids is not None else primary
+        return ForwardContext(len(self._contexts), batch_size=primary.shape[0], seq_len=seq_len,
+                              content=content, info=merged, settings=settings)
+
+    def _root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        context = self._stack.pop() if self._stack else None
+        if context is None:
+            return
+        for tensor in _output_tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(self._on_root_grad)
+
+    def _on_root_grad(self, grad: Tensor) -> None:
+        self._ensure_end_callback()
+
+    def _context_for_layer(self, inputs: Tensor) -> ForwardContext | _Ambiguous | None:
+        if self._stack:
+            return self._stack[-1]
+        if torch._C._current_graph_task_id() != -1:
+            # a forward re-run during backward (activation checkpointing): it belongs to this step
+            return self._contexts[0] if len(self._contexts) == 1 else _AMBIGUOUS
+        if self._implicit is None:  # a submodule called outside the model's own forward
+            settings = ContextSettings(self.convention, 1.0, self.causal_lm, self.ignore_index, False)
+            self._implicit = ForwardContext(len(self._contexts), batch_size=inputs.shape[0], seq_len=None,
+                                            content=inputs if not inputs.is_floating_point() else None,
+                                            info=BatchInfo(), settings=settings)
+            self._contexts.append(self._implicit)
+            self._report.notes.append("layers were called outside model.forward(): their calls form one batch")
+        return self._implicit
+
+    def _make_layer_hook(self, handler: LayerHandler) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            if not isinstance(output, Tensor) or not output.requires_grad:
+                return None
+            inputs = handler.batch_input(args, kwargs)
+            context = self._context_for_layer(inputs)
+            if context is None:
+                return None
+            replacement = None
+            if isinstance(context, ForwardContext) and inputs.shape[0] != context.batch_size:
+                rows = context.batch_size
+                if inputs.shape[0] == 1 and output.dim() >= 1 and output.shape[0] == 1 and self.broadcast == "expand":
+                    inputs = inputs.expand(rows, *inputs.shape[1:])
+                    output = replacement = output.expand(rows, *output.shape[1:])
+                    self._report.note_broadcast(handler.name)
+                else:
+                    self._report.skip_runtime(handler.name, f"its input has {inputs.shape[0]} rows but the "
+                                              f"batch has {rows}; rows cannot be matched to examples")
+                    return None
+            saved = handler.forward(inputs, self.projector)
+            order = next(self._order)
+
+            def on_grad(grad: Tensor) -> None:
+                self._on_layer_grad(handler, context, order, saved, grad)
+
+            output.register_hook(on_grad)
+            return replacement
+
+        return hook
+
+    # ------------------------------------------------------------------ backward side
+    def _ensure_end_callback(self) -> None:
+        if not self._end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._end_queued = True
+
+    def _on_layer_grad(self, handler: LayerHandler, context: Any, order: int, saved: Any, grad: Tensor) -> None:
+        self._ensure_end_callback()
+        if context is _AMBIGUOUS:
+            raise RuntimeError(
+                f"gradtrace: {handler.name} was re-run during backward (reentrant activation checkpointing) after "
+                f"{len(self._contexts)} forward calls; its activations cannot be matched to one of them. Use "
+                "non-reentrant checkpointing (use_reentrant=False) or one forward call per backward pass.")
+        terms = handler.backward(saved, grad, context.token_scale, self.projector)
+        self._results.append(SiteResult(context, order, {handler.params[role]: t for role, t in terms.items()}))
+
+    def _make_param_hook(self, name: str) -> Callable:
+        def hook(grad: Tensor) -> None:
+            self._params_seen.add(name)
+            if self.verify:
+                self._param_grads[name] = grad.detach().clone()
+            self._ensure_end_callback()
+
+        return hook
+
+    def _finish_backward(self) -> None:
+        results, seen, param_grads = self._results, self._params_seen, self._param_grads
+        self._reset_step()
+        self.num_backward += 1
+        step = self.num_backward - 1
+        captured = {name for r in results for name in r.terms}
+        missing = sorted(seen - captured)
+        if missing:
+            self._report.note_functional(missing)
+            warnings.warn(
+                f"gradtrace: parameter(s) {', '.join(missing[:5])} received gradients but none of their modules' "
+                "forward hooks saw the computation (functional use, e.g. nn.MultiheadAttention or a fused kernel); "
+                "their per-example gradients are missing from this batch", stacklevel=2)
+        if not results:
+            return
+        batch = self._assemble(results, step)
+        if self.verify:
+            problems = check_batch_sum(batch, param_grads, self.projector)
+            if problems:
+                raise AssertionError("gradtrace verify: per-example gradients do not sum to the batch gradient: "
+                                     + "; ".join(problems))
+        if self.keep_batches:
+            self.batches.append(batch)
+        for cb in self.callbacks:
+            if hasattr(cb, "on_batch"):
+                cb.on_batch(batch, self)
+            else:
+                cb(batch)
+
+    def _assemble(self, results: list[SiteResult], step: int) -> GradBatch:
+        contexts = sorted({id(r.context): r.context for r in results}.values(), key=lambda c: c.index)
+        sum_contexts = self.multi_forward == "sum" and len(contexts) > 1
+        if sum_contexts and len({c.num_examples for c in contexts}) != 1:
+            raise ValueError("gradtrace: multi_forward='sum' needs the same number of examples in every forward "
+                             f"call, got {[c.num_examples for c in contexts]}")
+        by_param: dict[str, list] = {}
+        for r in results:
+            for name, term in r.terms.items():
+                by_param.setdefault(name, []).append((r.context, r.order, term))
+        shapes = {h.params[role]: h.shapes[role] for h in self.handlers for role in h.params}
+        params: dict[str, ParamGrad] = {}
+        for name in self.selection.param_order:
+            if name not in by_param:
+                continue
+            terms = join_terms(by_param[name], contexts, sum_contexts)
+            shape = tuple(terms[0].shape) if self.projector is not None else shapes[name]
+            grad = ParamGrad(name, shape, terms, projected=self.projector is not None)
+            if self.projector is not None and not self.projection.keep_tokens:
+                grad = grad.reduced()
+            params[name] = grad
+        used = contexts[:1] if sum_contexts else contexts
+        ids = [i for c in used for i in self._resolve_ids(c)]
+        first = next(iter(params.values())).terms[0]
+        device = next(iter(term_tensors(first).values())).device
+        scale = torch.cat([c.example_scale.to(device) for c in used])
+        num_targets = None
+        if all(c.num_targets is not None for c in used):
+            num_targets = torch.cat([c.num_targets.to(device) for c in used])
+        bad = nonfinite_examples([t for pg in params.values() for t in pg.terms], len(ids), device)
+        batch = GradBatch(ids=ids, params=params, scale=scale, convention=self.convention, step=step,
+                          nonfinite=bad, num_targets=num_targets,
+                          projection=self.projection.to_dict() if self.projection is not None else None,
+                          meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)]})
+        if bool(bad.any()):
+            names = [ids[i] for i in bad.nonzero().flatten().tolist()]
+            message = (f"gradtrace: {len(names)} example(s) have NaN/inf gradients in backward pass {step}: "
+                       f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} (flagged in batch.nonfinite)")
+            if self.nonfinite == "raise":
+                raise FloatingPointError(message)
+            warnings.warn(message, stacklevel=2)
+        return batch
+
+    def _resolve_ids(self, context: ForwardContext) -> list[str]:
+        count = context.num_examples
+        if context.user_ids is not None:
+            return [str(i) for i in context.user_ids]
+        if self._ids is not None:
+            taken = list(itertools.islice(self._ids, count))
+            if len(taken) < count:
+                raise ValueError(f"gradtrace: the ids list ran out: {count} examples in this batch but only "
+                                 f"{len(taken)} ids left")
+            return [str(i) for i in taken]
+        ids = []
+        for digest in context.content_ids():
+            seen = self._hash_counts.get(digest, 0)
+            self._hash_counts[digest] = seen + 1
+            ids.append(digest if seen == 0 else f"{digest}#{seen}")
+        return ids
+
+
+def _output_tensors(output: Any) -> list[Tensor]:
+    if isinstance(output, Tensor):
+        return [output]
+    if isinstance(output, dict):
+        values = output.values()
+    elif isinstance(output, (tuple, list)):
+        values = output
+    else:
+        return []
+    return [v for v in values if isinstance(v, Tensor)]
+
+
+def capture(model: nn.Module, **kwargs: Any) -> Capture:
+    """Capture per-example gradients of every backward pass: ``with gradtrace.capture(model) as cap:``.
+
+    See :class:`Capture` for the options.
+    """
+    return Capture(model, **kwargs)

@@ -1,0 +1,268 @@
+"""One forward call of the model: its rows, documents, example ids and loss scale.
+
+Everything the capture needs to know about a batch is read from the root forward call (the
+Hugging Face conventions: ``input_ids``, ``attention_mask``, ``position_ids``, ``labels``,
+``num_items_in_batch``) or given explicitly with :meth:`Capture.annotate`. From it this module
+derives, without Python loops over tokens:
+
+* the *examples*: one per row, or one per document when rows are packed (``position_ids``
+  restarts, as Hugging Face detects them, or an explicit document-id tensor);
+* each example's *scale*: the factor that turns the hook gradients of the loop's loss into the
+  gradient of the example's own loss (see :class:`gradtrace.LossConvention`);
+* each example's *id*: a user-given id, else a content hash of its unpadded tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..grad.batch import LossConvention
+
+__all__ = ["BatchInfo", "ForwardContext", "content_hash"]
+
+
+@dataclass
+class BatchInfo:
+    """Per-batch facts a loop can state explicitly (each overrides what the forward call shows).
+
+    ids: one id per example (per document when rows are packed).
+    labels: ``[B, T]`` target tokens (``ignore_index`` = not a target) or ``[B]`` class labels.
+    attention_mask: ``[B, T]``, 1 for real tokens.
+    doc_ids: ``[B, T]`` document index of each token (packed rows).
+    num_items: the denominator of a ``token_mean`` loss (e.g. ``num_items_in_batch``).
+    """
+
+    ids: Sequence[Any] | None = None
+    labels: Tensor | None = None
+    attention_mask: Tensor | None = None
+    doc_ids: Tensor | None = None
+    num_items: float | Tensor | None = None
+    position_ids: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ContextSettings:
+    convention: LossConvention
+    loss_scale: float
+    causal: bool
+    ignore_index: int
+    packing: bool
+
+
+def content_hash(array: np.ndarray) -> str:
+    """A 16-hex-digit content hash of an array's dtype and bytes."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(array.dtype).encode())
+    h.update(np.ascontiguousarray(array).tobytes())
+    return h.hexdigest()
+
+
+class ForwardContext:
+    """Layout, scale and identity of the examples in one root forward call.
+
+    Attributes:
+        index: order of this call within the current step.
+        batch_size: rows ``B``; seq_len: tokens ``T`` of token inputs (None for non-sequence inputs).
+        num_examples: ``E`` (``B`` unless rows are packed).
+        example_scale: ``[E]`` float32 scale of each example.
+        num_targets: ``[E]`` target-token counts, or None when no labels are known.
+    """
+
+    def __init__(self, index: int, *, batch_size: int, seq_len: int | None, content: Tensor | None,
+                 info: BatchInfo, settings: ContextSettings) -> None:
+        self.index = index
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.content = content
+        self.info = info
+        self.settings = settings
+        self.user_ids = list(info.ids) if info.ids is not None else None
+        self.device = content.device if content is not None else torch.device("cpu")
+        self._layout()
+        self._scale()
+        if self.user_ids is not None and len(self.user_ids) != self.num_examples:
+            raise ValueError(f"{len(self.user_ids)} ids were given for a batch of {self.num_examples} examples"
+                             + (" (documents of packed rows)" if self.packed else ""))
+
+    # -- layout -------------------------------------------------------------------------------
+    def _valid_mask(self) -> Tensor | None:
+        mask = self.info.attention_mask
+        if mask is None or self.seq_len is None:
+            return None
+        if mask.dim() != 2 or tuple(mask.shape) != (self.batch_size, self.seq_len):
+            return None  # 4-d or otherwise custom masks do not mark padding per token
+        return mask.to(self.device).bool()
+
+    def _layout(self) -> None:
+        B, T = self.batch_size, self.seq_len
+        self.valid = self._valid_mask()  # [B, T] or None
+        self.packed = False
+        self.num_examples = B
+        starts = self._doc_starts()
+        if starts is None or bool((starts.sum(1) <= 1).all()):
+            return
+        valid = self.valid if self.valid is not None else torch.ones(B, T, dtype=torch.bool, device=self.device)
+        per_row = starts.sum(1)
+        offsets = per_row.cumsum(0) - per_row
+        doc_in_row = starts.long().cumsum(1) - 1
+        example = torch.where(valid & (doc_in_row >= 0), offsets.unsqueeze(1) + doc_in_row, -1)
+        positions = torch.arange(T, device=self.device).expand(B, T)
+        start_pos = torch.where(starts, positions, torch.zeros_like(positions)).cummax(1).values
+        self.packed = True
+        self.num_examples = int(per_row.sum())
+        self.example_of_token = example  # [B, T], -1 = not part of any example
+        self.pos_in_example = positions - start_pos  # [B, T]
+        keep = example >= 0
+        self._flat_keep = keep.reshape(-1)
+        self._flat_example = example.reshape(-1)[self._flat_keep]
+        self._flat_pos = self.pos_in_example.reshape(-1)[self._flat_keep]
+        self.example_len = int(self._flat_pos.max()) + 1 if self._flat_keep.any() else 1
+
+    def _doc_starts(self) -> Tensor | None:
+        """``[B, T]`` bool, True where a document starts; None when rows are not packed."""
+        if self.seq_len is None:
+            return None
+        B, T = self.batch_size, self.seq_len
+        doc_ids = self.info.doc_ids
+        if doc_ids is not None:
+            doc_ids = doc_ids.to(self.device)
+            if tuple(doc_ids.shape) != (B, T):
+                raise ValueError(f"doc_ids has shape {tuple(doc_ids.shape)}, expected {(B, T)}")
+            valid = self.valid if self.valid is not None else torch.ones(B, T, dtype=torch.bool, device=self.device)
+            changed = torch.ones(B, T, dtype=torch.bool, device=self.device)
+            changed[:, 1:] = (doc_ids[:, 1:] != doc_ids[:, :-1]) | ~valid[:, :-1]
+            return valid & changed
+        pos = self.info.position_ids
+        if not self.settings.packing or pos is None or T < 2:
+            return None
+        if self.valid is not None and not bool(self.valid.all()):
+            return None  # like Hugging Face: packing is read from position_ids only without padding
+        pos = pos.to(self.device)
+        if pos.dim() != 2 or pos.shape[1] != T:
+            return None
+        pos = pos.expand(B, T)
+        starts = torch.ones(B, T, dtype=torch.bool, device=self.device)
+        starts[:, 1:] = (pos[:, 1:] - pos[:, :-1]) != 1
+        return starts
+
+    def relayout(self, x: Tensor) -> Tensor:
+        """Map a per-row tensor ``[B, T', ...]`` to per-example ``[E, T_e, ...]``.
+
+        Unpacked rows are examples already. Packed rows need token-level tensors (``T' == T``);
+        index tensors are filled with ``-1`` and float tensors with 0 where an example is shorter.
+        """
+        if not self.packed:
+            return x
+        if x.shape[1] != self.seq_len:
+            raise ValueError(
+                f"a layer produced {x.shape[1]} positions per row, but the rows are packed documents of "
+                f"{self.seq_len} tokens: its gradient cannot be split per document")
+        fill = -1 if not x.is_floating_point() else 0
+        out = x.new_full((self.num_examples, self.example_len, *x.shape[2:]), fill)
+        flat = x.reshape(-1, *x.shape[2:])[self._flat_keep.to(x.device)]
+        out[self._flat_example.to(x.device), self._flat_pos.to(x.device)] = flat
+        return out
+
+    # -- scale --------------------------------------------------------------------------------
+    def _target_mask(self) -> Tensor | None:
+        """``[B, T]`` (token labels) or ``[B, 1]`` (one label per row) bool: which positions carry a loss."""
+        labels = self.info.labels
+        if labels is None:
+            return None
+        labels = labels.to(self.device)
+        ignore = self.settings.ignore_index
+        if labels.dim() >= 2 and self.seq_len is not None and labels.shape[:2] == (self.batch_size, self.seq_len):
+            mask = labels.reshape(self.batch_size, self.seq_len, -1)[..., 0] != ignore
+            if self.settings.causal:  # logits at t predict labels[t + 1]
+                mask = torch.cat([mask[:, 1:], torch.zeros_like(mask[:, :1])], dim=1)
+            return mask
+        if labels.shape[0] == self.batch_size:
+            flat = labels.reshape(self.batch_size, -1)
+            if not flat.is_floating_point():
+                return (flat != ignore).any(1, keepdim=True)
+            return torch.ones(self.batch_size, 1, dtype=torch.bool, device=self.device)
+        raise ValueError(f"labels of shape {tuple(labels.shape)} do not match a batch of {self.batch_size} rows")
+
+    def _scale(self) -> None:
+        conv = self.settings.convention
+        targets = self._target_mask()
+        self.num_targets = None
+        if targets is not None:
+            if self.packed:
+                if targets.shape[1] != self.seq_len:
+                    raise ValueError("packed rows need token-level labels")
+                counts = torch.zeros(self.num_examples, device=self.device)
+                keep = self.example_of_token >= 0
+                counts.index_add_(0, self.example_of_token[keep], targets[keep].float())
+            else:
+                counts = targets.float().sum(1)
+            self.num_targets = counts
+        if conv.reduction == "sum":
+            factor = torch.tensor(1.0)
+        elif conv.reduction == "mean":
+            factor = torch.tensor(float(self.batch_size))
+        elif conv.reduction == "token_mean":
+            if self.info.num_items is not None:
+                factor = torch.as_tensor(self.info.num_items, dtype=torch.float32).detach().cpu()
+            elif targets is not None:
+                factor = targets.float().sum().cpu()
+            else:
+                raise ValueError(
+                    "reduction='token_mean' needs the number of target tokens: pass labels= to the model, or "
+                    "cap.annotate(labels=...) / cap.annotate(num_items=...) before the forward call")
+        else:  # pragma: no cover - validated by Capture
+            raise ValueError(f"unknown reduction {conv.reduction!r}")
+        factor = factor.to(torch.float32) / self.settings.loss_scale
+        scale = factor.to(self.device).expand(self.num_examples).clone()
+        if conv.example_loss == "mean":
+            if self.num_targets is None:
+                if self.seq_len is not None:
+                    raise ValueError(
+                        "example_loss='mean' needs each example's target tokens: pass labels= to the model or "
+                        "cap.annotate(labels=...)")
+                counts = torch.ones(self.num_examples, device=self.device)
+            else:
+                counts = self.num_targets
+            scale = torch.where(counts > 0, scale / counts.clamp(min=1), torch.zeros_like(scale))
+        self.example_scale = scale.to(torch.float32)
+
+    def token_scale(self, num_tokens: int, device: torch.device) -> Tensor:
+        """``[B, num_tokens]`` scale of each position (of a layer with ``num_tokens`` positions per row)."""
+        if self.packed:
+            if num_tokens != self.seq_len:
+                raise ValueError(
+                    f"a layer produced {num_tokens} positions per row, but the rows are packed documents of "
+                    f"{self.seq_len} tokens: its gradient cannot be split per document")
+            per_token = torch.where(self.example_of_token >= 0,
+                                    self.example_scale[self.example_of_token.clamp(min=0)],
+                                    torch.zeros((), device=self.device))
+            return per_token.to(device)
+        return self.example_scale.to(device).unsqueeze(1).expand(self.batch_size, num_tokens)
+
+    # -- identity -----------------------------------------------------------------------------
+    def content_ids(self) -> list[str]:
+        """Content hashes of each example's unpadded tokens (or of its input row)."""
+        if self.content is None:
+            raise ValueError("no input tensor to hash: give ids explicitly")
+        content = self.content.detach().to("cpu")
+        if self.seq_len is None or content.dim() < 2 or content.shape[1] != self.seq_len:
+            rows = content.reshape(self.batch_size, -1).numpy()
+            return [content_hash(row) for row in rows]
+        tokens = content.reshape(self.batch_size, self.seq_len, -1).numpy()
+        if self.packed:
+            example = self.example_of_token.cpu().numpy()
+            order = np.argsort(example.reshape(-1), kind="stable")
+            flat_examples = example.reshape(-1)[order]
+            flat_tokens = tokens.reshape(self.batch_size * self.seq_len, -1)[order]
+            bounds = np.searchsorted(flat_examples, np.arange(self.num_examples + 1))
+            return [content_hash(flat_tokens[bounds[i]:bounds[i + 1]]) for i in range(self.num_examples)]
+        valid = self.valid.cpu().numpy() if self.valid is not None else None
+        if valid is None:
+            return [content_hash(row) for row in tokens]
+        return [content_hash(row[mask]) for row, mask in zip(tokens, valid)]

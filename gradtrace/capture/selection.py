@@ -1,0 +1,186 @@
+"""Which modules and parameters a capture covers, and which trainable ones it cannot cover."""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Iterable, Union
+
+from torch import nn
+
+from .layers import LayerHandler, find_handler
+
+__all__ = ["LayerSpec", "Selection", "select_layers", "canonical_param_names", "strip_wrappers"]
+
+LayerSpec = Union[str, type]
+"""A module name glob (``"*.mlp.*"``, ``"lm_head"``) or a module class (``nn.Linear``)."""
+
+_WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def strip_wrappers(name: str) -> str:
+    """A module/parameter name without the prefixes that FSDP1, activation checkpointing and
+    ``torch.compile`` wrappers insert, so names match the unwrapped model's."""
+    for token in _WRAPPER_TOKENS:
+        name = name.replace(token, "")
+    return name
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's model inside DataParallel / DistributedDataParallel / compile wrappers."""
+    while True:
+        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def canonical_param_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name``: the first name ``named_parameters()`` gives it (tied ones once)."""
+    names: dict[int, str] = {}
+    for name, param in unwrap(model).named_parameters():
+        names.setdefault(id(param), strip_wrappers(name))
+    return names
+
+
+@dataclass
+class Unsupported:
+    module: str
+    type_name: str
+    params: list[str]
+    reason: str
+
+
+@dataclass
+class Selection:
+    """The outcome of layer selection.
+
+    handlers: one handler per captured module (model order).
+    param_order: canonical names of the captured parameters, in ``named_parameters()`` order.
+    frozen: supported modules skipped because all their parameters are frozen.
+    unsupported: trainable parameters no handler can capture per example (reported, excluded).
+    tied: notes about modules added because they share a captured parameter.
+    """
+
+    handlers: list[LayerHandler]
+    param_order: list[str]
+    frozen: list[str] = field(default_factory=list)
+    unsupported: list[Unsupported] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)
+
+
+def _matches(name: str, module: nn.Module, specs: Iterable[LayerSpec]) -> bool:
+    for spec in specs:
+        if isinstance(spec, type):
+            if isinstance(module, spec):
+                return True
+        elif name == spec or fnmatch.fnmatchcase(name, spec):
+            return True
+    return False
+
+
+def _check_specs(specs: list[LayerSpec], modules: list[tuple[str, nn.Module]], what: str) -> None:
+    names = [n for n, _ in modules if n]
+    for spec in specs:
+        if isinstance(spec, type):
+            if not any(isinstance(m, spec) for _, m in modules):
+                raise ValueError(f"{what}={spec.__name__}: the model has no module of this type")
+        elif isinstance(spec, str):
+            if not any(n == spec or fnmatch.fnmatchcase(n, spec) for n in names):
+                close = difflib.get_close_matches(spec, names, n=5)
+                hint = f"; did you mean {', '.join(close)}?" if close else f"; module names look like {names[:5]}"
+                raise ValueError(f"{what}: {spec!r} matches no module name{hint}")
+        else:
+            raise TypeError(f"{what} entries must be name patterns or module classes, got {spec!r}")
+
+
+def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
+                  exclude: Iterable[LayerSpec] | None = None, include_frozen: bool = False) -> Selection:
+    """Choose the modules to capture.
+
+    Args:
+        model: the model (DDP/compile wrappers are looked through; names are the inner model's).
+        layers: name globs or module classes to capture; None = every supported module.
+        exclude: name globs or module classes to leave out.
+        include_frozen: also capture parameters with ``requires_grad=False``.
+    """
+    inner = unwrap(model)
+    modules = [(strip_wrappers(n), m) for n, m in inner.named_modules()]
+    layers = list(layers) if layers is not None else None
+    exclude = list(exclude or [])
+    if layers is not None:
+        _check_specs(layers, modules, "layers")
+    _check_specs(exclude, modules, "exclude")
+    param_names = canonical_param_names(inner)
+
+    owners: dict[int, list[str]] = {}
+    for name, module in modules:
+        for role, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+
+    def wanted(name: str, module: nn.Module) -> bool:
+        if layers is not None and not _matches(name, module, layers):
+            return False
+        return not _matches(name, module, exclude)
+
+    chosen = {name for name, module in modules if wanted(name, module)}
+    selection = Selection(handlers=[], param_order=[])
+    # a parameter shared by several modules must be captured at all of its sites
+    tied_extra: set[str] = set()
+    for name, module in modules:
+        if name not in chosen or find_handler(module) is None:
+            continue
+        for param in module.parameters(recurse=False):
+            for other in owners.get(id(param), []):
+                if other not in chosen and other not in tied_extra:
+                    if _matches(other, dict(modules)[other], exclude):
+                        raise ValueError(f"{other!r} is excluded but shares parameter "
+                                         f"{param_names[id(param)]!r} with captured module {name!r}")
+                    tied_extra.add(other)
+                    selection.tied.append(f"{other} (shares {param_names[id(param)]} with {name})")
+    chosen |= tied_extra
+
+    captured_params: set[str] = set()
+    for name, module in modules:
+        handler_cls = find_handler(module)
+        own = [(role, p) for role, p in module.named_parameters(recurse=False)]
+        trainable = [(role, p) for role, p in own if p.requires_grad or include_frozen]
+        if handler_cls is None:
+            if own and layers is None and any(p.requires_grad for _, p in own):
+                selection.unsupported.append(Unsupported(
+                    name, type(module).__name__, [param_names[id(p)] for _, p in own if p.requires_grad],
+                    "no per-example gradient rule for this module type"))
+            continue
+        if name not in chosen:
+            continue
+        roles = handler_cls.param_roles(module)
+        params = {role: param_names[id(p)] for role, p in trainable if role in roles}
+        if not params:
+            if own:
+                selection.frozen.append(name)
+            continue
+        handler = handler_cls(name, module, params)
+        reason = handler.unsupported_reason()
+        if reason is not None:
+            if layers is not None:
+                raise ValueError(f"layer {name!r} ({type(module).__name__}) cannot be captured: {reason}")
+            selection.unsupported.append(Unsupported(name, type(module).__name__, list(params.values()), reason))
+            continue
+        others = [role for role, p in trainable if role not in roles and p.requires_grad]
+        if others:
+            selection.unsupported.append(Unsupported(
+                name, type(module).__name__, [param_names[id(getattr(module, r))] for r in others],
+                "extra parameters this layer kind does not cover"))
+        selection.handlers.append(handler)
+        captured_params.update(params.values())
+
+    order = list(dict.fromkeys(param_names.values()))
+    selection.param_order = [n for n in order if n in captured_params]
+    if not selection.handlers:
+        kinds = "Linear, Conv1D, Embedding, LayerNorm/RMSNorm, Conv1d/Conv2d"
+        why = " (all matching modules are frozen; pass include_frozen=True)" if selection.frozen else ""
+        raise ValueError(f"no capturable layer selected in {type(inner).__name__}{why}; supported kinds: {kinds}")
+    return selection

@@ -1,0 +1,181 @@
+"""``GradBatch``: the per-example gradients of one backward pass, keyed by parameter name."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .terms import DenseTerm, OuterTerm, Term, VectorTerm
+
+__all__ = ["ParamGrad", "GradBatch", "LossConvention"]
+
+
+@dataclass(frozen=True)
+class LossConvention:
+    """How captured gradients relate to the training loop's loss.
+
+    reduction: how the loop combined examples into the loss it called ``backward()`` on:
+        ``"mean"`` (mean over the rows of each forward call), ``"sum"``, or ``"token_mean"``
+        (sum over all target tokens of the batch divided by their count, or by the
+        ``num_items_in_batch`` the Hugging Face Trainer passes).
+    example_loss: the loss each captured gradient is the gradient of: ``"sum"`` over the example's
+        target tokens (default) or the per-token ``"mean"``.
+    """
+
+    reduction: str = "mean"
+    example_loss: str = "sum"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"reduction": self.reduction, "example_loss": self.example_loss}
+
+
+@dataclass
+class ParamGrad:
+    """The per-example gradient of one parameter, kept as a sum of terms.
+
+    name: parameter name as in ``model.named_parameters()``.
+    shape: shape of one example's gradient: the parameter's shape, or the projected shape.
+    terms: the pieces (one per kind of use site), all with the same example axis.
+    projected: whether the terms live in a projected space.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    terms: list[Term]
+    projected: bool = False
+
+    @property
+    def num_examples(self) -> int:
+        return self.terms[0].num_examples
+
+    @property
+    def numel(self) -> int:
+        """Dimension of one example's (flattened) gradient."""
+        return math.prod(self.shape)
+
+    def materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Per-example gradients ``[E, *shape]``, summed over terms and tokens in ``dtype``."""
+        total = None
+        for term in self.terms:
+            part = term.materialize(dtype).reshape(term.num_examples, *self.shape)
+            total = part if total is None else total + part
+        return total
+
+    def flat(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Per-example gradients flattened to ``[E, numel]``."""
+        return self.materialize(dtype).reshape(self.num_examples, -1)
+
+    def reduced(self) -> "ParamGrad":
+        """The same gradient with its token axis summed away (one dense term)."""
+        if len(self.terms) == 1 and isinstance(self.terms[0], DenseTerm):
+            return self
+        return ParamGrad(self.name, self.shape, [DenseTerm(self.flat())], self.projected)
+
+    def map_examples(self, fn) -> "ParamGrad":
+        return ParamGrad(self.name, self.shape, [t.map_examples(fn) for t in self.terms], self.projected)
+
+
+@dataclass
+class GradBatch:
+    """Per-example gradients of one backward pass.
+
+    ids: one id per example (example axis order).
+    params: parameter name -> :class:`ParamGrad`, in ``model.named_parameters()`` order.
+    scale: ``[E]`` factor the capture multiplied hook gradients by to obtain each example's own
+        loss gradient (the loop's reduction removed; e.g. the batch size for a mean loss).
+    convention: the :class:`LossConvention` in force.
+    step: index of the backward pass within the capture session (0-based).
+    nonfinite: ``[E]`` bool, True for examples with a NaN or inf anywhere in their gradient.
+    num_targets: ``[E]`` number of target tokens (loss terms) of each example, when known.
+    projection: the projection spec (a dict), or None for exact gradients.
+    meta: free-form extras (e.g. ``forward_index`` of each example).
+    """
+
+    ids: list[str]
+    params: dict[str, ParamGrad]
+    scale: Tensor
+    convention: LossConvention = field(default_factory=LossConvention)
+    step: int = 0
+    nonfinite: Tensor | None = None
+    num_targets: Tensor | None = None
+    projection: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def param_names(self) -> list[str]:
+        return list(self.params)
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """Flattened gradient dimension of each parameter."""
+        return {name: pg.numel for name, pg in self.params.items()}
+
+    def per_example_grads(self, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+        """``{parameter name: [E, *param.shape]}``, summed over tokens and use sites.
+
+        Raises for projected batches, whose gradients no longer have the parameter's shape
+        (use :meth:`flat` for the projected vectors).
+        """
+        if self.projection is not None:
+            raise ValueError(
+                "this batch holds projected gradients; per_example_grads() needs an exact capture "
+                "(projection=None). Use GradBatch.flat() for the projected vectors."
+            )
+        return {name: pg.materialize(dtype) for name, pg in self.params.items()}
+
+    def flat(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """All parameters' per-example gradients concatenated: ``[E, sum(dims)]``."""
+        return torch.cat([pg.flat(dtype) for pg in self.params.values()], dim=1)
+
+    def reduced(self) -> "GradBatch":
+        """A copy whose gradients are summed over tokens (dense ``[E, dim]`` per parameter)."""
+        return self._with_params({n: pg.reduced() for n, pg in self.params.items()})
+
+    def select(self, index: Tensor | list[int] | slice) -> "GradBatch":
+        """The examples at ``index`` (along the example axis)."""
+        if isinstance(index, slice):
+            positions = list(range(len(self.ids)))[index]
+        else:
+            positions = [int(i) for i in (index.tolist() if isinstance(index, Tensor) else index)]
+        pos = torch.tensor(positions, dtype=torch.long)
+
+        def take(tensor: Tensor) -> Tensor:
+            return tensor.index_select(0, pos.to(tensor.device))
+
+        out = self._with_params({n: pg.map_examples(take) for n, pg in self.params.items()})
+        out.ids = [self.ids[i] for i in positions]
+        out.scale = take(self.scale)
+        out.nonfinite = None if self.nonfinite is None else take(self.nonfinite)
+        out.num_targets = None if self.num_targets is None else take(self.num_targets)
+        out.meta = {k: ([v[i] for i in positions] if isinstance(v, list) and len(v) == len(self.ids) else v)
+                    for k, v in self.meta.items()}
+        return out
+
+    def _with_params(self, params: dict[str, ParamGrad]) -> "GradBatch":
+        return GradBatch(
+            ids=list(self.ids), params=params, scale=self.scale, convention=self.convention,
+            step=self.step, nonfinite=self.nonfinite, num_targets=self.num_targets,
+            projection=self.projection, meta=dict(self.meta),
+        )
+
+    def __repr__(self) -> str:
+        kinds = {type(t).__name__ for pg in self.params.values() for t in pg.terms}
+        proj = "exact" if self.projection is None else f"projected {self.projection.get('kind')}"
+        return (f"GradBatch(examples={len(self)}, params={len(self.params)}, dim={sum(self.dims.values())}, "
+                f"{proj}, terms={sorted(kinds)}, step={self.step})")
+
+
+def term_kind(term: Term) -> str:
+    """A short name of a term's kind, used in reports and manifests."""
+    if isinstance(term, OuterTerm):
+        return "outer"
+    if isinstance(term, VectorTerm):
+        return "vector"
+    return "dense"

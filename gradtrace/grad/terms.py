@@ -1,0 +1,157 @@
+"""Per-example gradient *terms*: the pieces a parameter's per-example gradient is made of.
+
+A captured parameter gradient is a sum of terms, one kind per way a layer produces it:
+
+* :class:`OuterTerm` -- matrix parameters (Linear, Conv1D, Embedding, Conv): the per-example
+  gradient is ``sum_t rows_t (x) cols_t`` over the example's tokens. A factor is either dense
+  ``[E, T, n]`` or an index factor ``[E, T]`` (integer ids of a one-hot vector of width ``n``,
+  ``-1`` meaning "no row"), which is how embeddings are kept.
+* :class:`VectorTerm` -- vector parameters (biases, norm weights): ``sum_t values_t``.
+* :class:`DenseTerm` -- an already summed ``[E, n]`` gradient (materialized or projected).
+
+Every term keeps the example axis first, so slicing, moving and concatenating examples is uniform.
+Terms never hold a loss scale: they are already in the per-example loss convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["OuterTerm", "VectorTerm", "DenseTerm", "Term", "is_index"]
+
+
+def is_index(factor: Tensor) -> bool:
+    """Whether a factor holds one-hot indices (``[E, T]`` integers) rather than dense vectors."""
+    return not factor.is_floating_point()
+
+
+def _dense(factor: Tensor, width: int, dtype: torch.dtype) -> Tensor:
+    """Turn an index factor ``[E, T]`` into its dense one-hot form ``[E, T, width]``."""
+    if not is_index(factor):
+        return factor.to(dtype)
+    hot = torch.nn.functional.one_hot(factor.clamp(min=0), width).to(dtype)
+    return hot * (factor >= 0).unsqueeze(-1).to(dtype)
+
+
+@dataclass
+class OuterTerm:
+    """Per-example gradient ``G_e = sum_t rows[e, t] (x) cols[e, t]`` of a matrix parameter.
+
+    rows: ``[E, T, n_rows]`` float, or ``[E, T]`` integer ids of one-hot rows (``-1`` = none).
+    cols: ``[E, T, n_cols]`` float, or ``[E, T]`` integer ids.
+    n_rows, n_cols: widths of the two factors (needed for index factors).
+    """
+
+    rows: Tensor
+    cols: Tensor
+    n_rows: int
+    n_cols: int
+
+    @property
+    def num_examples(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.shape[1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The (rows, cols) shape of one example's gradient matrix."""
+        return (self.n_rows, self.n_cols)
+
+    def materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The summed per-example gradients ``[E, n_rows, n_cols]``, accumulated in ``dtype``."""
+        if is_index(self.rows) and is_index(self.cols):
+            raise ValueError("an outer term needs at least one dense factor")
+        if is_index(self.rows):
+            return _scatter_rows(self.rows, self.cols.to(dtype), self.n_rows)
+        if is_index(self.cols):
+            return _scatter_rows(self.cols, self.rows.to(dtype), self.n_cols).transpose(1, 2)
+        return torch.einsum("etr,etc->erc", self.rows.to(dtype), self.cols.to(dtype))
+
+    def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Per-token gradients ``[E, T, n_rows, n_cols]`` (small shapes only: token attribution)."""
+        rows = _dense(self.rows, self.n_rows, dtype)
+        cols = _dense(self.cols, self.n_cols, dtype)
+        return rows.unsqueeze(-1) * cols.unsqueeze(-2)
+
+    def map_examples(self, fn) -> "OuterTerm":
+        return replace(self, rows=fn(self.rows), cols=fn(self.cols))
+
+
+@dataclass
+class VectorTerm:
+    """Per-example gradient ``g_e = sum_t values[e, t]`` of a vector parameter. values: ``[E, T, n]``."""
+
+    values: Tensor
+
+    @property
+    def num_examples(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (self.values.shape[-1],)
+
+    def materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Summed per-example gradients ``[E, n]``."""
+        return self.values.to(dtype).sum(1)
+
+    def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return self.values.to(dtype)
+
+    def map_examples(self, fn) -> "VectorTerm":
+        return replace(self, values=fn(self.values))
+
+
+@dataclass
+class DenseTerm:
+    """An already summed per-example gradient. values: ``[E, *shape]``."""
+
+    values: Tensor
+
+    @property
+    def num_examples(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.values.shape[1:])
+
+    def materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return self.values.to(dtype)
+
+    def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return self.values.to(dtype).unsqueeze(1)
+
+    def map_examples(self, fn) -> "DenseTerm":
+        return replace(self, values=fn(self.values))
+
+
+Term = Union[OuterTerm, VectorTerm, DenseTerm]
+
+
+def _scatter_rows(index: Tensor, values: Tensor, width: int) -> Tensor:
+    """``out[e, index[e, t], :] += values[e, t, :]`` for all tokens; ids ``< 0`` are skipped.
+
+    index: ``[E, T]`` integers; values: ``[E, T, n]``; returns ``[E, width, n]``.
+    """
+    num_examples, num_tokens, n = values.shape
+    keep = index >= 0
+    flat = (torch.arange(num_examples, device=index.device).unsqueeze(1) * width + index.clamp(min=0))
+    out = values.new_zeros(num_examples * width, n)
+    out.index_add_(0, flat[keep], values[keep])
+    return out.view(num_examples, width, n)
