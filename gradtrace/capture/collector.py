@@ -271,8 +271,8 @@ class Capture:
         if not torch.is_grad_enabled():
             self._stack.append(None)
             return
-        self._forwards_with_grad += 1
         context = self._new_context(args, kwargs, info)
+        self._forwards_with_grad += 1
         self._contexts.append(context)
         self._stack.append(context)
 
@@ -336,7 +336,7 @@ class Capture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             if not isinstance(output, Tensor) or not output.requires_grad:
                 return None
-            inputs = handler.batch_input(args, kwargs)
+            inputs = handler.batch_input(args, kwargs).detach()
             context = self._context_for_layer(inputs)
             if context is None:
                 return None
@@ -375,7 +375,7 @@ class Capture:
                 f"gradtrace: {handler.name} was re-run during backward (reentrant activation checkpointing) after "
                 f"{len(self._contexts)} forward calls; its activations cannot be matched to one of them. Use "
                 "non-reentrant checkpointing (use_reentrant=False) or one forward call per backward pass.")
-        terms = handler.backward(saved, grad, context.token_scale, self.projector)
+        terms = handler.backward(saved, grad.detach(), context.token_scale, self.projector)
         self._results.append(SiteResult(context, order, {handler.params[role]: t for role, t in terms.items()}))
 
     def _make_param_hook(self, name: str) -> Callable:
@@ -449,7 +449,8 @@ class Capture:
         batch = GradBatch(ids=ids, params=params, scale=scale, convention=self.convention, step=step,
                           nonfinite=bad, num_targets=num_targets,
                           projection=self.projection.to_dict() if self.projection is not None else None,
-                          meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)]})
+                          meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)]},
+                          num_tokens=_token_axis(contexts))
         if bool(bad.any()):
             names = [ids[i] for i in bad.nonzero().flatten().tolist()]
             message = (f"gradtrace: {len(names)} example(s) have NaN/inf gradients in backward pass {step}: "
@@ -475,6 +476,13 @@ class Capture:
             self._hash_counts[digest] = seen + 1
             ids.append(digest if seen == 0 else f"{digest}#{seen}")
         return ids
+
+
+def _token_axis(contexts: list[ForwardContext]) -> int | None:
+    """Token positions per example when every forward call had sequence inputs."""
+    if any(c.seq_len is None for c in contexts):
+        return None
+    return max(c.example_len if c.packed else c.seq_len for c in contexts)
 
 
 def _output_tensors(output: Any) -> list[Tensor]:

@@ -12,17 +12,6 @@ from ..grad.terms import OuterTerm, VectorTerm, is_index
 __all__ = ["check_batch_sum"]
 
 
-def _project_full(grad: Tensor, name: str, projector: Projector) -> Tensor:
-    """Project a full parameter gradient the way LoGra projects per-example ones."""
-    grad = grad.to(torch.float32)
-    if grad.dim() == 1:
-        return projector.matrix(name, "vector", grad.shape[0], grad.device) @ grad
-    matrix = grad.reshape(grad.shape[0], -1)
-    rows = projector.matrix(name, "rows", matrix.shape[0], grad.device)
-    cols = projector.matrix(name, "cols", matrix.shape[1], grad.device)
-    return rows @ matrix @ cols.t()
-
-
 def _token_norms(term, inverse: Tensor) -> Tensor:
     """``sum_e inverse_e * sum_t ||token contribution_t||`` of a term."""
     if isinstance(term, OuterTerm):
@@ -49,7 +38,8 @@ def check_batch_sum(batch: GradBatch, param_grads: dict[str, Tensor], projector:
         tol = rtol if rtol is not None else (1e-3 if full.dtype == torch.float32 else 5e-2)
         contributions = pg.flat() * inverse.to(full.device).unsqueeze(1)
         total = contributions.sum(0)
-        expected = (_project_full(full, name, projector) if projector is not None else full.to(torch.float32))
+        expected = (projector.project_full(name, full[None], tuple(full.shape)) if projector is not None
+                    else full.to(torch.float32))
         expected = expected.reshape(-1)
         # relative to the size of what is summed (token by token), so gradients that cancel to ~0 are
         # judged by the rounding error they can carry

@@ -92,7 +92,9 @@ class GradBatch:
     nonfinite: ``[E]`` bool, True for examples with a NaN or inf anywhere in their gradient.
     num_targets: ``[E]`` number of target tokens (loss terms) of each example, when known.
     projection: the projection spec (a dict), or None for exact gradients.
-    meta: free-form extras (e.g. ``forward_index`` of each example).
+    meta: free-form extras (e.g. ``forward_call`` of each example).
+    num_tokens: token positions per example of sequence inputs (the token axis of per-token results),
+        None for non-sequence inputs.
     """
 
     ids: list[str]
@@ -104,6 +106,7 @@ class GradBatch:
     num_targets: Tensor | None = None
     projection: dict[str, Any] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    num_tokens: int | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -162,8 +165,33 @@ class GradBatch:
         return GradBatch(
             ids=list(self.ids), params=params, scale=self.scale, convention=self.convention,
             step=self.step, nonfinite=self.nonfinite, num_targets=self.num_targets,
-            projection=self.projection, meta=dict(self.meta),
+            projection=self.projection, meta=dict(self.meta), num_tokens=self.num_tokens,
         )
+
+    # -- operations (see gradtrace.grad.ops) ----------------------------------------------------
+    def inner(self, other: "GradBatch", **kwargs: Any) -> Any:
+        """``[E, E_other]`` inner products with ``other`` (see :func:`gradtrace.grad.ops.inner`)."""
+        from .ops import inner
+
+        return inner(self, other, **kwargs)
+
+    def sq_norms(self, **kwargs: Any) -> Any:
+        """``[E]`` squared gradient norms (see :func:`gradtrace.grad.ops.sq_norms`)."""
+        from .ops import sq_norms
+
+        return sq_norms(self, **kwargs)
+
+    def token_inner(self, other: "GradBatch", **kwargs: Any) -> Tensor:
+        """``[E, T, E_other]`` per-token decomposition of :meth:`inner`."""
+        from .ops import token_inner
+
+        return token_inner(self, other, **kwargs)
+
+    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> "GradBatch":
+        """A copy moved to ``device`` and/or with float factors cast to ``dtype``."""
+        from .ops import to
+
+        return to(self, device=device, dtype=dtype)
 
     def __repr__(self) -> str:
         kinds = {type(t).__name__ for pg in self.params.values() for t in pg.terms}

@@ -105,6 +105,21 @@ class Projector:
         mat = self.matrix(param, axis, x.shape[-1], x.device)
         return torch.matmul(x.to(torch.float32), mat.t())
 
+    def project_full(self, param: str, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """Project full gradients ``[N, *shape]`` of ``param`` the way capture does: ``[N, k]``.
+
+        Matrix parameters (``len(shape) >= 2``) are viewed as ``[shape[0], prod(shape[1:])]`` and
+        projected to ``P_rows G P_cols^T`` (flattened row-major); vectors to ``P g``.
+        """
+        grads = grads.to(torch.float32)
+        count = grads.shape[0]
+        if len(shape) == 1:
+            return grads @ self.matrix(param, "vector", shape[0], grads.device).t()
+        matrices = grads.reshape(count, shape[0], -1)
+        rows = self.matrix(param, "rows", matrices.shape[1], grads.device)
+        cols = self.matrix(param, "cols", matrices.shape[2], grads.device)
+        return torch.matmul(torch.matmul(rows, matrices), cols.t()).reshape(count, -1)
+
     def project_index(self, param: str, axis: str, n: int, ids: Tensor) -> Tensor:
         """Project one-hot vectors given by ``ids`` (``[...]``, ``-1`` = zero vector) to ``[..., k]``."""
         mat = self.matrix(param, axis, n, ids.device)
