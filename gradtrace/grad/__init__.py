@@ -1,7 +1,15 @@
 """Per-example gradient containers and the operations on them."""
 
 from .batch import GradBatch, LossConvention, ParamGrad
+from .cost import CostModel, MachineProfile
+from .ops import concat, inner, sq_norms, token_inner
 from .projection import LoGra, Projector
+from .quantize import QuantizedRows, quantize, spearman
+from .sketch import DenseProjection, SparseProjection
 from .terms import DenseTerm, OuterTerm, VectorTerm
 
-__all__ = ["GradBatch", "ParamGrad", "LossConvention", "LoGra", "Projector", "OuterTerm", "VectorTerm", "DenseTerm"]
+__all__ = [
+    "GradBatch", "ParamGrad", "LossConvention", "LoGra", "Projector", "OuterTerm", "VectorTerm", "DenseTerm",
+    "CostModel", "MachineProfile", "inner", "sq_norms", "token_inner", "concat", "DenseProjection",
+    "SparseProjection", "QuantizedRows", "quantize", "spearman",
+]
