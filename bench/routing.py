@@ -19,10 +19,10 @@ import time
 
 import torch
 
+from gradtrace.grad.batch import ParamGrad
 from gradtrace.grad.cost import CostModel, MachineProfile, TermShape
 from gradtrace.grad.ghost import DEFAULT_MAX_BYTES
 from gradtrace.grad.ops import param_inner, param_sq_norms
-from gradtrace.grad.batch import ParamGrad
 from gradtrace.grad.terms import OuterTerm
 
 
@@ -63,7 +63,8 @@ def main() -> None:
     cases += [("linear", t, d, 4 * d, None) for t in (8, 128) for d in (64, 256)]
     cases += [("embed", t, 0, d, v) for t in (16, 128) for d in (64, 256) for v in (1000, 50257)]
     cases += [("lm_head", t, d, v, None) for t in (16, 128) for d in (64,) for v in (1000, 8192)]
-    header = f"{'op':<6}{'layer':<8}{'T':>5}{'d_in':>6}{'d_out':>7}  {'est g':>9}{'est m':>9}  {'real g':>9}{'real m':>9}  pick  best"
+    header = (f"{'op':<6}{'layer':<8}{'T':>5}{'d_in':>6}{'d_out':>7}  {'est g':>9}{'est m':>9}  "
+              f"{'real g':>9}{'real m':>9}  pick  best")
     print(header)
     agree = total = 0
     lost = spent = 0.0
@@ -75,10 +76,10 @@ def main() -> None:
             shape = TermShape.of(pg.terms[0])
             if op == "inner":
                 est = {k: c.seconds(profile) for k, c in model.param_inner_costs([shape], [shape]).items()}
-                run = {r: (lambda r=r: param_inner(pg, pg, route=r)) for r in est}
+                run = {r: (lambda r=r, pg=pg: param_inner(pg, pg, route=r)) for r in est}
             else:
                 est = {c.route: c.seconds(profile) for c in model.norm_costs(shape)}
-                run = {r: (lambda r=r: param_sq_norms(pg, route=r)) for r in est}
+                run = {r: (lambda r=r, pg=pg: param_sq_norms(pg, route=r)) for r in est}
             real = {r: _time(fn, args.reps) for r, fn in run.items()}
             pick, best = min(est, key=est.get), min(real, key=real.get)
             total += 1

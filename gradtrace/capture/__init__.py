@@ -4,4 +4,4 @@ from .collector import Capture, CaptureCallback, capture
 from .report import CaptureReport
 from .selection import select_layers
 
-__all__ = ["Capture", "CaptureCallback", "capture", "CaptureReport", "select_layers"]
+__all__ = ["Capture", "CaptureCallback", "CaptureReport", "capture", "select_layers"]

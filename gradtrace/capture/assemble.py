@@ -9,8 +9,8 @@ kind), forward calls along the example axis -- and checked for NaN/inf per examp
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -87,7 +87,7 @@ def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[F
         ``sum_contexts``, in which case row ``i`` of every call is the same example).
     """
     groups: dict[tuple, dict[int, list[Term]]] = {}
-    for context, order, term in sorted(entries, key=lambda e: (e[0].index, e[1])):
+    for context, _order, term in sorted(entries, key=lambda e: (e[0].index, e[1])):
         per_example = _map(term, context.relayout)
         groups.setdefault(_signature(per_example), {}).setdefault(context.index, []).append(per_example)
     joined: list[Term] = []

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,7 +35,7 @@ from .report import CaptureReport
 from .selection import LayerSpec, select_layers, unwrap
 from .verify import check_batch_sum
 
-__all__ = ["Capture", "capture", "CaptureCallback"]
+__all__ = ["Capture", "CaptureCallback", "capture"]
 
 _REDUCTIONS = ("mean", "sum", "token_mean")
 _EXAMPLE_LOSSES = ("sum", "mean")
@@ -48,13 +49,13 @@ class CaptureCallback:
     complete and before the loop continues (so before ``optimizer.step()``).
     """
 
-    def on_capture_start(self, capture: "Capture") -> None:
+    def on_capture_start(self, capture: Capture) -> None:
         """Called when the capture context is entered."""
 
-    def on_batch(self, batch: GradBatch, capture: "Capture") -> None:
+    def on_batch(self, batch: GradBatch, capture: Capture) -> None:
         """Called with the per-example gradients of each backward pass."""
 
-    def on_capture_end(self, capture: "Capture", error: BaseException | None) -> None:
+    def on_capture_end(self, capture: Capture, error: BaseException | None) -> None:
         """Called when the capture context exits (``error`` is the loop's exception, if any)."""
 
 
@@ -169,7 +170,7 @@ class Capture:
         self._reset_step()
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "Capture":
+    def __enter__(self) -> Capture:
         if self._active:
             raise RuntimeError("this capture is already active")
         unsupported = self.selection.unsupported
@@ -334,7 +335,12 @@ class Capture:
 
     def _make_layer_hook(self, handler: LayerHandler) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if not isinstance(output, Tensor) or not output.requires_grad:
+            if not isinstance(output, Tensor) or not torch.is_grad_enabled():
+                return None
+            if not output.requires_grad:
+                if self._stack and self._stack[-1] is not None:
+                    self._report.skip_runtime(handler.name, "its output does not require grad (frozen parameters "
+                                              "and an input that does not require grad), so no gradient reaches it")
                 return None
             inputs = handler.batch_input(args, kwargs).detach()
             context = self._context_for_layer(inputs)
@@ -396,10 +402,12 @@ class Capture:
         missing = sorted(seen - captured)
         if missing:
             self._report.note_functional(missing)
-            warnings.warn(
-                f"gradtrace: parameter(s) {', '.join(missing[:5])} received gradients but none of their modules' "
-                "forward hooks saw the computation (functional use, e.g. nn.MultiheadAttention or a fused kernel); "
-                "their per-example gradients are missing from this batch", stacklevel=2)
+            message = (f"gradtrace: parameter(s) {', '.join(missing[:5])} received gradients but none of their "
+                       "modules' forward hooks saw the computation (functional use, e.g. nn.MultiheadAttention or a "
+                       "fused kernel); their per-example gradients are missing from this batch")
+            if self.strict:
+                raise ValueError(message)
+            warnings.warn(message, stacklevel=2)
         if not results:
             return
         batch = self._assemble(results, step)

@@ -33,7 +33,7 @@ class CaptureReport:
     num_backward: int = 0
 
     @classmethod
-    def from_selection(cls, selection: Selection) -> "CaptureReport":
+    def from_selection(cls, selection: Selection) -> CaptureReport:
         layers = [(h.name, h.describe(), list(h.params.values())) for h in selection.handlers]
         return cls(layers=layers, unsupported=list(selection.unsupported), frozen=list(selection.frozen),
                    tied=list(selection.tied))

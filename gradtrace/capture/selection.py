@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Union
 
 from torch import nn
 
 from .layers import LayerHandler, find_handler
 
-__all__ = ["LayerSpec", "Selection", "select_layers", "canonical_param_names", "strip_wrappers"]
+__all__ = ["LayerSpec", "Selection", "canonical_param_names", "select_layers", "strip_wrappers"]
 
-LayerSpec = Union[str, type]
+LayerSpec = str | type
 """A module name glob (``"*.mlp.*"``, ``"lm_head"``) or a module class (``nn.Linear``)."""
+
+# modules that apply their children's parameters functionally: the children's forward (and hooks) never run
+_FUNCTIONAL_PARENTS = (nn.MultiheadAttention,)
 
 _WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
@@ -97,6 +100,40 @@ def _check_specs(specs: list[LayerSpec], modules: list[tuple[str, nn.Module]], w
             raise TypeError(f"{what} entries must be name patterns or module classes, got {spec!r}")
 
 
+def _functional_use(name: str, by_name: dict[str, nn.Module]) -> str | None:
+    """Why a module's forward never runs although its parameters are used (None when it does run)."""
+    parent = by_name.get(name.rpartition(".")[0]) if name else None
+    if isinstance(parent, _FUNCTIONAL_PARENTS):
+        return (f"its parent {type(parent).__name__} applies its parameters functionally, so its forward "
+                "hooks never fire")
+    return None
+
+
+def _drop_partially_captured(selection: Selection, owners: dict[int, list[str]], captured_params: set[str],
+                             explicit: bool) -> None:
+    """Leave out a shared parameter unless every module holding it is captured: the captured sites alone
+    would give a partial gradient passed off as the whole one."""
+    sites = {(h.name, id(getattr(h.module, role))) for h in selection.handlers for role in h.params}
+    missing = {pid: [o for o in owners[pid] if (o, pid) not in sites] for _, pid in sites}
+    kept: list[LayerHandler] = []
+    for handler in selection.handlers:
+        lost = {role: name for role, name in handler.params.items() if missing[id(getattr(handler.module, role))]}
+        if not lost:
+            kept.append(handler)
+            continue
+        others = sorted({o for role in lost for o in missing[id(getattr(handler.module, role))]})
+        reason = f"shares {', '.join(lost.values())} with {', '.join(others)}, which is not captured"
+        if explicit:
+            raise ValueError(f"layer {handler.name!r} ({type(handler.module).__name__}) cannot be captured: {reason}")
+        selection.unsupported.append(Unsupported(handler.name, type(handler.module).__name__, list(lost.values()),
+                                                 reason))
+        captured_params.difference_update(lost.values())
+        rest = {role: name for role, name in handler.params.items() if role not in lost}
+        if rest:
+            kept.append(type(handler)(handler.name, handler.module, rest))
+    selection.handlers = kept
+
+
 def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
                   exclude: Iterable[LayerSpec] | None = None, include_frozen: bool = False) -> Selection:
     """Choose the modules to capture.
@@ -109,6 +146,7 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
     """
     inner = unwrap(model)
     modules = [(strip_wrappers(n), m) for n, m in inner.named_modules()]
+    by_name = dict(modules)
     layers = list(layers) if layers is not None else None
     exclude = list(exclude or [])
     if layers is not None:
@@ -118,7 +156,7 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
 
     owners: dict[int, list[str]] = {}
     for name, module in modules:
-        for role, param in module.named_parameters(recurse=False):
+        for param in module.parameters(recurse=False):
             owners.setdefault(id(param), []).append(name)
 
     def wanted(name: str, module: nn.Module) -> bool:
@@ -136,7 +174,7 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
         for param in module.parameters(recurse=False):
             for other in owners.get(id(param), []):
                 if other not in chosen and other not in tied_extra:
-                    if _matches(other, dict(modules)[other], exclude):
+                    if _matches(other, by_name[other], exclude):
                         raise ValueError(f"{other!r} is excluded but shares parameter "
                                          f"{param_names[id(param)]!r} with captured module {name!r}")
                     tied_extra.add(other)
@@ -163,7 +201,7 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
                 selection.frozen.append(name)
             continue
         handler = handler_cls(name, module, params)
-        reason = handler.unsupported_reason()
+        reason = handler.unsupported_reason() or _functional_use(name, by_name)
         if reason is not None:
             if layers is not None:
                 raise ValueError(f"layer {name!r} ({type(module).__name__}) cannot be captured: {reason}")
@@ -177,10 +215,13 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
         selection.handlers.append(handler)
         captured_params.update(params.values())
 
+    _drop_partially_captured(selection, owners, captured_params, explicit=layers is not None)
     order = list(dict.fromkeys(param_names.values()))
     selection.param_order = [n for n in order if n in captured_params]
     if not selection.handlers:
         kinds = "Linear, Conv1D, Embedding, LayerNorm/RMSNorm, Conv1d/Conv2d"
         why = " (all matching modules are frozen; pass include_frozen=True)" if selection.frozen else ""
+        if selection.unsupported and not why:
+            why = " (" + "; ".join(f"{u.module} ({u.type_name}): {u.reason}" for u in selection.unsupported[:3]) + ")"
         raise ValueError(f"no capturable layer selected in {type(inner).__name__}{why}; supported kinds: {kinds}")
     return selection

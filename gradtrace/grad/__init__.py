@@ -9,7 +9,23 @@ from .sketch import DenseProjection, SparseProjection
 from .terms import DenseTerm, OuterTerm, VectorTerm
 
 __all__ = [
-    "GradBatch", "ParamGrad", "LossConvention", "LoGra", "Projector", "OuterTerm", "VectorTerm", "DenseTerm",
-    "CostModel", "MachineProfile", "inner", "sq_norms", "token_inner", "concat", "DenseProjection",
-    "SparseProjection", "QuantizedRows", "quantize", "spearman",
+    "CostModel",
+    "DenseProjection",
+    "DenseTerm",
+    "GradBatch",
+    "LoGra",
+    "LossConvention",
+    "MachineProfile",
+    "OuterTerm",
+    "ParamGrad",
+    "Projector",
+    "QuantizedRows",
+    "SparseProjection",
+    "VectorTerm",
+    "concat",
+    "inner",
+    "quantize",
+    "spearman",
+    "sq_norms",
+    "token_inner",
 ]

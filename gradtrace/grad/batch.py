@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm
 
-__all__ = ["ParamGrad", "GradBatch", "LossConvention"]
+__all__ = ["GradBatch", "LossConvention", "ParamGrad"]
 
 
 @dataclass(frozen=True)
@@ -69,13 +69,13 @@ class ParamGrad:
         """Per-example gradients flattened to ``[E, numel]``."""
         return self.materialize(dtype).reshape(self.num_examples, -1)
 
-    def reduced(self) -> "ParamGrad":
+    def reduced(self) -> ParamGrad:
         """The same gradient with its token axis summed away (one dense term)."""
         if len(self.terms) == 1 and isinstance(self.terms[0], DenseTerm):
             return self
         return ParamGrad(self.name, self.shape, [DenseTerm(self.flat())], self.projected)
 
-    def map_examples(self, fn) -> "ParamGrad":
+    def map_examples(self, fn) -> ParamGrad:
         return ParamGrad(self.name, self.shape, [t.map_examples(fn) for t in self.terms], self.projected)
 
 
@@ -137,11 +137,11 @@ class GradBatch:
         """All parameters' per-example gradients concatenated: ``[E, sum(dims)]``."""
         return torch.cat([pg.flat(dtype) for pg in self.params.values()], dim=1)
 
-    def reduced(self) -> "GradBatch":
+    def reduced(self) -> GradBatch:
         """A copy whose gradients are summed over tokens (dense ``[E, dim]`` per parameter)."""
         return self._with_params({n: pg.reduced() for n, pg in self.params.items()})
 
-    def select(self, index: Tensor | list[int] | slice) -> "GradBatch":
+    def select(self, index: Tensor | list[int] | slice) -> GradBatch:
         """The examples at ``index`` (along the example axis)."""
         if isinstance(index, slice):
             positions = list(range(len(self.ids)))[index]
@@ -161,7 +161,7 @@ class GradBatch:
                     for k, v in self.meta.items()}
         return out
 
-    def _with_params(self, params: dict[str, ParamGrad]) -> "GradBatch":
+    def _with_params(self, params: dict[str, ParamGrad]) -> GradBatch:
         return GradBatch(
             ids=list(self.ids), params=params, scale=self.scale, convention=self.convention,
             step=self.step, nonfinite=self.nonfinite, num_targets=self.num_targets,
@@ -169,7 +169,7 @@ class GradBatch:
         )
 
     # -- operations (see gradtrace.grad.ops) ----------------------------------------------------
-    def inner(self, other: "GradBatch", **kwargs: Any) -> Any:
+    def inner(self, other: GradBatch, **kwargs: Any) -> Any:
         """``[E, E_other]`` inner products with ``other`` (see :func:`gradtrace.grad.ops.inner`)."""
         from .ops import inner
 
@@ -181,13 +181,13 @@ class GradBatch:
 
         return sq_norms(self, **kwargs)
 
-    def token_inner(self, other: "GradBatch", **kwargs: Any) -> Tensor:
+    def token_inner(self, other: GradBatch, **kwargs: Any) -> Tensor:
         """``[E, T, E_other]`` per-token decomposition of :meth:`inner`."""
         from .ops import token_inner
 
         return token_inner(self, other, **kwargs)
 
-    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> "GradBatch":
+    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> GradBatch:
         """A copy moved to ``device`` and/or with float factors cast to ``dtype``."""
         from .ops import to
 

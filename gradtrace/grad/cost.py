@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 from .ghost import DEFAULT_MAX_BYTES, tile_sizes
 from .terms import OuterTerm, Term, VectorTerm, is_index
 
-__all__ = ["MachineProfile", "TermShape", "RouteCost", "CostModel", "default_cost_model", "ROUTES"]
+__all__ = ["ROUTES", "CostModel", "MachineProfile", "RouteCost", "TermShape", "default_cost_model"]
 
 ROUTES = ("ghost", "materialize")
 _F32 = 4
@@ -45,7 +45,7 @@ class MachineProfile:
     device: str = "cpu"
 
     @classmethod
-    def calibrate(cls, device: str | torch.device = "cpu", seconds: float = 0.15) -> "MachineProfile":
+    def calibrate(cls, device: str | torch.device = "cpu", seconds: float = 0.15) -> MachineProfile:
         """Measure this device (about ``3 * seconds``): a 512^3 matmul, a 32 MiB copy, tiny kernels."""
         device = torch.device(device)
 
@@ -88,7 +88,7 @@ class TermShape:
     index_cols: bool = False
 
     @classmethod
-    def of(cls, term: Term) -> "TermShape":
+    def of(cls, term: Term) -> TermShape:
         if isinstance(term, OuterTerm):
             return cls(term.num_examples, term.num_tokens, term.n_rows, term.n_cols,
                        is_index(term.rows), is_index(term.cols))
@@ -114,7 +114,8 @@ class RouteCost:
     calls: float
 
     def seconds(self, profile: MachineProfile) -> float:
-        return self.flops / profile.flops_per_s + self.bytes / profile.bytes_per_s + self.calls * profile.call_overhead_s
+        compute = self.flops / profile.flops_per_s + self.bytes / profile.bytes_per_s
+        return compute + self.calls * profile.call_overhead_s
 
 
 def _factor_width(width: int, index: bool) -> int:
@@ -246,7 +247,7 @@ class CostModel:
         return min(sizes, key=sizes.get)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _calibrated(device: str) -> MachineProfile:
     return MachineProfile.calibrate(device)
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .terms import OuterTerm, is_index
 
-__all__ = ["ghost_inner", "ghost_diag", "ghost_sq_norms", "DEFAULT_MAX_BYTES", "tile_sizes"]
+__all__ = ["DEFAULT_MAX_BYTES", "ghost_diag", "ghost_inner", "ghost_sq_norms", "tile_sizes"]
 
 DEFAULT_MAX_BYTES = 256 * 2**20
 _TEMPS = 3  # Gram blocks alive at once: rows, cols and their product

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -20,7 +20,7 @@ from .cost import CostModel, TermShape, default_cost_model
 from .ghost import DEFAULT_MAX_BYTES, ghost_diag, ghost_inner
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm, is_index
 
-__all__ = ["inner", "sq_norms", "token_inner", "concat", "to", "check_compatible", "param_route"]
+__all__ = ["check_compatible", "concat", "inner", "param_route", "sq_norms", "to", "token_inner"]
 
 
 class IncompatibleGradients(ValueError):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["LoGra", "Projector", "stable_seed", "gaussian_matrix"]
+__all__ = ["LoGra", "Projector", "gaussian_matrix", "stable_seed"]
 
 _SCHEME = "gradtrace/logra/v1"
 

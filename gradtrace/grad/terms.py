@@ -16,12 +16,11 @@ Terms never hold a loss scale: they are already in the per-example loss conventi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["OuterTerm", "VectorTerm", "DenseTerm", "Term", "is_index"]
+__all__ = ["DenseTerm", "OuterTerm", "Term", "VectorTerm", "is_index"]
 
 
 def is_index(factor: Tensor) -> bool:
@@ -80,7 +79,7 @@ class OuterTerm:
         cols = _dense(self.cols, self.n_cols, dtype)
         return rows.unsqueeze(-1) * cols.unsqueeze(-2)
 
-    def map_examples(self, fn) -> "OuterTerm":
+    def map_examples(self, fn) -> OuterTerm:
         return replace(self, rows=fn(self.rows), cols=fn(self.cols))
 
 
@@ -109,7 +108,7 @@ class VectorTerm:
     def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.values.to(dtype)
 
-    def map_examples(self, fn) -> "VectorTerm":
+    def map_examples(self, fn) -> VectorTerm:
         return replace(self, values=fn(self.values))
 
 
@@ -137,11 +136,11 @@ class DenseTerm:
     def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.values.to(dtype).unsqueeze(1)
 
-    def map_examples(self, fn) -> "DenseTerm":
+    def map_examples(self, fn) -> DenseTerm:
         return replace(self, values=fn(self.values))
 
 
-Term = Union[OuterTerm, VectorTerm, DenseTerm]
+Term = OuterTerm | VectorTerm | DenseTerm
 
 
 def _scatter_rows(index: Tensor, values: Tensor, width: int) -> Tensor:
@@ -149,7 +148,7 @@ def _scatter_rows(index: Tensor, values: Tensor, width: int) -> Tensor:
 
     index: ``[E, T]`` integers; values: ``[E, T, n]``; returns ``[E, width, n]``.
     """
-    num_examples, num_tokens, n = values.shape
+    num_examples, _, n = values.shape
     keep = index >= 0
     flat = (torch.arange(num_examples, device=index.device).unsqueeze(1) * width + index.clamp(min=0))
     out = values.new_zeros(num_examples * width, n)

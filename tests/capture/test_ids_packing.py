@@ -16,7 +16,7 @@ def _packed(doc_lengths_per_row):
         rows.append(torch.cat(row_docs))
         pos.append(torch.cat([torch.arange(n) for n in lengths]))
         lab = torch.cat(row_docs).clone()
-        starts = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)[:-1]))
+        starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
         lab[starts] = -100  # a document's first token is not predicted from the previous document
         labels.append(lab)
         doc_ids.append(torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)]))
@@ -71,16 +71,13 @@ def test_user_ids_annotate_and_list():
 def test_id_list_mismatch_is_reported():
     model = tiny.gpt2()
     _, ids, mask, labels, _ = _lm_batch([3, 5])
-    with pytest.raises(ValueError, match="ran out"):
-        with gradtrace.capture(model, ids=["only-one"]):
-            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    with pytest.warns(UserWarning, match="were not used"):
-        with gradtrace.capture(model, ids=["a", "b", "c"]):
-            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-    with gradtrace.capture(model) as cap:
-        with pytest.raises(ValueError, match="3 ids were given for a batch of 2"):
-            cap.annotate(ids=[1, 2, 3])
-            model(input_ids=ids, attention_mask=mask, labels=labels)
+    with pytest.raises(ValueError, match="ran out"), gradtrace.capture(model, ids=["only-one"]):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    with pytest.warns(UserWarning, match="were not used"), gradtrace.capture(model, ids=["a", "b", "c"]):
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    with gradtrace.capture(model) as cap, pytest.raises(ValueError, match="3 ids were given for a batch of 2"):
+        cap.annotate(ids=[1, 2, 3])
+        model(input_ids=ids, attention_mask=mask, labels=labels)
 
 
 def test_content_hash_ids_keep_duplicates_distinct():

@@ -131,10 +131,9 @@ def test_hooks_removed_even_when_the_loop_raises():
     model = tiny.gpt2()
     counts = lambda: sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     before = counts()
-    with pytest.raises(RuntimeError, match="boom"):
-        with gradtrace.capture(model):
-            assert counts() > before
-            raise RuntimeError("boom")
+    with pytest.raises(RuntimeError, match="boom"), gradtrace.capture(model):
+        assert counts() > before
+        raise RuntimeError("boom")
     assert counts() == before
     ids = torch.randint(1, tiny.VOCAB, (2, 4))
     model(input_ids=ids, labels=ids).loss.backward()  # no stale hooks fire

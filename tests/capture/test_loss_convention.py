@@ -104,6 +104,5 @@ def test_left_and_right_padding_agree():
 def test_token_mean_without_labels_is_a_clear_error():
     model = tiny.gpt2()
     ids = torch.randint(1, tiny.VOCAB, (2, 5))
-    with gradtrace.capture(model, reduction="token_mean"):
-        with pytest.raises(ValueError, match="token_mean"):
-            model(input_ids=ids)
+    with gradtrace.capture(model, reduction="token_mean"), pytest.raises(ValueError, match="token_mean"):
+        model(input_ids=ids)

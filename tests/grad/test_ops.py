@@ -135,4 +135,5 @@ def test_cost_model_prefers_obvious_routes():
     embedding = TermShape(64, 128, 50257, 512, index_rows=True)
     assert model.choose_inner(embedding, embedding) == "ghost"
     sizes = model.storage_bytes(short_wide, projected_dim=256)
-    assert sizes["factorized"] < sizes["materialized"] and model.choose_storage(short_wide, projected_dim=256) == "projected"
+    assert sizes["factorized"] < sizes["materialized"]
+    assert model.choose_storage(short_wide, projected_dim=256) == "projected"

@@ -7,6 +7,12 @@ from .linear import LinearHandler
 from .norm import NormHandler
 
 __all__ = [
-    "LayerHandler", "register_layer", "find_handler", "registered_handlers",
-    "LinearHandler", "EmbeddingHandler", "NormHandler", "ConvHandler",
+    "ConvHandler",
+    "EmbeddingHandler",
+    "LayerHandler",
+    "LinearHandler",
+    "NormHandler",
+    "find_handler",
+    "register_layer",
+    "registered_handlers",
 ]

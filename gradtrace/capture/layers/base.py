@@ -10,7 +10,11 @@ Adding a layer kind is one file with a subclass decorated by :func:`register_lay
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+import copy
+import functools
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -18,26 +22,34 @@ from torch import Tensor, nn
 from ...grad.projection import Projector
 from ...grad.terms import Term
 
-__all__ = ["LayerHandler", "register_layer", "find_handler", "registered_handlers", "TokenScale"]
+__all__ = [
+    "LayerHandler",
+    "TokenScale",
+    "detached_copy",
+    "find_handler",
+    "probe_output_scale",
+    "register_layer",
+    "registered_handlers",
+]
 
 TokenScale = Callable[[int, torch.device], Tensor]
 """``scale(num_tokens, device) -> [B, num_tokens]`` float32: the per-token factor turning hook
 gradients into per-example loss gradients (the collector supplies it, per forward call)."""
 
-_REGISTRY: list[type["LayerHandler"]] = []
+_REGISTRY: list[type[LayerHandler]] = []
 
 
-def register_layer(cls: type["LayerHandler"]) -> type["LayerHandler"]:
+def register_layer(cls: type[LayerHandler]) -> type[LayerHandler]:
     """Class decorator adding a handler to the registry (later registrations take precedence)."""
     _REGISTRY.insert(0, cls)
     return cls
 
 
-def registered_handlers() -> list[type["LayerHandler"]]:
+def registered_handlers() -> list[type[LayerHandler]]:
     return list(_REGISTRY)
 
 
-def find_handler(module: nn.Module) -> type["LayerHandler"] | None:
+def find_handler(module: nn.Module) -> type[LayerHandler] | None:
     """The handler class for ``module``, or None when no registered kind matches."""
     for cls in _REGISTRY:
         if cls.matches(module):
@@ -45,11 +57,65 @@ def find_handler(module: nn.Module) -> type["LayerHandler"] | None:
     return None
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def detached_copy(module: nn.Module, params: dict[str, Tensor]) -> nn.Module:
+    """A shallow copy of ``module`` for probing its ``forward``: no hooks, the given parameters (frozen),
+    private CPU copies of its buffers. Running it never touches the module's own state."""
+    clone = copy.copy(module)  # new __dict__; the dicts below are replaced, never mutated
+    for hooks in _HOOK_DICTS:
+        if hooks in clone.__dict__:
+            clone.__dict__[hooks] = OrderedDict()
+    clone._parameters = OrderedDict((k, nn.Parameter(v, requires_grad=False)) for k, v in params.items())
+    clone._buffers = OrderedDict(
+        (k, None if v is None else v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone())
+        for k, v in module._buffers.items())
+    return clone
+
+
+def probe_output_scale(module: nn.Module, stock: type[nn.Module],
+                       make_input: Callable[[torch.Generator], Tensor]) -> float | None:
+    """How ``module``'s forward relates to ``stock.forward``, the computation a handler's math is written for.
+
+    Returns 1.0 when the class does not override that forward; ``c`` when an override computes ``c`` times
+    it for a constant ``c`` (Gemma's and BART's scaled word embeddings); None when it computes anything else
+    (other inputs, a causal pad, a weight transform), which a handler must report rather than capture.
+    Checked on :func:`detached_copy` copies with two draws of random parameters and inputs.
+    """
+    if type(module).forward is stock.forward:
+        return 1.0
+    if any(True for _ in module.children()):
+        return None  # submodules would run with the real parameters and state: cannot verify in isolation
+    gen = torch.Generator().manual_seed(1234)
+    found = []
+    for _ in range(2):
+        params = {k: torch.randn(p.shape, generator=gen) for k, p in module._parameters.items() if p is not None}
+        clone, inputs = detached_copy(module, params), make_input(gen)
+        try:
+            with torch.no_grad():
+                got, want = type(module).forward(clone, inputs), stock.forward(clone, inputs)
+        except Exception:  # any failure means "not the stock computation"
+            return None
+        if not isinstance(got, Tensor) or got.shape != want.shape:
+            return None
+        got, want = got.to(torch.float32), want.to(torch.float32)
+        c = float((got * want).sum() / want.pow(2).sum().clamp(min=1e-30))
+        if not torch.allclose(got, c * want, rtol=1e-4, atol=1e-5 * float(want.abs().max())):
+            return None
+        found.append(c)
+    if abs(found[0] - found[1]) > 1e-4 * abs(found[0]) or found[0] == 0:
+        return None
+    return 1.0 if abs(found[0] - 1.0) < 1e-6 else found[0]
+
+
 class LayerHandler:
     """Per-example gradient math of one module kind.
 
     Subclasses set ``kind``, implement :meth:`matches`, :meth:`param_roles`, :meth:`forward`,
-    :meth:`backward`, and may override :meth:`unsupported_reason` and :meth:`batch_input`.
+    :meth:`backward`, and may override :meth:`unsupported_reason`, :meth:`batch_input` and :meth:`stock` (the
+    stock class whose forward their math describes, against which subclasses overriding it are verified).
 
     Attributes:
         name: module name inside the model.
@@ -75,9 +141,33 @@ class LayerHandler:
         """Attribute names of the parameters this handler can capture."""
         return ("weight", "bias")
 
-    def unsupported_reason(self) -> str | None:
-        """Why this particular module cannot be captured per example (None when it can)."""
+    def stock(self) -> tuple[type[nn.Module], Callable[[torch.Generator], Tensor]] | None:
+        """The stock class whose forward this handler's math describes and a maker of test inputs for it;
+        a module whose class overrides that forward is verified against it (see :func:`probe_output_scale`).
+        None: nothing to verify."""
         return None
+
+    @functools.cached_property
+    def output_scale(self) -> float | None:
+        """Constant the module multiplies the stock forward's output by (1.0 for the stock forward itself;
+        None when its forward computes something else)."""
+        stock = self.stock()
+        return 1.0 if stock is None else probe_output_scale(self.module, *stock)
+
+    def unsupported_reason(self) -> str | None:
+        """Why this particular module cannot be captured per example (None when it can).
+
+        Subclasses that override this call ``super().unsupported_reason()`` first.
+        """
+        if self.output_scale is None:
+            stock = self.stock()[0].__name__
+            return (f"its class overrides {stock}.forward with a different computation (not {stock}'s output "
+                    "times a constant), so this layer kind's gradient rule does not apply")
+        return None
+
+    def rescale(self, grad_output: Tensor) -> Tensor:
+        """The output-gradient with respect to the stock forward's output (see :attr:`output_scale`)."""
+        return grad_output if self.output_scale == 1.0 else grad_output * self.output_scale
 
     def batch_input(self, args: tuple, kwargs: dict) -> Tensor:
         """The forward-call tensor whose first dimension is the batch."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -31,10 +32,17 @@ class ConvHandler(LayerHandler):
     def matches(cls, module: nn.Module) -> bool:
         return isinstance(module, (nn.Conv1d, nn.Conv2d))
 
+    def stock(self):
+        module = self.module
+        pad = max(module._reversed_padding_repeated_twice, default=0)
+        sizes = [d * (k - 1) + 2 * pad + 3 for d, k in zip(module.dilation, module.kernel_size)]
+        stock = nn.Conv1d if self.spatial == 1 else nn.Conv2d
+        return stock, lambda gen: torch.randn(2, module.in_channels, *sizes, generator=gen)
+
     def unsupported_reason(self) -> str | None:
         if self.module.groups != 1:
             return f"grouped convolution (groups={self.module.groups}) is not supported yet"
-        return None
+        return super().unsupported_reason()
 
     def _unfold(self, x: Tensor) -> Tensor:
         """Input ``[B, C, *spatial]`` -> patches ``[B, L, C*prod(kernel)]`` in weight layout order."""
@@ -60,7 +68,8 @@ class ConvHandler(LayerHandler):
 
     def backward(self, saved: Any, grad_output: Tensor, scale: TokenScale,
                  projector: Projector | None) -> dict[str, Term]:
-        out_grads = grad_output.reshape(grad_output.shape[0], self.module.out_channels, -1).transpose(1, 2)
+        out_grads = self.rescale(grad_output)
+        out_grads = out_grads.reshape(out_grads.shape[0], self.module.out_channels, -1).transpose(1, 2)
         exact = scaled(out_grads, scale) if projector is None else None
         terms: dict[str, Term] = {}
         if "weight" in self.params:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ...grad.projection import Projector
@@ -27,10 +28,13 @@ class EmbeddingHandler(LayerHandler):
     def param_roles(cls, module: nn.Module) -> tuple[str, ...]:
         return ("weight",)
 
+    def stock(self):
+        return nn.Embedding, lambda gen: torch.randint(0, self.module.num_embeddings, (2, 3), generator=gen)
+
     def unsupported_reason(self) -> str | None:
         if self.module.scale_grad_by_freq:
             return "scale_grad_by_freq=True scales gradients by token counts over the whole batch"
-        return None
+        return super().unsupported_reason()
 
     def forward(self, inputs: Tensor, projector: Projector | None) -> Any:
         if inputs.dim() < 1:
@@ -46,7 +50,7 @@ class EmbeddingHandler(LayerHandler):
     def backward(self, saved: Any, grad_output: Tensor, scale: TokenScale,
                  projector: Projector | None) -> dict[str, Term]:
         dim = self.module.embedding_dim
-        out_grads = tokens_last(grad_output, dim)  # [B, T, dim]
+        out_grads = tokens_last(self.rescale(grad_output), dim)  # [B, T, dim]
         if projector is not None:
             cols = scaled(projector.project(self.params["weight"], "cols", out_grads), scale)
             return {"weight": OuterTerm(rows=saved, cols=cols, n_rows=saved.shape[-1], n_cols=cols.shape[-1])}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from ...grad.projection import Projector
@@ -42,6 +43,11 @@ class LinearHandler(LayerHandler):
     def describe(self) -> str:
         return "conv1d-hf" if self.transposed else "linear"
 
+    def stock(self):
+        if self.transposed:
+            return None
+        return nn.Linear, lambda gen: torch.randn(2, 3, self.d_in, generator=gen)
+
     def forward(self, inputs: Tensor, projector: Projector | None) -> Any:
         acts = tokens_last(inputs, self.d_in)  # [B, T, d_in]
         if projector is not None and "weight" in self.params:
@@ -51,7 +57,7 @@ class LinearHandler(LayerHandler):
 
     def backward(self, saved: Any, grad_output: Tensor, scale: TokenScale,
                  projector: Projector | None) -> dict[str, Term]:
-        out_grads = tokens_last(grad_output, self.d_out)  # [B, T, d_out]
+        out_grads = tokens_last(self.rescale(grad_output), self.d_out)  # [B, T, d_out]
         exact_grads = scaled(out_grads, scale) if projector is None else None
         terms: dict[str, Term] = {}
         if "weight" in self.params:

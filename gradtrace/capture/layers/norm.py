@@ -12,9 +12,7 @@ configuration, and no silent guess.
 
 from __future__ import annotations
 
-import copy
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +22,9 @@ from torch import Tensor, nn
 
 from ...grad.projection import Projector
 from ...grad.terms import Term, VectorTerm
-from .base import LayerHandler, TokenScale, register_layer, scaled
+from .base import LayerHandler, TokenScale, detached_copy, register_layer, scaled
 
+_CHANNEL_NORMS = (nn.modules.batchnorm._NormBase,)  # BatchNorm*, SyncBatchNorm, InstanceNorm*: channel dim 1
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
 
 
@@ -65,23 +64,17 @@ def _norm_like(module: nn.Module) -> bool:
 def probe_formula(module: nn.Module) -> NormFormula | None:
     """Find the formula a norm-like module computes by running its forward on a detached copy."""
     width = int(module.weight.shape[0])
-    clone = copy.copy(module)  # new __dict__; parameters and hooks replaced below, never the module's
-    for hooks in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                  "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):
-        if hooks in clone.__dict__:
-            clone.__dict__[hooks] = OrderedDict()
     gen = torch.Generator().manual_seed(1234)
     weight = torch.rand(width, generator=gen) + 0.5
     has_bias = getattr(module, "bias", None) is not None
     bias = torch.randn(width, generator=gen) if has_bias else None
-    clone._parameters = OrderedDict(weight=nn.Parameter(weight, requires_grad=False))
-    if has_bias:
-        clone._parameters["bias"] = nn.Parameter(bias, requires_grad=False)
+    # test parameters and private buffers: a forward may update state in place (running statistics, counters)
+    clone = detached_copy(module, {"weight": weight, **({"bias": bias} if has_bias else {})})
     x = torch.randn(2, 3, width, generator=gen) * 3 + 0.7
     try:
         with torch.no_grad():
             y = type(module).forward(clone, x)
-    except Exception:  # noqa: BLE001 - any failure means "cannot verify", reported by the caller
+    except Exception:
         return None
     if not isinstance(y, Tensor) or y.shape != x.shape:
         return None
@@ -108,13 +101,12 @@ class NormHandler(LayerHandler):
         super().__init__(name, module, params)
         self.formula: NormFormula | None = None
         self.native = isinstance(module, (nn.LayerNorm, nn.RMSNorm))
-        if isinstance(module, nn.LayerNorm):
-            self.width = math.prod(module.normalized_shape)
-        elif isinstance(module, nn.RMSNorm):
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             self.width = math.prod(module.normalized_shape)
         else:
             self.width = int(module.weight.shape[0])
-            self.formula = probe_formula(module)
+            if not isinstance(module, _CHANNEL_NORMS):
+                self.formula = probe_formula(module)
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:
@@ -130,11 +122,20 @@ class NormHandler(LayerHandler):
         kind = "layernorm" if self.formula.center else "rmsnorm"
         return f"{kind}(1+w)" if self.formula.offset else kind
 
+    def stock(self):
+        if not self.native:
+            return None  # verified by probe_formula instead
+        stock = nn.LayerNorm if isinstance(self.module, nn.LayerNorm) else nn.RMSNorm
+        return stock, lambda gen: torch.randn(2, 3, *self.module.normalized_shape, generator=gen)
+
     def unsupported_reason(self) -> str | None:
+        if isinstance(self.module, _CHANNEL_NORMS):
+            return ("batch/instance normalization has no per-example rule yet (in training mode, batch "
+                    "statistics also mix the examples of a batch)")
         if not self.native and self.formula is None:
             return ("looks like a normalization layer but its output matches no known formula "
                     "(LayerNorm/RMSNorm with weight or 1+weight); register a handler for it")
-        return None
+        return super().unsupported_reason()
 
     def _xhat(self, x: Tensor) -> Tensor:
         module = self.module
@@ -153,7 +154,7 @@ class NormHandler(LayerHandler):
                  projector: Projector | None) -> dict[str, Term]:
         batch = grad_output.shape[0]
         terms: dict[str, Term] = {}
-        out_grads = grad_output.reshape(batch, -1, self.width)  # [B, T, n]
+        out_grads = self.rescale(grad_output).reshape(batch, -1, self.width)  # [B, T, n]
         if "weight" in self.params:
             xhat = self._xhat(saved).reshape(batch, -1, self.width)
             values = out_grads.to(torch.float32) * xhat
