@@ -1,7 +1,6 @@
 """Capture overhead: time per training step and peak memory, with and without gradtrace.
 
-For a random-init GPT-2 (default: 4 layers, width 256, 128 tokens, batch 16, GPT-2's 50,257-token vocabulary),
-each mode runs in its own process so that peak memory is that mode's own:
+For a random-init GPT-2 (default: 4 layers, width 256, 128 tokens, batch 16, GPT-2's 50,257-token vocabulary):
 
 * ``plain``   -- forward + backward + AdamW step
 * ``exact``   -- the same under ``gradtrace.capture`` (factorized per-example gradients, no projection)
@@ -9,7 +8,9 @@ each mode runs in its own process so that peak memory is that mode's own:
 * ``logra32`` -- capture with ``LoGra(rank=32)``
 
 Captured batches are handed to a callback that drops them (as a store writer would consume them), so the
-numbers include building each ``GradBatch``. Usage::
+numbers include building each ``GradBatch``. Time per step is measured in one process with the modes taking
+turns step by step (so machine drift hits all modes alike); peak memory is measured with each mode in a
+process of its own. Usage::
 
     python bench/capture_overhead.py                    # default and larger configuration
     python bench/capture_overhead.py --layers 4 --width 256 --steps 8
@@ -34,11 +35,9 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def run_one(args: argparse.Namespace) -> dict:
+def _setup(args: argparse.Namespace):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
-
-    import gradtrace
 
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
@@ -55,32 +54,57 @@ def run_one(args: argparse.Namespace) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step(batches[0])  # optimizer state and allocator warm-up before measuring memory
-    base_rss = _rss_mb()
-    mode = args.mode
-    projection = {"logra8": gradtrace.LoGra(rank=8), "logra32": gradtrace.LoGra(rank=32)}.get(mode)
-    seen = []
+    return model, step, batches
 
-    def consume(batch):
-        seen.append(len(batch))
+
+def _capture(model, mode: str, sink: list):
+    import gradtrace
 
     if mode == "plain":
-        ctx = None
-    else:
-        ctx = gradtrace.capture(model, reduction="token_mean", projection=projection, callbacks=[consume])
-        ctx.__enter__()
-    times = []
+        return None
+    projection = {"logra8": gradtrace.LoGra(rank=8), "logra32": gradtrace.LoGra(rank=32)}.get(mode)
+    return gradtrace.capture(model, reduction="token_mean", projection=projection,
+                             callbacks=[lambda batch: sink.append(len(batch))])
+
+
+def time_modes(args: argparse.Namespace) -> dict:
+    """Median seconds per step of every mode, the modes taking turns step by step."""
+    model, step, batches = _setup(args)
+    sink: list = []
+    captures = {mode: _capture(model, mode, sink) for mode in MODES}
+    times = {mode: [] for mode in MODES}
+    step(batches[0])
     for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        for mode in MODES:
+            cap = captures[mode]
+            if cap is not None:
+                cap.__enter__()
+            t0 = time.perf_counter()
+            step(batches[i % 2])
+            elapsed = time.perf_counter() - t0
+            if cap is not None:
+                cap.__exit__(None, None, None)
+            if i >= args.warmup:
+                times[mode].append(elapsed)
+    assert sum(sink) == args.batch * (args.warmup + args.steps) * (len(MODES) - 1)
+    return {mode: sorted(t)[len(t) // 2] for mode, t in times.items()}
+
+
+def peak_one(args: argparse.Namespace) -> dict:
+    """Peak resident memory above the post-warm-up level, for one mode in this process."""
+    model, step, batches = _setup(args)
+    step(batches[0])  # optimizer state and allocator warm-up before measuring memory
+    base_rss = _rss_mb()
+    sink: list = []
+    cap = _capture(model, args.mode, sink)
+    if cap is not None:
+        cap.__enter__()
+    for i in range(2):
         step(batches[i % 2])
-        times.append(time.perf_counter() - t0)
-    if ctx is not None:
-        ctx.__exit__(None, None, None)
-        assert sum(seen) == args.batch * (args.warmup + args.steps)
-    times = sorted(times[args.warmup:])
+    if cap is not None:
+        cap.__exit__(None, None, None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    return {"mode": mode, "median_s": times[len(times) // 2], "min_s": times[0],
-            "peak_rss_mb": peak, "peak_over_start_mb": peak - base_rss,
+    return {"mode": args.mode, "peak_over_start_mb": peak - base_rss,
             "params_m": sum(p.numel() for p in model.parameters()) / 1e6}
 
 
@@ -97,27 +121,29 @@ def main() -> None:
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:
-        print(json.dumps(run_one(args)))
+        print(json.dumps(peak_one(args)))
         return
     configs = [(args.layers, args.width)] if args.layers else [(4, 256), (8, 512)]
     print(f"# host: {platform.machine()} {os.cpu_count()} cpus, torch threads {args.threads}, python "
-          f"{platform.python_version()}; seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, "
+          f"{platform.python_version()}; seq {args.seq}, batch {args.batch}, vocab {args.vocab}, fp32, AdamW; "
           f"median of {args.steps} steps after {args.warmup} warm-up")
     for layers, width in configs:
-        rows = []
+        args.layers, args.width = layers, width
+        times = time_modes(args)
+        peaks = {}
         for mode in MODES:
             cmd = [sys.executable, __file__, "--mode", mode, "--layers", str(layers), "--width", str(width),
                    "--seq", str(args.seq), "--batch", str(args.batch), "--vocab", str(args.vocab),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+                   "--threads", str(args.threads)]
             out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        plain = rows[0]
-        print(f"\nGPT-2 {layers} layers, width {width} ({plain['params_m']:.1f}M params)")
+            peaks[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"\nGPT-2 {layers} layers, width {width} ({peaks['plain']['params_m']:.1f}M params)")
         print(f"{'mode':<9} {'s/step':>8} {'ratio':>6} {'peak MB':>8} {'peak/plain':>10}")
-        for r in rows:
-            print(f"{r['mode']:<9} {r['median_s']:>8.3f} {r['median_s'] / plain['median_s']:>6.2f} "
-                  f"{r['peak_over_start_mb']:>8.0f} {r['peak_over_start_mb'] / plain['peak_over_start_mb']:>10.2f}")
-
+        base_mem = peaks["plain"]["peak_over_start_mb"]
+        for mode in MODES:
+            mem = peaks[mode]["peak_over_start_mb"]
+            print(f"{mode:<9} {times[mode]:>8.3f} {times[mode] / times['plain']:>6.2f} {mem:>8.0f} "
+                  f"{mem / base_mem:>10.2f}")
 
 if __name__ == "__main__":
     main()

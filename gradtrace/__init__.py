@@ -9,5 +9,14 @@ from .grad import GradBatch, LoGra, LossConvention, ParamGrad
 
 __version__ = "0.1.0"
 
-__all__ = ["capture", "Capture", "CaptureCallback", "CaptureReport", "GradBatch", "ParamGrad", "LoGra",
-           "LossConvention", "__version__"]
+__all__ = [
+           "Capture",
+           "CaptureCallback",
+           "CaptureReport",
+           "GradBatch",
+           "LoGra",
+           "LossConvention",
+           "ParamGrad",
+           "__version__",
+           "capture",
+]

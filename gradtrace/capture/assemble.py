@@ -103,10 +103,15 @@ def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[F
 
 
 def nonfinite_examples(terms: list[Term], num_examples: int, device: torch.device) -> Tensor:
-    """``[E]`` bool: examples with a NaN or inf in any float factor."""
+    """``[E]`` bool: examples with a NaN or inf in any float factor.
+
+    One reduction pass per factor: a NaN or inf entry makes the example's sum non-finite (as does a sum
+    overflowing float32, whose gradient would be unusable anyway).
+    """
     bad = torch.zeros(num_examples, dtype=torch.bool, device=device)
     for term in terms:
         for x in term_tensors(term).values():
             if x.is_floating_point():
-                bad |= (~torch.isfinite(x)).reshape(x.shape[0], -1).any(1).to(device)
+                sums = x.reshape(x.shape[0], -1).sum(1, dtype=torch.float32)
+                bad |= ~torch.isfinite(sums).to(device)
     return bad

@@ -58,12 +58,16 @@ class LinearHandler(LayerHandler):
     def backward(self, saved: Any, grad_output: Tensor, scale: TokenScale,
                  projector: Projector | None) -> dict[str, Term]:
         out_grads = tokens_last(self.rescale(grad_output), self.d_out)  # [B, T, d_out]
-        exact_grads = scaled(out_grads, scale) if projector is None else None
+        # the per-token scale may go on either factor of the outer product: put it on the narrower one
+        scale_acts = projector is None and "bias" not in self.params and self.d_in < self.d_out
+        exact_grads = scaled(out_grads, scale) if projector is None and not scale_acts else None
         terms: dict[str, Term] = {}
         if "weight" in self.params:
             name = self.params["weight"]
             if projector is not None:
                 grads = scaled(projector.project(name, "cols" if self.transposed else "rows", out_grads), scale)
+            elif scale_acts:
+                grads, saved = out_grads, scaled(saved, scale)
             else:
                 grads = exact_grads
             k_g, k_a = grads.shape[-1], saved.shape[-1]

@@ -1,0 +1,110 @@
+"""What makes two sets of per-example gradients comparable, and a model's fingerprint.
+
+A :class:`GradientSpec` travels with every store and in-memory gradient set: the parameters and their
+(flattened, possibly projected) dimensions in order, the projection spec, the loss convention, the
+storage dtype and the model's fingerprint. Scoring a query set against a store checks that the two
+specs agree and names the field that does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["GradientSpec", "SpecMismatch", "model_fingerprint"]
+
+
+class SpecMismatch(ValueError):
+    """Two gradient sets (stores, query sets, curvature) come from different models, layers or projections."""
+
+
+def model_fingerprint(model: nn.Module) -> dict[str, str]:
+    """``{"class", "arch", "weights"}``: the model class, a hash of parameter names/shapes/dtypes, and a
+    hash of a few values of every parameter (cheap; tells checkpoints apart)."""
+    from ..capture.selection import strip_wrappers, unwrap
+
+    inner = unwrap(model)
+    arch = hashlib.blake2b(digest_size=8)
+    weights = hashlib.blake2b(digest_size=8)
+    for name, param in inner.named_parameters():
+        arch.update(f"{strip_wrappers(name)}|{tuple(param.shape)}|{param.dtype}\n".encode())
+        flat = param.detach().reshape(-1)
+        if flat.numel():
+            sample = torch.cat([flat[:8], flat[-8:]]).to("cpu", torch.float64)
+            weights.update(sample.numpy().tobytes())
+            weights.update(repr(float(flat.to(torch.float64).sum())).encode())
+    return {"class": type(inner).__name__, "arch": arch.hexdigest(), "weights": weights.hexdigest()}
+
+
+@dataclass
+class GradientSpec:
+    """Layout and provenance of per-example gradient vectors.
+
+    params: ``[(parameter name, flattened dim), ...]`` in vector order.
+    projection: the projection spec dict (None: exact gradients).
+    convention: ``{"reduction", "example_loss"}``.
+    model: :func:`model_fingerprint` of the model the gradients were taken from.
+    dtype: storage format of the vectors: ``"float32"``, ``"bfloat16"`` or ``"int8"``.
+    """
+
+    params: list[tuple[str, int]]
+    projection: dict[str, Any] | None
+    convention: dict[str, str]
+    model: dict[str, str] = field(default_factory=dict)
+    dtype: str = "float32"
+
+    @property
+    def dim(self) -> int:
+        return sum(d for _, d in self.params)
+
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """``name -> (start, stop)`` of each parameter's slice of a vector."""
+        out, start = {}, 0
+        for name, dim in self.params:
+            out[name] = (start, start + dim)
+            start += dim
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["params"] = [[n, d] for n, d in self.params]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GradientSpec:
+        return cls(params=[(str(n), int(d)) for n, d in data["params"]], projection=data.get("projection"),
+                   convention=dict(data.get("convention") or {}), model=dict(data.get("model") or {}),
+                   dtype=data.get("dtype", "float32"))
+
+    def check_compatible(self, other: GradientSpec, what: str = "these gradients", *,
+                         same_weights: bool = False) -> None:
+        """Raise :class:`SpecMismatch` naming the first difference that makes the two incomparable.
+
+        The storage dtype may differ (vectors are dequantized to float32 to be compared). Different
+        weights of the same architecture (checkpoints) are allowed unless ``same_weights``.
+        """
+        mine, theirs = self.model, other.model
+        if mine.get("arch") and theirs.get("arch") and mine["arch"] != theirs["arch"]:
+            raise SpecMismatch(f"{what}: made by another model ({mine.get('class')} {mine['arch']} vs "
+                               f"{theirs.get('class')} {theirs['arch']}: parameter names/shapes differ)")
+        if same_weights and mine.get("weights") != theirs.get("weights"):
+            raise SpecMismatch(f"{what}: made with different weights "
+                               f"({mine.get('weights')} vs {theirs.get('weights')})")
+        if self.projection != other.projection:
+            raise SpecMismatch(f"{what}: different projections ({self.projection} vs {other.projection})")
+        if self.params != other.params:
+            names_a = [n for n, _ in self.params]
+            names_b = [n for n, _ in other.params]
+            if names_a != names_b:
+                only_a = [n for n in names_a if n not in names_b][:3]
+                only_b = [n for n in names_b if n not in names_a][:3]
+                raise SpecMismatch(f"{what}: different captured parameters (only in one: {only_a}; only in the "
+                                   f"other: {only_b}{'' if only_a or only_b else '; order differs'})")
+            bad = [(n, d, e) for (n, d), (_, e) in zip(self.params, other.params) if d != e][:3]
+            raise SpecMismatch(f"{what}: different dimensions for {bad}")
+        if self.convention != other.convention:
+            raise SpecMismatch(f"{what}: different loss conventions ({self.convention} vs {other.convention})")
