@@ -69,6 +69,26 @@ class ParamGrad:
         """Per-example gradients flattened to ``[E, numel]``."""
         return self.materialize(dtype).reshape(self.num_examples, -1)
 
+    @property
+    def num_rows(self) -> int:
+        """Rows of the gradient viewed as a matrix ``[shape[0], numel / shape[0]]``."""
+        return self.shape[0]
+
+    def flat_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Rows ``start:stop`` of each example's gradient matrix, flattened: ``[E, (stop-start) * cols]``.
+
+        Computed from the terms directly, so a weight-sized gradient is never formed whole.
+        """
+        total = None
+        for term in self.terms:
+            if isinstance(term, DenseTerm):
+                part = term.values.reshape(term.num_examples, self.num_rows, -1)[:, start:stop].to(dtype)
+            else:
+                part = term.materialize_rows(start, stop, dtype)
+            part = part.reshape(term.num_examples, -1)
+            total = part if total is None else total + part
+        return total
+
     def reduced(self) -> ParamGrad:
         """The same gradient with its token axis summed away (one dense term)."""
         if len(self.terms) == 1 and isinstance(self.terms[0], DenseTerm):

@@ -84,20 +84,20 @@ def _chunk(count: int, row_bytes: int, max_bytes: int) -> int:
     return max(1, min(count, max_bytes // max(1, row_bytes)))
 
 
+def _row_step(pg: ParamGrad, examples: int, max_bytes: int) -> int:
+    """Rows of the gradient matrix per block so that ``examples`` materialized blocks fit ``max_bytes``."""
+    cols = max(1, pg.numel // pg.num_rows)
+    return max(1, min(pg.num_rows, max_bytes // max(1, examples * cols * 4)))
+
+
 def _materialized_inner(pa: ParamGrad, pb: ParamGrad, max_bytes: int) -> Tensor:
-    """``[E1, E2]`` by materializing both sides in example chunks that fit ``max_bytes``."""
-    e1, e2 = pa.num_examples, pb.num_examples
-    row_bytes = pa.numel * 4
-    ca, cb = _chunk(e1, 2 * row_bytes, max_bytes // 2), _chunk(e2, 2 * row_bytes, max_bytes // 2)
-    device = _device(pa)
-    out = torch.empty(e1, e2, dtype=torch.float32, device=device)
-    b_chunks = [(j0, _take(pb, j0, min(e2, j0 + cb)).flat()) for j0 in range(0, e2, cb)] if cb >= e2 else None
-    for i0 in range(0, e1, ca):
-        i1 = min(e1, i0 + ca)
-        block_a = _take(pa, i0, i1).flat()
-        chunks = b_chunks or ((j0, _take(pb, j0, min(e2, j0 + cb)).flat()) for j0 in range(0, e2, cb))
-        for j0, block_b in chunks:
-            out[i0:i1, j0:j0 + block_b.shape[0]] = block_a @ block_b.t()
+    """``[E1, E2]`` by materializing both sides block by block of gradient rows (each entry formed once)."""
+    step = _row_step(pa, pa.num_examples + pb.num_examples, max_bytes)
+    out = None
+    for r0 in range(0, pa.num_rows, step):
+        r1 = min(pa.num_rows, r0 + step)
+        part = pa.flat_rows(r0, r1) @ pb.flat_rows(r0, r1).t()
+        out = part if out is None else out.add_(part)
     return out
 
 
@@ -162,9 +162,8 @@ def param_sq_norms(pg: ParamGrad, route: str = "auto", max_bytes: int = DEFAULT_
         else:
             route = "materialize"
     if route == "materialize" or not outer:
-        e = pg.num_examples
-        step = _chunk(e, pg.numel * 8, max_bytes)
-        return torch.cat([_take(pg, i, min(e, i + step)).flat().pow(2).sum(1) for i in range(0, e, step)])
+        step = _row_step(pg, pg.num_examples, max_bytes)
+        return sum(pg.flat_rows(r0, min(pg.num_rows, r0 + step)).pow(2).sum(1) for r0 in range(0, pg.num_rows, step))
     if route != "ghost":
         raise ValueError(f"route must be 'auto', 'ghost' or 'materialize', got {route!r}")
     total = None

@@ -73,6 +73,17 @@ class OuterTerm:
             return _scatter_rows(self.cols, self.rows.to(dtype), self.n_cols).transpose(1, 2)
         return torch.einsum("etr,etc->erc", self.rows.to(dtype), self.cols.to(dtype))
 
+    def materialize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Rows ``start:stop`` of the summed per-example gradients: ``[E, stop - start, n_cols]``."""
+        if is_index(self.rows):
+            ids = self.rows - start
+            ids = torch.where((ids >= 0) & (ids < stop - start), ids, torch.full_like(ids, -1))
+            return _scatter_rows(ids, self.cols.to(dtype), stop - start)
+        rows = self.rows[:, :, start:stop].to(dtype)
+        if is_index(self.cols):
+            return _scatter_rows(self.cols, rows, self.n_cols).transpose(1, 2)
+        return torch.einsum("etr,etc->erc", rows, self.cols.to(dtype))
+
     def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """Per-token gradients ``[E, T, n_rows, n_cols]`` (small shapes only: token attribution)."""
         rows = _dense(self.rows, self.n_rows, dtype)
@@ -104,6 +115,10 @@ class VectorTerm:
     def materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """Summed per-example gradients ``[E, n]``."""
         return self.values.to(dtype).sum(1)
+
+    def materialize_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Entries ``start:stop``: ``[E, stop - start, 1]``."""
+        return self.values[:, :, start:stop].to(dtype).sum(1).unsqueeze(-1)
 
     def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.values.to(dtype)
