@@ -167,6 +167,8 @@ class Capture:
         self._active = False
         self._pending_info: BatchInfo | None = None
         self._report = CaptureReport.from_selection(self.selection)
+        self.track_outputs = False  # collect() sets this to backpropagate to layer outputs only
+        self._outputs: list[Tensor] = []
         self._reset_step()
 
     # ------------------------------------------------------------------ lifecycle
@@ -260,6 +262,15 @@ class Capture:
     def clear(self) -> None:
         """Drop the batches kept in memory."""
         self.batches.clear()
+
+    def pop_outputs(self) -> list[Tensor]:
+        """Outputs of the captured layer calls since the last call (with ``track_outputs`` on).
+
+        ``torch.autograd.grad(loss, capture.pop_outputs())`` fires every capture hook while computing no
+        parameter gradient at all: the weight-gradient work of the backward pass is skipped.
+        """
+        outputs, self._outputs = self._outputs, []
+        return outputs
 
     # ------------------------------------------------------------------ forward side
     def _root_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -364,6 +375,8 @@ class Capture:
                 self._on_layer_grad(handler, context, order, saved, grad)
 
             output.register_hook(on_grad)
+            if self.track_outputs:
+                self._outputs.append(output)
             return replacement
 
         return hook

@@ -1,0 +1,199 @@
+"""``gradtrace.collect``: per-example gradients of a dataset at the current weights (no training).
+
+Attribution needs per-example gradients, not ``param.grad``. So by default ``collect`` backpropagates only
+to the captured layers' *outputs* (``torch.autograd.grad(loss, outputs)``): every capture hook fires, and
+the weight-gradient matrix products of the backward pass -- about half its cost, the whole ``lm_head``
+one included -- are never computed. ``param.grad`` is left untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .capture import capture
+from .grad.projection import LoGra
+from .gradients import GradientSet
+from .losses import default_loss
+from .store import GradientStore, StoreWriter, model_fingerprint
+
+__all__ = ["collect"]
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+
+
+def _batch_size(batch: Any) -> int:
+    tensors = batch.values() if isinstance(batch, dict) else (batch if isinstance(batch, (list, tuple)) else [batch])
+    for value in tensors:
+        if isinstance(value, Tensor) and value.dim() > 0:
+            return value.shape[0]
+    raise ValueError("cannot find the batch dimension: batches must hold tensors")
+
+
+def _select_rows(batch: Any, rows: list[int], size: int) -> Any:
+    index = torch.tensor(rows, dtype=torch.long)
+
+    def take(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == size:
+            return value.index_select(0, index.to(value.device))
+        if isinstance(value, list) and len(value) == size:
+            return [value[i] for i in rows]
+        return value
+
+    if isinstance(batch, dict):
+        return {k: take(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(take(v) for v in batch)
+    return take(batch)
+
+
+def _to_device(batch: Any, device: torch.device | None) -> Any:
+    if device is None:
+        return batch
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _context_limit(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None, *,
+            projection: LoGra | None = None, layers: Sequence[Any] | None = None,
+            exclude: Sequence[Any] | None = None, store: str | Path | None = None, dtype: str = "float32",
+            resume: bool = False, overwrite: bool = False, shard_rows: int = 4096, ids: Sequence[Any] | None = None,
+            id_key: str = "id", keep_tokens: bool = False, weight_grads: bool = False,
+            device: torch.device | str | None = None, eval_mode: bool = True, progress: bool = False,
+            total: int | None = None, config: dict[str, Any] | None = None) -> GradientSet | GradientStore:
+    """Per-example gradients of every example of ``data`` at the model's current weights.
+
+    Args:
+        model: the model (not modified; ``param.grad`` untouched).
+        data: an iterable of batches: dicts of tensors (Hugging Face style) or ``(inputs, targets)`` tuples.
+        loss_fn: ``loss_fn(model, batch) -> [B]`` per-example losses; each captured gradient is the
+            gradient of that example's loss. Default: :func:`gradtrace.losses.causal_lm_loss` (sum over
+            target tokens) for dicts with ``input_ids``, else per-example cross-entropy.
+        projection: ``gradtrace.LoGra(...)`` to project at capture time (recommended beyond toy models).
+        layers, exclude: which modules to capture (see :func:`gradtrace.capture`).
+        store: write to a gradient store at this path (returned opened) instead of returning a
+            :class:`GradientSet`. dtype, shard_rows, resume, overwrite: store options.
+        ids: one id per example, in order; by default ``batch[id_key]`` when present, else content hashes.
+        keep_tokens: keep token-level factors (in-memory only) for per-token scores.
+        weight_grads: run a full ``backward()`` (also computing parameter gradients, restored afterwards)
+            instead of backpropagating to layer outputs only.
+        device: move batches to this device first.
+        eval_mode: run the model in eval mode (no dropout), restoring its mode afterwards.
+        progress: show a progress bar (``total`` batches if the data has no ``len``).
+    """
+    if store is None and (resume or overwrite):
+        raise ValueError("resume/overwrite apply to a store: pass store=...")
+    device = torch.device(device) if device is not None else None
+    writer = StoreWriter(store, dtype=dtype, shard_rows=shard_rows, resume=resume, overwrite=overwrite,
+                         config=config) if store is not None else None
+    stored: set[str] = set()
+    if store is not None and resume and (Path(store) / "manifest.json").exists():
+        stored = set(GradientStore.open(store, verify=False, allow_incomplete=True).ids)
+    if projection is not None and keep_tokens:
+        projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
+    was_training = model.training
+    if eval_mode:
+        model.eval()
+    id_list = list(ids) if ids is not None else None
+    consumed = 0
+    seen_examples = 0
+    limit = _context_limit(model)
+    cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum",
+                  projection=projection, callbacks=[writer] if writer is not None else [],
+                  keep_batches=writer is None)
+    cap.track_outputs = not weight_grads
+    saved_grads = {n: p.grad for n, p in model.named_parameters()} if weight_grads else None
+    bar = _progress(data, progress, total)
+    try:
+        with cap:
+            for batch in bar:
+                size = _batch_size(batch)
+                batch_ids = None
+                if isinstance(batch, dict) and id_key in batch:
+                    batch_ids = [str(i) for i in (batch[id_key].tolist() if isinstance(batch[id_key], Tensor)
+                                                  else batch[id_key])]
+                    batch = {k: v for k, v in batch.items() if k != id_key}
+                elif id_list is not None:
+                    batch_ids = [str(i) for i in id_list[consumed:consumed + size]]
+                    if len(batch_ids) < size:
+                        raise ValueError(f"collect(): {len(id_list)} ids given but the data has more examples")
+                    consumed += size
+                if stored and batch_ids is not None:  # resume: skip examples the store already holds
+                    keep = [i for i, ident in enumerate(batch_ids) if ident not in stored]
+                    if not keep:
+                        continue
+                    if len(keep) < size:
+                        batch, batch_ids = _select_rows(batch, keep, size), [batch_ids[i] for i in keep]
+                        size = len(keep)
+                if limit is not None and isinstance(batch, dict) and isinstance(batch.get("input_ids"), Tensor):
+                    length = batch["input_ids"].shape[-1]
+                    if length > limit:
+                        raise ValueError(f"collect(): a batch has sequences of {length} tokens but the model's "
+                                         f"context is {limit}; truncate or split them")
+                batch = _to_device(batch, device)
+                fn = loss_fn or default_loss(batch)
+                if batch_ids is not None:
+                    cap.annotate(ids=batch_ids)
+                losses = fn(model, batch)
+                if losses.dim() != 1 or losses.shape[0] != size:
+                    raise ValueError(f"loss_fn must return one loss per example ([{size}]), got "
+                                     f"{tuple(losses.shape)}")
+                total_loss = losses.sum()
+                if weight_grads:
+                    total_loss.backward()
+                else:
+                    outputs = cap.pop_outputs()
+                    if not outputs:
+                        raise RuntimeError("collect(): no captured layer took part in the loss")
+                    torch.autograd.grad(total_loss, outputs, allow_unused=True)
+                seen_examples += size
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(examples=seen_examples)
+    finally:
+        if hasattr(bar, "close"):
+            bar.close()
+        if saved_grads is not None:
+            for n, p in model.named_parameters():
+                p.grad = saved_grads[n]
+        model.train(was_training)
+    if id_list is not None and consumed < len(id_list) and writer is None:
+        raise ValueError(f"collect(): {len(id_list)} ids given for {consumed} examples")
+    if writer is not None:
+        if writer.writer is None and not stored:
+            raise ValueError("collect(): the data produced no examples")
+        return GradientStore.open(store)
+    if not cap.batches:
+        raise ValueError("collect(): the data produced no examples")
+    return GradientSet.from_batches(cap.batches, model_fingerprint(model), keep_batches=keep_tokens)
+
+
+def _progress(data: Iterable[Any], enabled: bool, total: int | None) -> Iterable[Any]:
+    if not enabled:
+        return data
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return data
+    if total is None:
+        with contextlib.suppress(TypeError):
+            total = len(data)  # type: ignore[arg-type]
+    return tqdm(data, total=total, desc="collect", unit="batch", dynamic_ncols=True)

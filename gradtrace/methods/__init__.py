@@ -1,0 +1,16 @@
+"""Attribution methods (one file each) and their registry."""
+
+from .base import Method, MissingStage, available_methods, get_method, register_method
+from .similarity import GradCos, GradDot
+from .tracin import TracIn
+
+__all__ = [
+           "GradCos",
+           "GradDot",
+           "Method",
+           "MissingStage",
+           "TracIn",
+           "available_methods",
+           "get_method",
+           "register_method",
+]

@@ -1,0 +1,87 @@
+"""Attribution methods: small classes registered by name, declaring the stages they need.
+
+A method implements only its own math, on the two sides of the score ``tau(q, i) = <q', g_i'>``:
+
+* :meth:`Method.prepare_queries` -- transform the (few) query gradients once, e.g. precondition them
+  with an inverse curvature;
+* :meth:`Method.prepare_train` -- a cheap per-block transform of streamed training gradients (e.g.
+  normalising rows for cosine similarity).
+
+The scoring engine (:class:`gradtrace.Attributor`) streams the training gradients in blocks and does
+the rest: one matrix product per block, checkpoint weighting, streaming top-k.
+
+Sign convention everywhere: **a positive score means the training example helps the query** -- a
+gradient step on it lowers the query's loss (to first order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+__all__ = ["Method", "MissingStage", "available_methods", "get_method", "register_method"]
+
+_METHODS: dict[str, type[Method]] = {}
+
+
+class MissingStage(RuntimeError):
+    """A method was asked to score before a stage it needs was run (the message says which)."""
+
+
+def register_method(cls: type[Method]) -> type[Method]:
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _METHODS[cls.name] = cls
+    return cls
+
+
+def available_methods() -> list[str]:
+    return sorted(_METHODS)
+
+
+def get_method(name: str | Method, **options: Any) -> Method:
+    """A method instance by registered name (or the instance itself)."""
+    if isinstance(name, Method):
+        return name
+    try:
+        cls = _METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}") from None
+    return cls(**options)
+
+
+class Method:
+    """Base class of attribution methods.
+
+    Class attributes:
+        name: registry name (``"grad_dot"``).
+        needs: stages required before scoring, e.g. ``("curvature",)``; each one's absence is
+            reported by :meth:`check_ready` with the call that provides it.
+        multi_checkpoint: the method combines gradients taken at several checkpoints.
+        description: one line for ``--help`` and reports.
+    """
+
+    name: ClassVar[str] = ""
+    needs: ClassVar[tuple[str, ...]] = ()
+    multi_checkpoint: ClassVar[bool] = False
+    description: ClassVar[str] = ""
+
+    def __init__(self, **options: Any) -> None:
+        if options:
+            raise TypeError(f"method {self.name!r} takes no options {sorted(options)}")
+
+    def check_ready(self) -> None:
+        """Raise :class:`MissingStage` if a stage this method needs has not been run."""
+
+    def prepare_queries(self, queries: Tensor, checkpoint: int = 0) -> Tensor:
+        """``[Q, D] -> [Q, D]``: the query-side transform, applied once per checkpoint."""
+        return queries
+
+    def prepare_train(self, block: Tensor, checkpoint: int = 0) -> Tensor:
+        """``[n, D] -> [n, D]``: the per-block transform of training gradients."""
+        return block
+
+    def options(self) -> dict[str, Any]:
+        """The method's settings, recorded with the scores."""
+        return {}

@@ -1,0 +1,223 @@
+"""The scoring engine: ``Attributor(method, train).score(queries) -> Scores``.
+
+Training gradients stay raw in the store; queries are few. So a method transforms the query side once
+(:meth:`Method.prepare_queries`) and scoring streams the training rows in blocks: one matrix product per
+block (per checkpoint for multi-checkpoint methods), a streaming top-k merge, and the full ``[Q, N]``
+matrix only when it fits the memory budget. Peak memory is ``O(Q * (block + k) + block * D)`` whatever
+the number of training examples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..gradients import as_source
+from ..methods import Method, get_method
+from ..store.spec import GradientSpec
+from .scores import Scores
+
+__all__ = ["Attributor", "vectors_to_batch"]
+
+
+def vectors_to_batch(vectors: Tensor, like: Any) -> Any:
+    """Dense ``[Q, D]`` vectors as a :class:`GradBatch` with the parameter layout of batch ``like``."""
+    from ..grad.batch import GradBatch, ParamGrad
+    from ..grad.terms import DenseTerm
+
+    params, start = {}, 0
+    for name, pg in like.params.items():
+        stop = start + pg.numel
+        params[name] = ParamGrad(name, pg.shape, [DenseTerm(vectors[:, start:stop].reshape(-1, *pg.shape))],
+                                 pg.projected)
+        start = stop
+    return GradBatch(ids=[str(i) for i in range(vectors.shape[0])], params=params,
+                     scale=torch.ones(vectors.shape[0]), convention=like.convention, projection=like.projection)
+
+
+def _merge(kept: tuple[Tensor, Tensor] | None, block: Tensor, offset: int, k: int,
+           largest: bool) -> tuple[Tensor, Tensor]:
+    """Merge a ``[Q, n]`` block of scores into the running top-k ``(values, indices)``."""
+    take = min(k, block.shape[1])
+    values, local = torch.topk(block, take, dim=1, largest=largest)
+    indices = local + offset
+    if kept is not None:
+        values = torch.cat([kept[0], values], dim=1)
+        indices = torch.cat([kept[1], indices], dim=1)
+        values, order = torch.topk(values, min(k, values.shape[1]), dim=1, largest=largest)
+        indices = torch.gather(indices, 1, order)
+    return values, indices
+
+
+class Attributor:
+    """Scores query gradients against training gradients with an attribution method.
+
+    Args:
+        method: a registered method name (``"grad_dot"``, ``"grad_cos"``, ``"tracin"``, ...) or instance.
+        train: training gradients -- a :class:`gradtrace.GradientStore`, its path, a
+            :class:`gradtrace.GradientSet` or captured batches; for multi-checkpoint methods a list with
+            one per checkpoint (same examples).
+        block_rows: training rows per streamed block.
+        device: where the products run (default: CPU; blocks are moved there as they stream).
+        matrix_bytes: keep the full ``[Q, N]`` matrix when it takes at most this many bytes.
+        **method_options: passed to the method (e.g. ``weights=[...]`` learning rates for TracIn).
+    """
+
+    def __init__(self, method: str | Method = "grad_dot", train: Any = None, *, block_rows: int = 8192,
+                 device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:
+        self.method = get_method(method, **method_options)
+        if train is None:
+            raise ValueError("Attributor needs training gradients: train=store, path, GradientSet or batches")
+        sources = list(train) if isinstance(train, (list, tuple)) and self.method.multi_checkpoint else [train]
+        self.train = [as_source(s) for s in sources]
+        self.block_rows = block_rows
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.matrix_bytes = matrix_bytes
+        first = self.train[0]
+        for c, other in enumerate(self.train[1:], start=1):
+            if list(other.ids) != list(first.ids):
+                raise ValueError(f"checkpoint {c}'s training gradients hold different examples (or order) than "
+                                 "checkpoint 0's; collect them over the same data")
+            if [n for n, _ in other.spec.params] != [n for n, _ in first.spec.params]:
+                raise ValueError(f"checkpoint {c}'s training gradients cover different parameters")
+        self.profile: dict[str, float] = {}
+
+    @property
+    def spec(self) -> GradientSpec:
+        return self.train[0].spec
+
+    @property
+    def train_ids(self) -> list[str]:
+        return list(self.train[0].ids)
+
+    def fit(self, *args: Any, **kwargs: Any) -> Attributor:
+        """Fit what the method needs (curvature, optimizer states); a no-op for methods that need nothing."""
+        fit = getattr(self.method, "fit", None)
+        if fit is not None:
+            fit(self, *args, **kwargs)
+        return self
+
+    def _query_sets(self, queries: Any) -> list[Any]:
+        if self.method.multi_checkpoint:
+            if not isinstance(queries, (list, tuple)) or len(queries) != len(self.train):
+                raise ValueError(f"{self.method.name} scores queries at every checkpoint: pass a list of "
+                                 f"{len(self.train)} query gradient sets, one per training checkpoint")
+            return [as_source(q) for q in queries]
+        return [as_source(queries)]
+
+    def score(self, queries: Any, *, topk: int | None = 100, matrix: bool | str = "auto",
+              progress: bool = False) -> Scores:
+        """Score every query against every training example.
+
+        Args:
+            queries: query gradients (same kinds as ``train``; one per checkpoint for multi-checkpoint methods).
+            topk: keep the ``topk`` highest and lowest scores of each query while streaming (None: none).
+            matrix: keep the full ``[Q, N]`` matrix: True, False or ``"auto"`` (when it fits ``matrix_bytes``).
+            progress: show a progress bar over training blocks.
+        """
+        self.method.check_ready()
+        start = time.perf_counter()
+        query_sets = self._query_sets(queries)
+        weights = (self.method.checkpoint_weights(len(self.train)) if hasattr(self.method, "checkpoint_weights")
+                   else [1.0] * len(self.train))
+        prepared = []
+        for c, (q, t) in enumerate(zip(query_sets, self.train)):
+            t.spec.check_compatible(q.spec, f"queries vs training gradients (checkpoint {c})")
+            if list(q.ids) != list(query_sets[0].ids):
+                raise ValueError(f"checkpoint {c}'s queries differ from checkpoint 0's")
+            prepared.append(self.method.prepare_queries(q.read(0, len(q), self.device).to(torch.float32), c))
+        self.profile["prepare_queries_s"] = time.perf_counter() - start
+        num_q, num_train = len(query_sets[0]), len(self.train[0])
+        if num_train == 0:
+            raise ValueError("the training gradients are empty")
+        if num_q == 0:
+            raise ValueError("no query gradients")
+        keep_matrix = (num_q * num_train * 4 <= self.matrix_bytes) if matrix == "auto" else bool(matrix)
+        if not keep_matrix and not topk:
+            raise ValueError("neither the matrix nor a top-k would be kept: pass topk=k or matrix=True")
+        full = torch.empty(num_q, num_train, dtype=torch.float32, device=self.device) if keep_matrix else None
+        top = bottom = None
+        blocks = range(0, num_train, self.block_rows)
+        bar = _bar(blocks, progress, math.ceil(num_train / self.block_rows))
+        stream = time.perf_counter()
+        for offset in bar:
+            stop = min(num_train, offset + self.block_rows)
+            scores = None
+            for c, source in enumerate(self.train):
+                block = self.method.prepare_train(source.read(offset, stop, self.device).to(torch.float32), c)
+                part = prepared[c] @ block.t()
+                scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
+            if full is not None:
+                full[:, offset:stop] = scores
+            if topk:
+                top = _merge(top, scores, offset, topk, largest=True)
+                bottom = _merge(bottom, scores, offset, topk, largest=False)
+        self.profile["stream_s"] = time.perf_counter() - stream
+        self.profile["rows_per_s"] = num_train / max(self.profile["stream_s"], 1e-9)
+        meta = {"method": self.method.name, "options": self.method.options(), "spec": {
+            "projection": self.spec.projection, "convention": self.spec.convention, "dim": self.spec.dim,
+            "model": self.spec.model}, "checkpoints": len(self.train), "profile": dict(self.profile)}
+        cpu = lambda kept: None if kept is None else (kept[0].cpu(), kept[1].cpu())
+        return Scores(train_ids=self.train_ids, query_ids=list(query_sets[0].ids), method=self.method.name,
+                      matrix=full.cpu() if full is not None else None, top=cpu(top), bottom=cpu(bottom), meta=meta)
+
+    def token_scores(self, queries: Any, train_ids: Sequence[str], query_ids: Sequence[str] | None = None
+                     ) -> dict[tuple[str, str], Tensor]:
+        """Per-token shares of scores: ``{(query id, train id): [T]}`` summing to the pair's score.
+
+        Needs training gradients kept with their tokens (``collect(..., keep_tokens=True)`` or captured
+        batches) and a method whose training-side transform is a per-example scaling (dot, cosine, TracIn
+        at one checkpoint).
+        """
+        from ..grad.ops import token_inner
+
+        if len(self.train) != 1:
+            raise ValueError("per-token scores are computed for one checkpoint at a time")
+        train = self.train[0]
+        if not hasattr(train, "token_batch"):
+            raise ValueError("per-token scores need in-memory training gradients with tokens "
+                             "(collect(..., keep_tokens=True)); stores keep one vector per example")
+        query_set = self._query_sets(queries)[0]
+        train.spec.check_compatible(query_set.spec, "queries vs training gradients")
+        rows = train.index_of(train_ids)
+        qrows = list(range(len(query_set))) if query_ids is None else query_set.index_of(query_ids)
+        batch = train.token_batch()
+        by_id = {ident: i for i, ident in enumerate(batch.ids)}
+        sub = batch.select([by_id[train.ids[r]] for r in rows])
+        q = self.method.prepare_queries(query_set.read(0, len(query_set)).to(torch.float32))[qrows]
+        raw_vectors = train.read(0, len(train))[rows]
+        shares = token_inner(sub, vectors_to_batch(q, sub))  # [n, T, Q]
+        raw = raw_vectors @ q.t()
+        scaled = self.method.prepare_train(raw_vectors) @ q.t()
+        factor = torch.where(raw.abs() > 0, scaled / raw.where(raw.abs() > 0, torch.ones_like(raw)),
+                             torch.zeros_like(raw))
+        shares = shares * factor.unsqueeze(1)
+        qids = [query_set.ids[i] for i in qrows]
+        return {(qid, tid): shares[i, :, j].clone() for i, tid in enumerate(train_ids) for j, qid in enumerate(qids)}
+
+    def self_scores(self) -> Tensor:
+        """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot)."""
+        weights = (self.method.checkpoint_weights(len(self.train)) if hasattr(self.method, "checkpoint_weights")
+                   else [1.0] * len(self.train))
+        out = torch.zeros(len(self.train[0]))
+        for offset in range(0, len(out), self.block_rows):
+            stop = min(len(out), offset + self.block_rows)
+            for c, source in enumerate(self.train):
+                rows = source.read(offset, stop, self.device).to(torch.float32)
+                left = self.method.prepare_queries(rows, c)
+                right = self.method.prepare_train(rows, c)
+                out[offset:stop] += weights[c] * (left * right).sum(1).cpu()
+        return out
+
+
+def _bar(blocks: Sequence[int], enabled: bool, total: int):
+    if not enabled:
+        return blocks
+    from tqdm.auto import tqdm
+
+    return tqdm(blocks, total=total, desc="score", unit="block", dynamic_ncols=True)

@@ -1,0 +1,9 @@
+"""Sharded, memory-mapped, self-describing on-disk gradient stores."""
+
+from .layout import StoreError
+from .reader import GradientStore
+from .spec import GradientSpec, SpecMismatch, model_fingerprint
+from .writer import ShardWriter, StoreWriteError, StoreWriter
+
+__all__ = ["GradientSpec", "SpecMismatch", "model_fingerprint", "ShardWriter", "StoreWriter", "StoreWriteError",
+           "GradientStore", "StoreError"]
