@@ -5,5 +5,13 @@ from .reader import GradientStore
 from .spec import GradientSpec, SpecMismatch, model_fingerprint
 from .writer import ShardWriter, StoreWriteError, StoreWriter
 
-__all__ = ["GradientSpec", "SpecMismatch", "model_fingerprint", "ShardWriter", "StoreWriter", "StoreWriteError",
-           "GradientStore", "StoreError"]
+__all__ = [
+    "GradientSpec",
+    "GradientStore",
+    "ShardWriter",
+    "SpecMismatch",
+    "StoreError",
+    "StoreWriteError",
+    "StoreWriter",
+    "model_fingerprint",
+]

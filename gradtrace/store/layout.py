@@ -12,8 +12,10 @@
         r00000-000000.json       commit record: ids, per-row fields, file sizes and blake2b checksums
 
 A shard exists once its ``.json`` commit record exists: data files are written to temporary names,
-fsynced and renamed first, the record last. A killed writer leaves at most temporary files, which are
-removed when the store is reopened; every committed shard stays readable.
+fsynced and renamed first, the record last. A killed writer leaves at most temporary files and data
+files without a record, which the next writer of that rank removes; every committed shard stays
+readable. The manifest and lock files are created whole (written aside, then hard-linked into place).
+A lock names its holder's pid and host; a lock whose process is gone (same host) is taken over.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import hashlib
 import json
 import os
 import socket
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +39,12 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "checksum",
+    "create_exclusive",
+    "file_checksum",
     "lock_file",
+    "lock_is_stale",
     "rank_file",
+    "read_lock",
     "release_lock",
     "shard_name",
 ]
@@ -111,6 +119,34 @@ def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=False).encode())
 
 
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; False if it did. Other processes never see the
+    file half-written: the content is written to a temporary file first and hard-linked into place."""
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links on this file system: exclusive create, then write (not atomic)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+    return True
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -121,31 +157,66 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def read_lock(root: Path, rank: int) -> dict[str, Any] | None:
+    """The holder recorded in the lock file of ``rank`` (``{"pid", "host"}``), or None when unlocked."""
+    try:
+        holder = json.loads(lock_file(root, rank).read_text() or "{}")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def lock_is_stale(holder: dict[str, Any]) -> bool:
+    """Whether a lock was left by a process of this host that no longer runs."""
+    pid = holder.get("pid")
+    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
+
+
+@contextmanager
+def _takeover_guard(root: Path):
+    """Serialize stale-lock takeovers on this host (two resuming runs must not both remove a lock and each
+    create their own). Best effort where the file system has no ``flock``."""
+    fd = None
+    try:
+        import fcntl
+
+        fd = os.open(root, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except (ImportError, OSError):
+        pass
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the flock
+
+
 def acquire_lock(root: Path, rank: int) -> Path:
     """Take the write lock of ``rank``; a lock left by a dead process on this host is taken over."""
     path = lock_file(root, rank)
-    me = {"pid": os.getpid(), "host": socket.gethostname()}
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            try:
-                holder = json.loads(path.read_text() or "{}")
-            except (OSError, ValueError):
-                holder = {}
-            same_host = holder.get("host") == me["host"]
-            if same_host and holder.get("pid") and not _pid_alive(int(holder["pid"])):
-                path.unlink(missing_ok=True)  # stale: its writer died
-                continue
-            raise StoreError(
-                f"{root} (rank {rank}) is being written by another run (pid {holder.get('pid')} on "
-                f"{holder.get('host')}); two runs cannot write the same store. If that run is gone, delete {path}."
-            ) from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        return path
+    me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+    for _ in range(3):
+        if create_exclusive(path, me):
+            return path
+        holder = read_lock(root, rank)
+        if holder is None:
+            continue  # released meanwhile
+        if lock_is_stale(holder):
+            with _takeover_guard(root):
+                if read_lock(root, rank) == holder:  # still the dead process's lock, not a new taker's
+                    path.unlink(missing_ok=True)
+            continue
+        raise StoreError(
+            f"{root} (rank {rank}) is being written by another run (pid {holder.get('pid')} on "
+            f"{holder.get('host')}); two runs cannot write the same store. If that run is gone, delete {path}."
+        )
     raise StoreError(f"could not take the write lock {path}")
 
 
 def release_lock(root: Path, rank: int) -> None:
-    lock_file(root, rank).unlink(missing_ok=True)
+    """Remove the lock of ``rank`` if this process holds it."""
+    holder = read_lock(root, rank)
+    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        lock_file(root, rank).unlink(missing_ok=True)

@@ -106,5 +106,8 @@ class GradientSpec:
                                    f"other: {only_b}{'' if only_a or only_b else '; order differs'})")
             bad = [(n, d, e) for (n, d), (_, e) in zip(self.params, other.params) if d != e][:3]
             raise SpecMismatch(f"{what}: different dimensions for {bad}")
-        if self.convention != other.convention:
-            raise SpecMismatch(f"{what}: different loss conventions ({self.convention} vs {other.convention})")
+        # the loop's reduction is removed at capture; what must agree is the loss each gradient belongs to
+        mine_loss, their_loss = self.convention.get("example_loss"), other.convention.get("example_loss")
+        if mine_loss != their_loss:
+            raise SpecMismatch(f"{what}: different loss conventions (gradients of the per-example {mine_loss!r} "
+                               f"loss vs the {their_loss!r} loss)")

@@ -9,11 +9,13 @@ store: every shard committed before it stays readable, and a later run can resum
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import shutil
 import threading
 import warnings
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,10 @@ from .layout import (
     atomic_write_bytes,
     atomic_write_json,
     checksum,
+    create_exclusive,
+    lock_is_stale,
     rank_file,
+    read_lock,
     release_lock,
     shard_name,
 )
@@ -60,6 +65,10 @@ def _now() -> str:
 class ShardWriter:
     """Appends per-example vectors of one rank to a store, in shards of ``shard_rows`` rows.
 
+    Rows whose id the store already holds (stored by an earlier run, by another rank before this writer
+    opened, or put earlier by this writer) and rows with NaN/inf values are not written; they are counted
+    (ids of non-finite rows listed) under ``skipped`` in this rank's status file.
+
     Args:
         root: store directory (created if missing).
         spec: the layout of the vectors; an existing store must have the same one.
@@ -67,7 +76,8 @@ class ShardWriter:
         shard_rows: rows per shard file.
         queue_size: batches that may wait for the writer thread before ``put`` blocks.
         resume: append to an existing store, skipping ids it already holds (see :attr:`stored_ids`).
-        overwrite: delete an existing store first.
+        overwrite: delete an existing store first. In a multi-rank run only rank 0 deletes, and it refuses
+            while another rank's writer is running: start rank 0's writer first or delete the directory.
         config: free-form configuration recorded in the manifest.
     """
 
@@ -78,18 +88,31 @@ class ShardWriter:
             raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
         if shard_rows < 1:
             raise ValueError("shard_rows must be positive")
+        if resume and overwrite:
+            raise ValueError("resume=True and overwrite=True contradict each other; pass one of them")
         auto_rank, auto_world = dist_rank()
         self.rank = auto_rank if rank is None else rank
         self.world_size = auto_world if world_size is None else world_size
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
         self.root = Path(root)
         self.spec = spec
         self.shard_rows = shard_rows
-        self._prepare(resume, overwrite, config or {})
+        self._check_target()
         self._lock = acquire_lock(self.root, self.rank)
-        self._cleanup_temporaries()
-        self.stored_ids, self._next_seq, self.rows_written = self._scan_existing()
-        self.skipped: dict[str, list[str]] = {"nonfinite": [], "duplicate": []}
-        self._write_status("writing")
+        try:
+            if overwrite:
+                self._remove_old()
+            self._prepare(resume, overwrite, config or {})
+            self._cleanup_uncommitted()
+            self.stored_ids, self._next_seq, self.rows_written = self._scan_existing()
+            self._resumed_ids = frozenset(self.stored_ids)
+            self.skipped: dict[str, Any] = {"nonfinite": [], "already_stored": 0, "duplicate": 0}
+            self._load_previous_skips()
+            self._write_status("writing")
+        except BaseException:
+            release_lock(self.root, self.rank)
+            raise
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
         self._closed = False
@@ -99,62 +122,145 @@ class ShardWriter:
         self._thread.start()
 
     # -- setup -----------------------------------------------------------------------------------
+    _STORE_ENTRIES = ("shards", MANIFEST)
+
+    def _check_target(self) -> None:
+        """Refuse to write into a directory that holds something other than a gradient store."""
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"{self.root} exists and is not a directory")
+        self.root.mkdir(parents=True, exist_ok=True)
+        if (self.root / MANIFEST).exists():
+            return
+        foreign = [p.name for p in self.root.iterdir()
+                   if p.name not in self._STORE_ENTRIES and not p.name.startswith((".tmp-", "rank-"))]
+        if foreign:
+            raise StoreError(f"{self.root} is not empty and is not a gradient store (it holds {sorted(foreign)[:5]}); "
+                             "choose a new or empty directory")
+
+    def _read_manifest(self, corrupt_ok: bool = False) -> dict[str, Any] | None:
+        """The existing manifest (None if there is none, or it is unreadable and ``corrupt_ok``)."""
+        path = self.root / MANIFEST
+        try:
+            manifest = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError as err:
+            if corrupt_ok and (self.root / "shards").is_dir():
+                return None
+            raise StoreError(f"{path} is corrupted ({err}); pass overwrite=True to replace the store") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise StoreError(f"{self.root} is not a gradtrace store ({MANIFEST} has another format); "
+                             "choose another directory")
+        return manifest
+
+    def _remove_old(self) -> None:
+        """``overwrite``: rank 0 deletes the old store (none of whose writers may be running); another rank
+        deletes only its own old rows."""
+        self._read_manifest(corrupt_ok=True)  # refuses to delete a directory that is not a store
+        if self.rank != 0:
+            self._delete_rank_files(self.rank)
+            return
+        for path in self.root.glob("rank-*.lock"):
+            if path == self._lock:
+                continue
+            try:
+                holder = read_lock(self.root, int(path.stem.split("-")[1]))
+            except ValueError:
+                continue
+            if holder is None or lock_is_stale(holder):
+                continue
+            raise StoreError(f"cannot overwrite {self.root}: it is being written by pid {holder.get('pid')} on "
+                             f"{holder.get('host')} ({path.name})")
+        (self.root / MANIFEST).unlink(missing_ok=True)  # first: a half-deleted store is no store
+        for path in self.root.iterdir():
+            if path == self._lock:
+                continue
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+
+    def _delete_rank_files(self, rank: int) -> None:
+        rank_file(self.root, rank).unlink(missing_ok=True)
+        for path in (self.root / "shards").glob(f"{shard_name(rank, 0)[:6]}-*"):
+            path.unlink(missing_ok=True)
+
     def _prepare(self, resume: bool, overwrite: bool, config: dict[str, Any]) -> None:
-        manifest_path = self.root / MANIFEST
-        if manifest_path.exists() and overwrite and self.rank == 0:
-            shutil.rmtree(self.root)
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": _now(),
                     "spec": self.spec.to_dict(), "shard_rows": self.shard_rows, "world_size": self.world_size,
                     "config": config}
-        if not manifest_path.exists():
-            try:  # the first rank to arrive creates it; the others check it
-                import os
-
-                fd = os.open(manifest_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-                with os.fdopen(fd, "w") as f:
-                    json.dump(manifest, f, indent=1)
-                return
-            except FileExistsError:
-                pass
-        existing = json.loads(manifest_path.read_text())
-        if existing.get("format") != FORMAT:
-            raise StoreError(f"{self.root} is not a gradtrace store")
-        other = GradientSpec.from_dict(existing["spec"])
+        if create_exclusive(self.root / MANIFEST, json.dumps(manifest, indent=1).encode()):
+            return  # the first rank to arrive creates it; the others check it
+        existing = self._read_manifest()
+        if existing is None:
+            raise StoreError(f"{self.root}/{MANIFEST} vanished while opening the store (another run deleting it?)")
+        if existing.get("schema_version") != SCHEMA_VERSION:
+            raise StoreError(f"{self.root} has schema version {existing.get('schema_version')}, this gradtrace "
+                             f"writes version {SCHEMA_VERSION}; write to a new directory or pass overwrite=True")
+        try:
+            other = GradientSpec.from_dict(existing["spec"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise StoreError(f"{self.root}/{MANIFEST} has no valid spec ({err!r})") from None
         try:
             other.check_compatible(self.spec, f"store {self.root}", same_weights=False)
         except SpecMismatch as err:
-            raise SpecMismatch(f"{err}; write to a new directory or pass overwrite=True") from None
+            raise SpecMismatch(f"{err}; {self._mismatch_hint(overwrite)}") from None
         if other.dtype != self.spec.dtype:
-            raise SpecMismatch(f"store {self.root} stores {other.dtype}, this run writes {self.spec.dtype}")
+            raise SpecMismatch(f"store {self.root} stores {other.dtype}, this run writes {self.spec.dtype}; "
+                               f"{self._mismatch_hint(overwrite)}")
         if other.model.get("weights") != self.spec.model.get("weights") and resume:
             warnings.warn(f"gradtrace: resuming {self.root} with different model weights than the run that started "
-                          "it; rows from the two runs are not comparable unless that is intended", stacklevel=3)
-        if not resume and not self._is_fresh_rank_peer(existing):
+                          "it; rows from the two runs are not comparable unless that is intended", stacklevel=4)
+        if not (resume or overwrite or self._is_fresh_rank_peer(existing)):
             raise StoreError(f"{self.root} already holds a store; pass resume=True to add to it or overwrite=True "
                              "to replace it")
+
+    def _mismatch_hint(self, overwrite: bool) -> str:
+        if overwrite:  # only a rank > 0 gets here: rank 0 has not replaced the old store yet
+            return "with overwrite=True in a multi-rank run, rank 0's writer must start first"
+        return "write to a new directory or pass overwrite=True"
 
     def _is_fresh_rank_peer(self, manifest: dict[str, Any]) -> bool:
         """A manifest just created by another rank of the same run (no shards of ours yet)."""
         return (self.world_size > 1 and manifest.get("world_size") == self.world_size
                 and not rank_file(self.root, self.rank).exists())
 
-    def _cleanup_temporaries(self) -> None:
-        prefix = f".tmp-{shard_name(self.rank, 0)[:6]}"
-        for path in (self.root / "shards").glob(".tmp-*"):
-            if path.name.startswith(prefix):
+    def _cleanup_uncommitted(self) -> None:
+        """Remove this rank's temporary files and data files without a commit record (a killed writer's)."""
+        prefix = shard_name(self.rank, 0)[:6]
+        shards = self.root / "shards"
+        for path in shards.glob(f".tmp-{prefix}-*"):
+            path.unlink(missing_ok=True)
+        for path in shards.glob(f"{prefix}-*"):
+            if path.suffix != ".json" and not path.with_suffix(".json").exists():
                 path.unlink(missing_ok=True)
 
     def _scan_existing(self) -> tuple[set[str], int, int]:
         ids: set[str] = set()
         next_seq, rows = 0, 0
         for record in sorted((self.root / "shards").glob("r*.json")):
-            data = json.loads(record.read_text())
-            ids.update(data["ids"])
-            if data["rank"] == self.rank:
-                next_seq = max(next_seq, data["seq"] + 1)
-                rows += data["rows"]
+            try:
+                data = json.loads(record.read_text())
+                ids.update(data["ids"])
+                rank, seq, count = int(data["rank"]), int(data["seq"]), int(data["rows"])
+            except (ValueError, KeyError, TypeError) as err:
+                raise StoreError(f"shard record {record.name} in {self.root} is corrupted ({err!r}); remove that "
+                                 "shard or pass overwrite=True") from None
+            if rank == self.rank:
+                next_seq = max(next_seq, seq + 1)
+                rows += count
         return ids, next_seq, rows
+
+    def _load_previous_skips(self) -> None:
+        """Keep the non-finite ids an earlier run of this rank recorded (they are in no shard)."""
+        try:
+            previous = json.loads(rank_file(self.root, self.rank).read_text()).get("skipped") or {}
+        except (OSError, ValueError, AttributeError):
+            return
+        earlier = previous.get("nonfinite") if isinstance(previous, dict) else None
+        if isinstance(earlier, list):
+            self.skipped["nonfinite"] = [i for i in earlier if i not in self.stored_ids]
 
     def _write_status(self, status: str, error: str | None = None) -> None:
         atomic_write_json(rank_file(self.root, self.rank), {
@@ -162,25 +268,73 @@ class ShardWriter:
             "updated": _now(), "skipped": self.skipped, "error": error})
 
     # -- writing ---------------------------------------------------------------------------------
-    def put(self, ids: list[str], vectors: Tensor, fields: dict[str, list] | None = None) -> None:
-        """Queue rows for writing. ``vectors``: ``[n, dim]`` float; ``fields``: per-row lists (e.g. step)."""
+    def select_new(self, ids: Sequence[str]) -> list[int]:
+        """Positions of the ``ids`` the store does not hold yet (first occurrence); the others are counted
+        as skipped (``already_stored`` by an earlier run, or ``duplicate``) and from now on the kept ones are
+        taken as stored."""
+        keep = []
+        for pos, ident in enumerate(ids):
+            if ident in self.stored_ids:
+                self.skipped["already_stored" if ident in self._resumed_ids else "duplicate"] += 1
+            else:
+                self.stored_ids.add(ident)
+                keep.append(pos)
+        return keep
+
+    def note_nonfinite(self, ids: Sequence[str]) -> None:
+        """Record ids whose gradients held NaN/inf (not stored; listed in the rank status file)."""
+        listed = set(self.skipped["nonfinite"])
+        self.skipped["nonfinite"] += [i for i in ids if i not in listed and i not in self.stored_ids]
+
+    def put(self, ids: Sequence[Any], vectors: Tensor, fields: dict[str, Any] | None = None, *,
+            selected: bool = False) -> None:
+        """Queue rows for writing. ``vectors``: ``[n, dim]`` float; ``fields``: per-row lists (e.g. step).
+
+        The rows are copied: the caller may reuse ``vectors``. Blocks only while the queue is full.
+        ``selected``: the ids were already passed through :meth:`select_new` (they are new).
+        """
         self._raise_if_failed()
         if self._closed:
             raise StoreError("this store writer is closed")
+        ids = [str(i) for i in ids]
         if vectors.dim() != 2 or vectors.shape[1] != self.spec.dim or vectors.shape[0] != len(ids):
             raise ValueError(f"expected [{len(ids)}, {self.spec.dim}] vectors, got {tuple(vectors.shape)}")
-        fields = {k: list(v) for k, v in (fields or {}).items()}
+        fields = {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in (fields or {}).items()}
         for key, values in fields.items():
             if len(values) != len(ids):
                 raise ValueError(f"field {key!r} has {len(values)} values for {len(ids)} rows")
-        self.stored_ids.update(ids)
-        self._queue.put((list(ids), vectors.detach().to("cpu", torch.float32), fields))
+        try:
+            json.dumps(fields)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"per-row fields must be JSON values: {err}") from None
+        vectors = vectors.detach()
+        finite = torch.isfinite(vectors).all(dim=1).cpu() if vectors.numel() else torch.ones(len(ids), dtype=torch.bool)
+        if not bool(finite.all()):
+            bad = [ids[i] for i in (~finite).nonzero().flatten().tolist()]
+            warnings.warn(f"gradtrace: {len(bad)} row(s) with NaN/inf values are not stored: {bad[:5]}", stacklevel=2)
+            if selected:
+                self.stored_ids.difference_update(bad)
+            self.note_nonfinite(bad)
+        positions = [p for p in range(len(ids)) if bool(finite[p])]
+        keep = positions if selected else [positions[k] for k in self.select_new([ids[p] for p in positions])]
+        if not keep:
+            return
+        if len(keep) == len(ids):
+            rows = vectors.to("cpu", torch.float32, copy=True)
+        else:
+            rows = vectors[torch.tensor(keep, device=vectors.device)].to("cpu", torch.float32)
+            ids = [ids[p] for p in keep]
+            fields = {k: [v[p] for p in keep] for k, v in fields.items()}
+        self._queue.put((ids, rows, fields))
+        if self._error is not None:  # the writer died while this put waited; the rows were not written
+            self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise StoreWriteError(
-                f"writing {self.root} failed: {self._error!r}. The store is readable up to its last committed "
-                f"shard ({self.rows_written} rows of rank {self.rank}); fix the cause and resume with resume=True"
+                f"writing {self.root} failed: {self._error!r}. {self.rows_written} rows of rank {self.rank} are "
+                f"committed ({self._next_seq} shards) and readable with GradientStore.open(..., "
+                "allow_incomplete=True); rows queued after them are lost. Fix the cause and resume with resume=True"
             ) from self._error
 
     def _run(self) -> None:
@@ -239,7 +393,10 @@ class ShardWriter:
         self.rows_written += len(ids)
 
     def close(self, complete: bool = True) -> None:
-        """Write what is buffered, wait for the thread, and mark this rank complete (or interrupted)."""
+        """Write what is buffered, wait for the thread, and mark this rank complete (or interrupted).
+
+        Raises :class:`StoreWriteError` when the background writer failed.
+        """
         if self._closed:
             return
         self._closed = True
@@ -248,11 +405,19 @@ class ShardWriter:
         self._thread.join()
         try:
             if self._error is not None:
-                self._write_status("failed", repr(self._error))
+                # the disk may still be full: the status then stays "writing", which reads as incomplete too
+                with contextlib.suppress(OSError):
+                    self._write_status("failed", repr(self._error))
                 self._raise_if_failed()
             self._write_status("complete" if complete else "interrupted")
         finally:
             release_lock(self.root, self.rank)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(complete=exc is None)
 
 
 class StoreWriter:
@@ -260,9 +425,10 @@ class StoreWriter:
 
     ``capture(model, projection=LoGra(...), callbacks=[StoreWriter("runs/train")])``: each backward
     pass's examples are flattened (projected ones are small), examples flagged NaN/inf are skipped and
-    recorded, ids already in the store are skipped (``resume=True``), and the rest queued for the
-    background writer. Per-row fields ``step`` (backward pass) and anything ``fields(batch)`` returns are
-    stored with each row.
+    recorded, ids already in the store are skipped (``resume=True``; also the repeats of later epochs),
+    and the rest queued for the background writer. Per-row fields ``step`` (backward pass) and anything
+    ``fields(batch)`` returns are stored with each row. The spec (and the model fingerprint) is taken at
+    the first backward pass.
 
     Args:
         path: store directory.
@@ -275,6 +441,8 @@ class StoreWriter:
     def __init__(self, path: str | Path, *, dtype: str = "float32", shard_rows: int = 4096, queue_size: int = 8,
                  resume: bool = False, overwrite: bool = False, rank: int | None = None,
                  world_size: int | None = None, fields=None, config: dict[str, Any] | None = None) -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.path = Path(path)
         self.dtype = dtype
         self.options = dict(shard_rows=shard_rows, queue_size=queue_size, resume=resume, overwrite=overwrite,
@@ -297,20 +465,27 @@ class StoreWriter:
         return self.writer
 
     def on_batch(self, batch: GradBatch, capture=None) -> None:
-        writer = self.open(self.spec_for(batch))
-        keep = [i for i, ident in enumerate(batch.ids) if ident not in writer.stored_ids]
+        if self.writer is None:
+            self.open(self.spec_for(batch))
+        writer = self.writer
+        spec = writer.spec
+        if list(batch.dims.items()) != spec.params or batch.projection != spec.projection:
+            raise SpecMismatch(f"gradtrace: backward pass {batch.step} captured other parameters or another "
+                               f"projection than the store {self.path} was opened with")
+        candidates = list(range(len(batch)))
         if batch.nonfinite is not None and bool(batch.nonfinite.any()):
             bad = set(batch.nonfinite.nonzero().flatten().tolist())
-            writer.skipped["nonfinite"] += [batch.ids[i] for i in keep if i in bad]
-            keep = [i for i in keep if i not in bad]
+            writer.note_nonfinite([batch.ids[i] for i in candidates if i in bad])
+            candidates = [i for i in candidates if i not in bad]
+        keep = [candidates[k] for k in writer.select_new([batch.ids[i] for i in candidates])]
         if not keep:
             return
         sub = batch if len(keep) == len(batch) else batch.select(keep)
         fields = {"step": [batch.step] * len(keep)}
         if self.fields is not None:
             extra = self.fields(sub)
-            fields.update({k: list(v) for k, v in extra.items()})
-        writer.put(sub.ids, sub.flat(), fields)
+            fields.update({k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in extra.items()})
+        writer.put(sub.ids, sub.flat(), fields, selected=True)
 
     def on_capture_end(self, capture, error: BaseException | None) -> None:
         if self.writer is not None:

@@ -1,0 +1,161 @@
+"""Damaged, foreign, incompatible or busy stores are refused with a message that says what is wrong."""
+
+import json
+import os
+import socket
+
+import pytest
+
+from gradtrace.store import GradientStore, ShardWriter, SpecMismatch, StoreError
+from tests.store.common import MODEL, PROJECTION, make_rows, make_spec, write
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    ids, rows = make_rows(12)
+    write(tmp_path / "store", ids, rows, dtype="int8", shard_rows=5)  # shards of 5, 5, 2
+    return tmp_path / "store"
+
+
+def _manifest(path):
+    return json.loads((path / "manifest.json").read_text())
+
+
+def test_truncated_shard_is_named(store_path):
+    data = store_path / "shards" / "r00000-000001.data"
+    data.write_bytes(data.read_bytes()[:-3])
+    with pytest.raises(StoreError, match=r"shard r00000-000001: r00000-000001.data is truncated"):
+        GradientStore.open(store_path)
+    with pytest.raises(StoreError, match="truncated"):
+        GradientStore.open(store_path, verify=False, allow_incomplete=True)
+
+
+@pytest.mark.parametrize("suffix", ["data", "scale"])
+def test_flipped_byte_fails_the_checksum(store_path, suffix):
+    file = store_path / "shards" / f"r00000-000002.{suffix}"
+    raw = bytearray(file.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    file.write_bytes(bytes(raw))
+    with pytest.raises(StoreError, match=rf"shard r00000-000002: r00000-000002.{suffix} is corrupted \(checksum"):
+        GradientStore.open(store_path)
+    assert len(GradientStore.open(store_path, verify=False)) == 12  # only the checksum notices
+
+
+def test_missing_files(store_path):
+    (store_path / "shards" / "r00000-000000.scale").unlink()
+    with pytest.raises(StoreError, match=r"shard r00000-000000: r00000-000000.scale is missing"):
+        GradientStore.open(store_path)
+    (store_path / "manifest.json").unlink()
+    with pytest.raises(StoreError, match=r"is not a gradient store \(no manifest.json\)"):
+        GradientStore.open(store_path)
+
+
+def test_corrupted_records_and_status_files(store_path):
+    (store_path / "shards" / "r00000-000001.json").write_text('{"name": "r00000-000001", "rows"')
+    with pytest.raises(StoreError, match=r"shard record r00000-000001.json is corrupted"):
+        GradientStore.open(store_path)
+    with pytest.raises(StoreError, match=r"shard record r00000-000001.json .* is corrupted"):
+        ShardWriter(store_path, make_spec("int8"), resume=True)
+    assert not (store_path / "rank-00000.lock").exists()  # a refused writer leaves no lock behind
+
+
+def test_corrupted_manifest(store_path):
+    (store_path / "manifest.json").write_text('{"format": "gradtrace-store", "schema_')
+    with pytest.raises(StoreError, match=r"manifest.json is corrupted"):
+        GradientStore.open(store_path)
+    with pytest.raises(StoreError, match=r"corrupted.*overwrite=True"):
+        ShardWriter(store_path, make_spec(), resume=True)
+    ids, rows = make_rows(3, seed=9)
+    write(store_path, ids, rows, overwrite=True)  # a store with a broken manifest can still be replaced
+    assert GradientStore.open(store_path).ids == ids
+
+
+def test_wrong_schema_version(store_path):
+    manifest = _manifest(store_path)
+    manifest["schema_version"] = 99
+    (store_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreError, match="schema version 99, this gradtrace reads version 1"):
+        GradientStore.open(store_path)
+    with pytest.raises(StoreError, match="schema version 99"):
+        ShardWriter(store_path, make_spec("int8"), resume=True)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model": {**MODEL, "arch": "ffffffffffffffff", "class": "Other"}}, "made by another model"),
+    ({"projection": {**PROJECTION, "seed": 4}}, "different projections"),
+    ({"projection": None}, "different projections"),
+    ({"convention": {"reduction": "mean", "example_loss": "mean"}}, "different loss conventions"),
+    ({"params": [("fc1.weight", 6), ("fc1.bias", 3)]}, "different captured parameters"),
+    ({"params": [("fc1.weight", 6), ("fc1.bias", 4), ("head.weight", 5)]}, "different dimensions"),
+    ({"dtype": "bfloat16"}, "stores int8, this run writes bfloat16"),
+])
+def test_resume_with_an_incompatible_spec(store_path, change, message):
+    spec = make_spec(**{"dtype": "int8", **change})
+    with pytest.raises(SpecMismatch, match=message):
+        ShardWriter(store_path, spec, resume=True)
+    assert not (store_path / "rank-00000.lock").exists()
+    assert len(GradientStore.open(store_path)) == 12  # untouched
+
+
+def test_resume_with_other_weights_of_the_same_model_warns(store_path):
+    spec = make_spec("int8", model={**MODEL, "weights": "9999999999999999"})
+    with pytest.warns(UserWarning, match="different model weights"):
+        ShardWriter(store_path, spec, resume=True).close()
+
+
+def test_non_store_directories(tmp_path):
+    with pytest.raises(StoreError, match="no such directory"):
+        GradientStore.open(tmp_path / "absent")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match=r"is not a gradient store \(no manifest.json\)"):
+        GradientStore.open(tmp_path)
+    with pytest.raises(StoreError, match=r"is not empty and is not a gradient store .*notes.txt"):
+        ShardWriter(tmp_path, make_spec())
+    (tmp_path / "manifest.json").write_text('{"format": "something-else"}')
+    with pytest.raises(StoreError, match="not a gradtrace store"):
+        GradientStore.open(tmp_path)
+    with pytest.raises(StoreError, match="not a gradtrace store"):
+        ShardWriter(tmp_path, make_spec(), overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # overwrite never deletes what is not a store
+    (tmp_path / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(StoreError, match="not a gradtrace store"):
+        GradientStore.open(tmp_path)
+
+
+def test_existing_store_needs_resume_or_overwrite(store_path):
+    with pytest.raises(StoreError, match=r"already holds a store; pass resume=True .* or overwrite=True"):
+        ShardWriter(store_path, make_spec("int8"))
+    with pytest.raises(ValueError, match="contradict"):
+        ShardWriter(store_path, make_spec("int8"), resume=True, overwrite=True)
+    ids, rows = make_rows(3, seed=5)
+    write(store_path, ids, rows, dtype="float32", overwrite=True)  # another dtype, even: it is a new store
+    store = GradientStore.open(store_path)
+    assert store.ids == ids and store.spec.dtype == "float32" and len(store.shards) == 1
+    assert sorted(p.name for p in (store_path / "shards").iterdir()) == ["r00000-000000.data", "r00000-000000.json"]
+
+
+def test_second_writer_on_the_same_rank_is_refused(store_path):
+    first = ShardWriter(store_path, make_spec("int8"), resume=True)
+    try:
+        with pytest.raises(StoreError, match=rf"being written by another run \(pid {os.getpid()} on"):
+            ShardWriter(store_path, make_spec("int8"), resume=True)
+        with pytest.raises(StoreError, match=rf"pid {os.getpid()}"):
+            ShardWriter(store_path, make_spec("int8"), overwrite=True)
+        assert len(GradientStore.open(store_path, allow_incomplete=True)) == 12
+    finally:
+        first.close()
+    ShardWriter(store_path, make_spec("int8"), resume=True).close()  # free again once the first one closed
+
+
+def test_lock_of_a_live_process_is_respected(store_path):
+    other = os.getppid()  # alive, and not us
+    lock = store_path / "rank-00000.lock"
+    lock.write_text(json.dumps({"pid": other, "host": socket.gethostname()}))
+    with pytest.raises(StoreError, match=rf"pid {other} on {socket.gethostname()}.*delete .*rank-00000.lock"):
+        ShardWriter(store_path, make_spec("int8"), resume=True)
+    with pytest.raises(StoreError, match=rf"being written by another run \(pid {other}"):
+        ShardWriter(store_path, make_spec("int8"), overwrite=True)
+    assert lock.exists() and str(other) in lock.read_text()
+    (store_path / "rank-00000.json").write_text('{"status": "writing"}')
+    with pytest.raises(StoreError, match=rf"rank 0: writing, writer pid {other} on .* still holds the lock"):
+        GradientStore.open(store_path)

@@ -1,0 +1,95 @@
+"""A capture killed with SIGKILL and resumed gives the store an uninterrupted run gives."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradtrace.store import GradientStore, ShardWriter, StoreError
+from tests.store import capture_job
+from tests.store.common import make_rows, make_spec, status
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = Path(capture_job.__file__)
+
+
+def _run_job(path, *args, kill_after=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRADTRACE_TEST_THREADS": "1"}
+    env.pop("GRADTRACE_TEST_KILL_AFTER", None)
+    if kill_after is not None:
+        env["GRADTRACE_TEST_KILL_AFTER"] = str(kill_after)
+    return subprocess.run([sys.executable, str(SCRIPT), str(path), *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _as_dict(store):
+    vectors = store.read(0, len(store))
+    return {ident: vectors[row] for row, ident in enumerate(store.ids)}
+
+
+def test_killed_capture_resumes_to_the_uninterrupted_result(tmp_path):
+    killed_path, full_path = tmp_path / "killed", tmp_path / "full"
+    killed = _run_job(killed_path, kill_after=5)  # 20 rows captured: 3 full shards of 6 committed, 2 rows lost
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+
+    # the killed store: refused as incomplete, readable up to its last committed shard
+    with pytest.raises(StoreError, match=r"incomplete \(rank 0: writing, writer pid \d+ on .* gone\)") as err:
+        GradientStore.open(killed_path)
+    assert "18 committed rows are readable" in str(err.value)
+    partial = GradientStore.open(killed_path, allow_incomplete=True)
+    assert partial.ids == capture_job.example_ids()[:18]
+    assert [s.rows for s in partial.shards] == [6, 6, 6]
+    holder = (killed_path / "rank-00000.lock").read_text()
+    assert f'"host": "{socket.gethostname()}"' in holder  # the dead writer's lock is still there
+
+    # what a kill in the middle of a shard leaves: a temporary file, a data file without its record
+    (killed_path / "shards" / ".tmp-r00000-000003.data").write_bytes(b"partial")
+    (killed_path / "shards" / "r00000-000003.data").write_bytes(b"\0" * 17)
+
+    capture_job.run(full_path)  # the uninterrupted reference, in this process
+    resumed = _run_job(killed_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+
+    store, full = GradientStore.open(killed_path), GradientStore.open(full_path)
+    assert sorted(store.ids) == sorted(full.ids) == capture_job.example_ids()
+    assert len(set(store.ids)) == len(store.ids)
+    got, want = _as_dict(store), _as_dict(full)
+    assert all(torch.equal(got[i], want[i]) for i in want)
+    assert store.spec == full.spec
+    assert not (killed_path / "rank-00000.lock").exists()  # taken over from the dead pid, then released
+    assert not list((killed_path / "shards").glob(".tmp-*"))
+    assert status(killed_path)["status"] == "complete"
+    assert status(killed_path)["skipped"]["already_stored"] == 18
+
+
+def test_lock_of_a_dead_process_is_taken_over(tmp_path):
+    ids, rows = make_rows(4)
+    ShardWriter(tmp_path, make_spec()).close()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "rank-00000.lock").write_text(f'{{"pid": {dead.pid}, "host": "{socket.gethostname()}"}}')
+    with ShardWriter(tmp_path, make_spec(), resume=True) as writer:
+        assert f'"pid": {os.getpid()}' in (tmp_path / "rank-00000.lock").read_text()
+        writer.put(ids, rows)
+    assert GradientStore.open(tmp_path).ids == ids
+
+
+def test_resume_skips_stored_ids_and_continues_shard_numbering(tmp_path):
+    ids, rows = make_rows(13)
+    writer = ShardWriter(tmp_path, make_spec(), shard_rows=4)
+    writer.put(ids[:9], rows[:9])
+    writer.close(complete=False)
+    assert status(tmp_path)["status"] == "interrupted"
+    with ShardWriter(tmp_path, make_spec(), shard_rows=4, resume=True) as writer:
+        assert writer.stored_ids == set(ids[:9]) and writer.rows_written == 9
+        writer.put(ids, rows)
+    store = GradientStore.open(tmp_path)
+    assert store.ids == ids and torch.equal(store.read(0, 13), rows)
+    assert [s.name for s in store.shards] == ["r00000-000000", "r00000-000001", "r00000-000002", "r00000-000003"]
+    assert [s.rows for s in store.shards] == [4, 4, 1, 4]
+    assert status(tmp_path)["skipped"]["already_stored"] == 9 and status(tmp_path)["rows"] == 13
