@@ -20,7 +20,7 @@ from .capture import capture
 from .grad.projection import LoGra
 from .gradients import GradientSet
 from .losses import default_loss
-from .store import GradientStore, StoreWriter, model_fingerprint
+from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
 
 __all__ = ["collect"]
 
@@ -178,8 +178,12 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
     if id_list is not None and consumed < len(id_list) and writer is None:
         raise ValueError(f"collect(): {len(id_list)} ids given for {consumed} examples")
     if writer is not None:
-        if writer.writer is None and not stored:
-            raise ValueError("collect(): the data produced no examples")
+        if writer.writer is None:
+            if not stored:
+                raise ValueError("collect(): the data produced no examples")
+            # resumed with nothing left to compute: mark this rank's part of the store complete
+            existing = GradientStore.open(store, verify=False, allow_incomplete=True)
+            ShardWriter(store, existing.spec, resume=True).close()
         return GradientStore.open(store)
     if not cap.batches:
         raise ValueError("collect(): the data produced no examples")

