@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check gradtrace tests bench
 
 demo: $(STAMP)
-	$(BIN)/python -m gradtrace.demo
+	$(BIN)/gradtrace demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

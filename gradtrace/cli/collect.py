@@ -1,0 +1,157 @@
+"""``gradtrace collect MODEL_DIR DATA --out STORE``: per-example gradients of a dataset into a gradient store."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import META_KEY, provenance, write_resolved
+from .data import make_batches, read_examples, token_ids
+from .errors import CliError
+from .groups import DataOptions, ModelOptions, ProjectionOptions
+from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
+from .options import Group, cli, resolved
+from .report import Phases, console, human_bytes
+
+__all__ = ["OPTIONS", "CollectOptions", "StoreOptions", "projection_label", "run"]
+
+
+@dataclass(kw_only=True)
+class StoreOptions(Group):
+    """Where and how the gradient store is written."""
+
+    panel = "Store"
+    out: Path = field(metadata=cli("Directory of the gradient store to write.", "--out", "-o", metavar="STORE"))
+    dtype: Literal["float32", "bfloat16", "int8"] = field(default="float32", metadata=cli(
+        "Storage precision of the vectors (int8: one float32 scale per row)."))
+    resume: bool = field(default=False, metadata=cli("Add to an existing store, skipping the ids it already holds."))
+    overwrite: bool = field(default=False, metadata=cli("Replace an existing store at --out."))
+    shard_rows: int = field(default=4096, metadata=cli("Rows per shard file.", min=1))
+
+
+@dataclass(kw_only=True)
+class CollectOptions:
+    """Options of ``gradtrace collect``."""
+
+    model: Path = field(metadata=cli("Local Hugging Face model directory (config, weights and tokenizer).",
+                                     argument=True, metavar="MODEL_DIR"))
+    data: Path = field(metadata=cli("Training examples: .jsonl (one JSON object per line) or .txt (one per line).",
+                                    argument=True, metavar="DATA"))
+    store_options: StoreOptions
+    data_options: DataOptions
+    projection_options: ProjectionOptions
+    model_options: ModelOptions
+    progress: bool = field(default=True, metadata=cli("Show a progress bar and the time profile.",
+                                                      "--progress/--no-progress"))
+
+
+OPTIONS = CollectOptions
+
+
+def run(opts: CollectOptions) -> None:
+    """Collect per-example gradients of a dataset into a gradient store.
+
+    Each example's gradient is that of its own loss (causal LM, summed over its tokens).
+    Gradients are projected with LoGra at capture time unless --projection none.
+
+    Example: gradtrace collect ./model train.jsonl --out ./store --rank 16
+    """
+    import gradtrace
+
+    phases = Phases()
+    store_opts, data_opts, model_opts = opts.store_options, opts.data_options, opts.model_options
+    already = _check_target(store_opts)
+    with phases("read data"):
+        examples = read_examples(opts.data, data_opts.text_field, data_opts.id_field)
+    with phases("load model"):
+        tokenizer = load_tokenizer(opts.model)
+        device = resolve_device(model_opts.device)
+        model = load_model(opts.model, device, model_opts.model_dtype)
+    with phases("tokenize"):
+        max_length = resolve_max_length(data_opts.max_length, model)
+        tokens, ids, truncated = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.data)
+        batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
+    phases.note("tokenize", f"{sum(map(len, tokens)):,} tokens" + (f", {truncated} truncated" if truncated else ""))
+    proj = opts.projection_options
+    projection = gradtrace.LoGra(rank=proj.rank, seed=proj.seed) if proj.projection == "logra" else None
+    if already:
+        _check_resume(store_opts, projection, model)
+    final = replace(opts, model=opts.model.absolute(), data=opts.data.absolute(),
+                    store_options=replace(store_opts, out=store_opts.out.absolute()),
+                    data_options=replace(data_opts, max_length=max_length),
+                    model_options=replace(model_opts, device=device))
+    values = resolved(final)
+    with phases("gradients"):
+        store = gradtrace.collect(model, batches, projection=projection, store=store_opts.out, dtype=store_opts.dtype,
+                                  resume=store_opts.resume, overwrite=store_opts.overwrite,
+                                  shard_rows=store_opts.shard_rows, device=device, progress=opts.progress,
+                                  config={META_KEY: provenance("collect"), **values})
+    seconds = phases.seconds["gradients"]
+    phases.note("gradients", f"{len(examples) / max(seconds, 1e-9):,.1f} examples/s")
+    written = write_resolved(store_opts.out, "collect", values)
+    info = store.info()
+    out = console()
+    new = len(store) - already
+    resumed = f" ({already:,} were already stored)" if store_opts.resume and already else ""
+    out.print(f"Stored {new:,} new example{'' if new == 1 else 's'}{resumed} in {store_opts.out}")
+    out.print(f"  rows x dim  {len(store):,} x {info['dim']:,} ({info['dtype']}, {human_bytes(info['bytes'])})")
+    out.print(f"  projection  {projection_label(info['projection'])}")
+    out.print(f"  config      {written}")
+    nonfinite = [i for r in store.ranks.values() for i in (r.get("skipped") or {}).get("nonfinite", [])]
+    if nonfinite:
+        out.print(f"[yellow]Warning: {len(nonfinite)} examples had NaN/inf gradients and were not stored "
+                  f"(first ids: {json.dumps(nonfinite[:3])}).[/yellow]")
+    out.print(f"Next: gradtrace score {store_opts.out} QUERIES.jsonl --out SCORES_DIR")
+    if opts.progress:
+        console(stderr=True).print(phases.table())
+
+
+def _check_target(store_opts: StoreOptions) -> int:
+    """Refuse an existing store without --resume/--overwrite; returns the rows it already holds."""
+    out = store_opts.out
+    if store_opts.resume and store_opts.overwrite:
+        raise CliError("--resume and --overwrite contradict each other; pass one of them")
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out} exists and is not a directory")
+    if not (out / "manifest.json").exists():
+        return 0
+    if not (store_opts.resume or store_opts.overwrite):
+        raise CliError(f"{out} already holds a gradient store: pass --resume to add the examples it lacks, or "
+                       "--overwrite to replace it")
+    if store_opts.overwrite:
+        return 0
+    from ..store import GradientStore
+
+    return len(GradientStore.open(out, verify=False, allow_incomplete=True))
+
+
+def _check_resume(store_opts: StoreOptions, projection: Any, model: Any) -> None:
+    """``--resume`` must use the store's settings: projection, dtype, model architecture (checked here even
+    when every example is already stored and nothing would be written)."""
+    from ..store import GradientStore
+    from ..store.spec import model_fingerprint
+
+    spec = GradientStore.open(store_opts.out, verify=False, allow_incomplete=True).spec
+    hint = "resume with the same settings, or pass --overwrite to replace the store"
+    wanted = projection.to_dict() if projection is not None else None
+    if spec.projection != wanted:
+        raise CliError(f"{store_opts.out} was collected with projection {projection_label(spec.projection)}, this run "
+                       f"asks for {projection_label(wanted)}; {hint}")
+    if spec.dtype != store_opts.dtype:
+        raise CliError(f"{store_opts.out} stores {spec.dtype}, this run asks for --dtype {store_opts.dtype}; {hint}")
+    arch = model_fingerprint(model)["arch"]
+    if spec.model.get("arch") and spec.model["arch"] != arch:
+        raise CliError(f"{store_opts.out} was collected with another model ({spec.model.get('class')} "
+                       f"{spec.model['arch']}, this one is {arch}: parameter names/shapes differ); {hint}")
+
+
+def projection_label(spec: dict | None) -> str:
+    """``LoGra rank 16x16 (vectors 16), seed 0`` / ``none (exact gradients)``."""
+    if not spec:
+        return "none (exact gradients)"
+    if spec.get("kind") == "logra":
+        return (f"LoGra rank {spec.get('rank_rows')}x{spec.get('rank_cols')} (vectors {spec.get('vector_rank')}), "
+                f"seed {spec.get('seed')}")
+    return json.dumps(spec)

@@ -1,0 +1,137 @@
+"""Configuration files: reading ``--config FILE`` (YAML or TOML) and writing the resolved configuration.
+
+A config file holds option values under their option names (``batch_size`` or ``batch-size``)::
+
+    # gradtrace.yaml
+    model: ./my-model          # keys shared by several commands apply to each of them
+    batch_size: 8
+    collect:                   # a section applies to one command only and wins over the shared keys
+      rank: 32
+      out: ./store
+
+Values from the file replace the option defaults; options given on the command line win over the file.
+A key that no command knows is an error (with a suggestion); a shared key that only some commands know is
+ignored by the others. Every command writes its fully resolved configuration next to its output
+(``gradtrace-<command>.yaml``), in the same format, so a run can be repeated with
+``gradtrace <command> --config STORE/gradtrace-<command>.yaml``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import CliError
+
+__all__ = ["CONFIG_HELP", "META_KEY", "load_config", "read_resolved", "resolved_name", "write_resolved"]
+
+CONFIG_HELP = "YAML or TOML file of option values (keys = option names); command-line options override it."
+META_KEY = "gradtrace"
+"""Key of the provenance block (version, command, time) in resolved configuration files."""
+
+
+def resolved_name(command: str) -> str:
+    return f"gradtrace-{command}.yaml"
+
+
+def _parse(path: Path) -> Any:
+    text = path.read_text()
+    if path.suffix.lower() == ".toml":
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ImportError:
+                raise CliError(f"reading TOML on Python < 3.11 needs tomli (pip install tomli): {path}") from None
+        try:
+            return tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise CliError(f"{path} is not valid TOML: {err}") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        detail = " ".join(str(err).split())
+        raise CliError(f"{path} is not valid YAML: {detail}") from None
+
+
+def load_config(path: Path, command: str, known: dict[str, list[str]]) -> dict[str, Any]:
+    """The option values ``path`` gives command ``command``.
+
+    ``known`` maps every command to its option names (to tell a typo from a key for another command).
+    Keys are normalized (``batch-size`` -> ``batch_size``); the ``gradtrace`` provenance block of a
+    resolved configuration is checked (it must be for the same command) and dropped.
+    """
+    if not path.is_file():
+        raise CliError(f"config file {path} does not exist")
+    data = _parse(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CliError(f"{path} must hold a mapping of option names to values")
+    meta = data.pop(META_KEY, None)
+    if isinstance(meta, dict) and meta.get("command") not in (None, command):
+        raise CliError(f"{path} is the resolved configuration of `gradtrace {meta['command']}`; it cannot "
+                                 f"configure `gradtrace {command}`")
+    norm = lambda key: str(key).replace("-", "_")
+    shared = {norm(k): v for k, v in data.items() if not (k in known and isinstance(v, dict))}
+    section = data.get(command) if isinstance(data.get(command), dict) else {}
+    mine = set(known.get(command, []))
+    everyone = {name for names in known.values() for name in names}
+    values: dict[str, Any] = {}
+    for where, block in (("", shared), (f"[{command}] ", {norm(k): v for k, v in section.items()})):
+        for key, value in block.items():
+            if key in mine:
+                values[key] = value
+            elif where or key not in everyone:
+                pool = mine if where else everyone
+                close = difflib.get_close_matches(key, sorted(pool), n=1)
+                suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+                target = f"`gradtrace {command}`" if where else "any gradtrace command"
+                raise CliError(f"{path}: {where}key {key!r} is not an option of {target}{suggestion}")
+    return values
+
+
+def write_resolved(directory: Path, command: str, values: dict[str, Any]) -> Path:
+    """Write ``directory/gradtrace-<command>.yaml``: every option's final value plus provenance."""
+    import yaml
+
+    path = Path(directory) / resolved_name(command)
+    document = {META_KEY: provenance(command), **values}
+    header = (f"# Resolved configuration of `gradtrace {command}` (every option's final value).\n"
+              f"# Repeat the run with: gradtrace {command} --config {path}\n")
+    text = header + yaml.safe_dump(json.loads(json.dumps(document)), sort_keys=False, allow_unicode=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+def provenance(command: str) -> dict[str, Any]:
+    """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version."""
+    from .. import __version__
+
+    return {"version": __version__, "command": command,
+            "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "python": sys.version.split()[0]}
+
+
+def read_resolved(directory: Path, command: str) -> dict[str, Any] | None:
+    """The resolved configuration a command wrote in ``directory`` (None if there is none)."""
+    path = Path(directory) / resolved_name(command)
+    if not path.is_file():
+        return None
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,35 @@
+"""``gradtrace demo``: run the bundled end-to-end demo (:mod:`gradtrace.demo`)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import CliError
+from .options import cli
+
+__all__ = ["OPTIONS", "DemoOptions", "run"]
+
+
+@dataclass(kw_only=True)
+class DemoOptions:
+    """Options of ``gradtrace demo``."""
+
+    out: Path = field(default=Path("gradtrace-demo"), metadata=cli(
+        "Directory for the demo's model, stores and scores.", "--out", "-o", metavar="DIR"))
+
+
+OPTIONS = DemoOptions
+
+
+def run(opts: DemoOptions) -> None:
+    """Run a small end-to-end demo (train a tiny model, collect, score, show the top examples).
+
+    Example: gradtrace demo --out ./demo
+    """
+    try:
+        demo = importlib.import_module("gradtrace.demo")
+    except ImportError as err:
+        raise CliError(f"the demo is not available in this installation of gradtrace ({err})", exit_code=1) from None
+    demo.main(out_dir=opts.out)

@@ -1,0 +1,133 @@
+"""``gradtrace inspect PATH``: what a gradient store or a score directory holds."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from .collect import projection_label
+from .config import META_KEY
+from .errors import CliError
+from .options import cli
+from .report import console, human_bytes
+
+__all__ = ["OPTIONS", "InspectOptions", "describe", "run"]
+
+
+@dataclass(kw_only=True)
+class InspectOptions:
+    """Options of ``gradtrace inspect``."""
+
+    path: Path = field(metadata=cli("A gradient store or a score directory.", argument=True, metavar="PATH"))
+    json: bool = field(default=False, metadata=cli("Print machine-readable JSON instead of a table.", "--json"))
+    verify: bool = field(default=False, metadata=cli(
+        "Also check every shard's checksum (reads the whole store).", "--verify"))
+
+
+OPTIONS = InspectOptions
+
+
+def run(opts: InspectOptions) -> None:
+    """Show what a gradient store or a score directory holds (shape, dtype, projection, provenance).
+
+    Example: gradtrace inspect ./store --json
+    """
+    info = describe(opts.path, verify=opts.verify)
+    if opts.json:
+        sys.stdout.write(json.dumps(info, indent=1, default=str) + "\n")
+        return
+    table = Table(title=f"{info['kind']}: {opts.path}", title_justify="left", show_header=False, box=None,
+                  pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in _display(info):
+        table.add_row(key, value)
+    console().print(table)
+
+
+def describe(path: Path, verify: bool = False) -> dict[str, Any]:
+    """A JSON-able summary of a store (``kind: "gradient store"``) or of saved scores (``kind: "scores"``)."""
+    if not path.exists():
+        raise CliError(f"{path} does not exist")
+    if (path / "manifest.json").exists():
+        from ..store import GradientStore
+
+        store = GradientStore.open(path, verify=verify, allow_incomplete=True)
+        info = store.info()
+        info["ranks"] = {str(rank): status for rank, status in info["ranks"].items()}
+        return {"kind": "gradient store", **info, "complete": store.complete, "checksums_verified": verify,
+                "param_dims": dict(store.spec.params)}
+    if (path / "scores.json").exists():
+        from ..score import Scores
+
+        scores = Scores.load(path)
+        return {"kind": "scores", "path": str(path), "method": scores.method, "queries": len(scores.query_ids),
+                "train": len(scores.train_ids), "matrix": scores.matrix is not None,
+                "top_k": int(scores.top[0].shape[1]) if scores.top is not None else None,
+                "bottom_k": int(scores.bottom[0].shape[1]) if scores.bottom is not None else None,
+                "meta": scores.meta}
+    raise CliError(f"{path} is neither a gradient store (no manifest.json) nor a score directory (no scores.json)")
+
+
+def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
+    if info["kind"] == "scores":
+        meta = dict(info["meta"])
+        config = meta.pop("config", {}) or {}
+        kept = ["full matrix" if info["matrix"] else "", f"top {info['top_k']}" if info["top_k"] else "",
+                f"bottom {info['bottom_k']}" if info["bottom_k"] else ""]
+        rows = [("method", info["method"]),
+                ("shape", f"{info['queries']:,} queries x {info['train']:,} training examples"),
+                ("kept", ", ".join(k for k in kept if k)), ("sign", str(meta.pop("sign", "")))]
+        spec = meta.pop("spec", {}) or {}
+        if spec:
+            rows.append(("projection", projection_label(spec.get("projection"))))
+            rows.append(("dim", f"{spec.get('dim', 0):,}"))
+            rows.append(("model", _model(spec.get("model") or {})))
+        meta.pop("method", None)
+        profile = meta.pop("profile", None) or {}
+        rows += [(key, _short(value)) for key, value in meta.items()]
+        if profile:
+            rows.append(("profile", ", ".join(_profile_item(k, v) for k, v in profile.items())))
+        return rows + _config_rows(config)
+    ranks = ", ".join(f"{r}: {s}" for r, s in info["ranks"].items())
+    rows = [("rows", f"{info['rows']:,}"), ("dim", f"{info['dim']:,}"), ("dtype", info["dtype"]),
+            ("parameters", f"{info['params']:,}"), ("projection", projection_label(info["projection"])),
+            ("convention", _short(info["convention"])), ("model", _model(info["model"] or {})),
+            ("shards", f"{info['shards']:,}"), ("ranks", ranks),
+            ("complete", "yes" if info["complete"] else "no (resume the run to finish it)"),
+            ("size", human_bytes(info["bytes"])), ("created", str(info["created"])),
+            ("checksums", "verified" if info["checksums_verified"] else "not checked (--verify)")]
+    return rows + _config_rows(info.get("config") or {})
+
+
+def _config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
+    config = dict(config)
+    meta = config.pop(META_KEY, None)
+    rows = []
+    if isinstance(meta, dict):
+        rows.append(("written by", f"gradtrace {meta.get('version')} {meta.get('command')} ({meta.get('written')})"))
+    rows += [(f"config.{key}", _short(value)) for key, value in config.items()]
+    return rows
+
+
+def _profile_item(key: str, value: Any) -> str:
+    if not isinstance(value, (int, float)):
+        return f"{key} {value}"
+    if key.endswith("_per_s"):
+        return f"{value:,.0f} {key.removesuffix('_per_s')}/s"
+    return f"{key.removesuffix('_s')} {value:.3f} s" if key.endswith("_s") else f"{key} {value:g}"
+
+
+def _model(model: dict[str, Any]) -> str:
+    if not model:
+        return "unknown"
+    return f"{model.get('class')} (arch {model.get('arch')}, weights {model.get('weights')})"
+
+
+def _short(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, default=str)

@@ -1,0 +1,50 @@
+"""The ``gradtrace`` command line: one typer app, one module per command.
+
+Commands are generated from their options dataclasses (:mod:`gradtrace.cli.options`), so ``--help``,
+config files and the resolved configuration written next to every output all come from one place.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from . import collect, demo, inspect, score, topk
+from .options import make_command
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="gradtrace",
+    help="Training data attribution for language models: which training examples made my model do this?\n\n"
+         "Typical run: gradtrace collect (training gradients) -> gradtrace score (queries against them) -> "
+         "gradtrace topk (the most influential examples). Scores: positive = the training example helps the "
+         "query (lowers its loss).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"gradtrace {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                       help="Print the gradtrace version and exit.")) -> None:
+    """Training data attribution for language models."""
+
+
+for _name, _module in (("collect", collect), ("score", score), ("topk", topk), ("inspect", inspect),
+                       ("demo", demo)):
+    app.command(_name)(make_command(_name, _module.OPTIONS, _module.run))
+
+
+def main() -> None:
+    """Entry point of the ``gradtrace`` console script."""
+    app(prog_name="gradtrace")

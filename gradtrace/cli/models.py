@@ -1,0 +1,127 @@
+"""Loading a local Hugging Face model directory (never a hub), with clear errors for what is missing."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CliError
+
+__all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model",
+                   "vocab.txt")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _check_dir(path: Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise CliError(f"model directory {path} does not exist (models are loaded from local directories only)")
+    if not path.is_dir():
+        raise CliError(f"model {path} is not a directory; give a directory written by save_pretrained()")
+    if not (path / "config.json").is_file():
+        raise CliError(f"{path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def load_tokenizer(path: Path) -> Any:
+    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``; a directory without one is an error."""
+    path = _check_dir(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise CliError(f"model directory {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
+                       "save one there with tokenizer.save_pretrained()")
+    from transformers import AutoTokenizer
+
+    try:
+        with _quiet():
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        raise CliError(f"cannot load the tokenizer of {path}: {_first_line(err)}") from None
+
+
+def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` on ``device``."""
+    path = _check_dir(path)
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    if dtype == "auto":
+        torch_dtype: Any = "auto"
+    else:
+        torch_dtype = TORCH_DTYPES[dtype]
+    major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2])
+    dtype_kwarg = {"dtype": torch_dtype} if major_minor >= (4, 56) else {"torch_dtype": torch_dtype}
+    try:
+        with _quiet():
+            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **dtype_kwarg)
+    except (OSError, ValueError, KeyError) as err:
+        raise CliError(f"cannot load a causal language model from {path}: {_first_line(err)}") from None
+    return model.to(device)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence loading chatter: stdout prints and transformers' weight-loading progress bar."""
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def pad_id(tokenizer: Any) -> int:
+    """Padding token id (any id works: padded positions are masked); the pad, else EOS, else 0."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return int(value)
+    return 0
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when available, else ``cpu``; other values are checked."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as err:
+        raise CliError(f"--device {device!r}: {err}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise CliError(f"--device {device}: CUDA is not available on this machine")
+    return device
+
+
+def context_limit(model: torch.nn.Module) -> int | None:
+    """The model's context length from its config (None when it does not say)."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_max_length(requested: int | None, model: torch.nn.Module) -> int | None:
+    """``--max-length``: the model's context when not given; more than the context is an error."""
+    limit = context_limit(model)
+    if requested is None:
+        return limit
+    if requested < 2:
+        raise CliError(f"--max-length {requested}: an example needs at least 2 tokens (one target)")
+    if limit is not None and requested > limit:
+        raise CliError(f"--max-length {requested} is longer than the model's context ({limit} tokens)")
+    return requested

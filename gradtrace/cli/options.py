@@ -1,0 +1,195 @@
+"""Command options as typed, documented dataclasses; the typer commands are generated from them.
+
+Each command declares one dataclass whose fields are its options (nested dataclasses group options by
+concern: model, data, projection, store...). A field's ``metadata=cli(...)`` carries its one-line help and
+flags (:func:`cli`). :func:`make_command` turns the dataclass into a typer command
+(every field becomes a parameter, each group a help panel), adds ``--config FILE`` (values from a YAML or
+TOML file, overridden by the command line) and calls the command's function with a filled-in instance.
+The same dataclass gives the fully resolved configuration written next to every output
+(:func:`resolved`), so the help text, the config-file keys and the saved configuration cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields, is_dataclass
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from .config import CONFIG_HELP, load_config
+from .errors import CliError, fail, reported_errors
+
+__all__ = ["COMMANDS", "Group", "cli", "config_keys", "flat_fields", "make_command", "resolved"]
+
+T = TypeVar("T")
+
+COMMANDS: dict[str, type] = {}
+"""command name -> its options dataclass (for config-file validation across commands)."""
+
+
+def cli(help: str, *flags: str, argument: bool = False, **typer_kwargs: Any) -> dict[str, Any]:
+    """``field(metadata=cli(...))``: how a dataclass field appears on the command line.
+
+    ``help``: its one-line doc; ``flags``: its option flags (default ``--field-name``); ``argument``: a
+    positional argument instead of an option; ``typer_kwargs``: more typer settings (``min``, ``metavar``).
+    The field's default is the option's default; a field without one is a required option or argument.
+    """
+    kind = "argument" if argument else "option"
+    return {"cli": {"kind": kind, "decls": flags, "help": help, "kwargs": typer_kwargs}}
+
+
+class Group:
+    """Base of the dataclasses grouping options by concern; ``panel`` titles their block in ``--help``."""
+
+    panel: typing.ClassVar[str | None] = None
+
+
+@dataclass(frozen=True)
+class FlatField:
+    """One command-line parameter: its field name, type, default (``MISSING``: required), ``cli()`` info
+    and help panel."""
+
+    name: str
+    type: Any
+    default: Any
+    info: dict[str, Any]
+    panel: str | None
+
+
+def flat_fields(cls: type, panel: str | None = None) -> list[FlatField]:
+    """The parameters of options dataclass ``cls`` in declaration order, nested groups flattened."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    out: list[FlatField] = []
+    for f in fields(cls):
+        kind = hints[f.name]
+        if is_dataclass(kind):
+            out += flat_fields(kind, getattr(kind, "panel", None) or panel)
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        out.append(FlatField(f.name, kind, default, f.metadata["cli"], getattr(cls, "panel", None) or panel))
+    names = [x.name for x in out]
+    duplicates = {n for n in names if names.count(n) > 1}
+    if duplicates:
+        raise TypeError(f"{cls.__name__}: option names used twice: {sorted(duplicates)}")
+    return out
+
+
+def _typer_parameter(spec: FlatField) -> inspect.Parameter:
+    info = spec.info
+    kwargs = dict(info["kwargs"])
+    if spec.panel and info["kind"] == "option":
+        kwargs.setdefault("rich_help_panel", spec.panel)
+    if info["kind"] == "argument":
+        marker = typer.Argument(help=info["help"], show_default=spec.default is not MISSING, **kwargs)
+    else:
+        marker = typer.Option(*info["decls"], help=info["help"], **kwargs)
+    default = inspect.Parameter.empty if spec.default is MISSING else spec.default
+    return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[spec.type, marker])
+
+
+def _build(cls: type[T], values: dict[str, Any]) -> T:
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in fields(cls):
+        kwargs[f.name] = _build(hints[f.name], values) if is_dataclass(hints[f.name]) else values[f.name]
+    return cls(**kwargs)
+
+
+def resolved(options: Any) -> dict[str, Any]:
+    """The flat ``{option name: value}`` of a filled-in options dataclass (paths as strings)."""
+    out: dict[str, Any] = {}
+    for f in fields(options):
+        value = getattr(options, f.name)
+        if is_dataclass(value):
+            out.update(resolved(value))
+        else:
+            out[f.name] = _plain(value)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def config_keys(cls: type) -> dict[str, str]:
+    """Config-file keys of options dataclass ``cls`` -> field names: the field names, and the long flags as
+    aliases where no field has that name (``lr`` for ``--lr``; ``store`` stays the STORE argument)."""
+    specs = flat_fields(cls)
+    keys = {s.name: s.name for s in specs}
+    for s in specs:
+        for flag in _long_flags(s):
+            keys.setdefault(flag, s.name)
+    return keys
+
+
+def _long_flags(spec: FlatField) -> list[str]:
+    """``--batch-size`` -> ``batch_size`` for each long flag of a field (``--progress/--no-progress``: the first)."""
+    flags = [decl.split("/")[0] for decl in spec.info["decls"]]
+    return [flag[2:].replace("-", "_") for flag in flags if flag.startswith("--")]
+
+
+def _config_callback(ctx: typer.Context, value: Path | None) -> Path | None:
+    """``--config FILE``: its values become the defaults of this run (the command line still wins).
+
+    A list given for a positional argument whose name is also a repeatable flag spills over: in
+    ``gradtrace score``, ``store: [a, b]`` means ``STORE=a --store b``.
+    """
+    if value is None:
+        return None
+    command = ctx.info_name or ""
+    try:
+        values = load_config(value, command, {name: list(config_keys(cls)) for name, cls in COMMANDS.items()})
+    except CliError as err:
+        raise fail(str(err)) from None
+    specs = {s.name: s for s in flat_fields(COMMANDS[command])}
+    keys = config_keys(COMMANDS[command])
+    is_list = lambda name: typing.get_origin(specs[name].type) is list
+    spill = {flag: s.name for s in specs.values() if is_list(s.name) for flag in _long_flags(s)
+             if flag in specs and flag != s.name and not is_list(flag)}  # "store" (STORE) -> --store's field
+    defaults: dict[str, Any] = {}
+    for key, item in values.items():
+        name = keys[key]
+        if key in spill and isinstance(item, list):
+            defaults[name], defaults[spill[key]] = (item[0] if item else None), list(item[1:])
+        elif is_list(name) and not isinstance(item, list):
+            defaults[name] = [item]
+        else:
+            defaults[name] = item
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+def make_command(name: str, options_cls: type[T], run: Callable[[T], None]) -> Callable[..., None]:
+    """A typer command function (signature generated from ``options_cls``) that calls ``run(options)``.
+
+    ``run``'s docstring is the command's help. Bad-input errors raised by ``run`` are printed on one line
+    and exit with code 2 (see :mod:`gradtrace.cli.errors`).
+    """
+    COMMANDS[name] = options_cls
+    specs = flat_fields(options_cls)
+    parameters = [_typer_parameter(s) for s in specs]
+    parameters.append(inspect.Parameter(
+        "config", inspect.Parameter.KEYWORD_ONLY, default=None,
+        annotation=Annotated[Path | None, typer.Option("--config", help=CONFIG_HELP, is_eager=True,
+                                                       callback=_config_callback, metavar="FILE")]))
+
+    def command(**values: Any) -> None:
+        values.pop("config", None)
+        with reported_errors():
+            run(_build(options_cls, values))
+
+    command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+    command.__doc__ = run.__doc__
+    command.__name__ = name
+    command.__annotations__ = {}
+    return command
+

@@ -1,0 +1,269 @@
+"""``gradtrace score STORE QUERIES --out SCORES_DIR``: attribution scores of queries against a gradient store.
+
+The queries' gradients are taken with the store's own projection (rebuilt from its manifest), so the two
+sides are comparable by construction; a store and a model that do not match are refused.
+
+Multi-checkpoint methods (TracIn) take one store per checkpoint, each with the model of that checkpoint
+and its learning rate, matched by position::
+
+    gradtrace score ckpt1/store queries.jsonl --method tracin --model ckpt1 --lr 3e-4 \\
+        --store ckpt2/store --model ckpt2 --lr 1e-4 --out scores
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from ..methods import available_methods, get_method
+from .config import META_KEY, provenance, write_resolved
+from .data import make_batches, read_examples, token_ids
+from .errors import CliError
+from .groups import DataOptions, ModelOptions
+from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
+from .options import Group, cli, resolved
+from .report import Phases, console
+
+__all__ = ["OPTIONS", "ScoreOptions", "projection_from_spec", "run"]
+
+MethodName = Literal[tuple(available_methods())]  # type: ignore[valid-type]
+EXPORT_SUFFIXES = (".csv", ".json", ".parquet")
+
+
+def _method_help() -> str:
+    parts = []
+    for name in available_methods():
+        try:
+            description = get_method(name).description
+        except Exception:  # a method that needs options to be built: list its name only
+            description = ""
+        parts.append(f"{name} ({description})" if description else name)
+    return "Attribution method: " + "; ".join(parts) + "."
+
+
+@dataclass(kw_only=True)
+class ScoringOptions(Group):
+    """What is scored and what is kept."""
+
+    panel = "Scoring"
+    out: Path = field(metadata=cli("Directory to save the scores in (read it with gradtrace topk).", "--out", "-o",
+                                   metavar="SCORES_DIR"))
+    method: MethodName = field(default="grad_dot", metadata=cli(_method_help()))
+    topk: int = field(default=100, metadata=cli(
+        "Keep the k highest and k lowest scores of every query (0: none; the full matrix is then needed).", min=0))
+    matrix: Literal["auto", "yes", "no"] = field(default="auto", metadata=cli(
+        "Keep the full queries x train matrix: yes, no, or auto (when it takes at most 1 GiB)."))
+    block_rows: int = field(default=8192, metadata=cli("Training rows streamed per block (bounds memory).", min=1))
+    export: Path | None = field(default=None, metadata=cli(
+        "Also export the top-k rows of every query to this .csv, .json or .parquet file."))
+    overwrite: bool = field(default=False, metadata=cli("Replace scores already saved in --out."))
+
+
+@dataclass(kw_only=True)
+class CheckpointOptions(Group):
+    """Several checkpoints (multi-checkpoint methods such as tracin)."""
+
+    panel = "Checkpoints (tracin)"
+    checkpoint_stores: list[Path] = field(default_factory=list, metadata=cli(
+        "Another training store, one per further checkpoint (repeat; STORE is the first).", "--store",
+        metavar="STORE"))
+    lr: list[float] = field(default_factory=list, metadata=cli(
+        "Learning rate of each checkpoint, in store order (repeat; tracin weights each checkpoint by it)."))
+
+
+@dataclass(kw_only=True)
+class ScoreOptions:
+    """Options of ``gradtrace score``."""
+
+    store: Path = field(metadata=cli("Gradient store of the training examples (written by gradtrace collect).",
+                                     argument=True, metavar="STORE"))
+    queries: Path = field(metadata=cli("Query examples: .jsonl (one JSON object per line) or .txt (one per line).",
+                                       argument=True, metavar="QUERIES"))
+    model: list[Path] = field(default_factory=list, metadata=cli(
+        "Model directory the query gradients are taken with; one per store, in order (default: the model each "
+        "store records).", "--model", "-m", metavar="MODEL_DIR"))
+    scoring_options: ScoringOptions
+    checkpoint_options: CheckpointOptions
+    data_options: DataOptions
+    model_options: ModelOptions
+    progress: bool = field(default=True, metadata=cli("Show progress bars and the time profile.",
+                                                      "--progress/--no-progress"))
+
+
+OPTIONS = ScoreOptions
+
+
+def run(opts: ScoreOptions) -> None:
+    """Score query examples against a gradient store and save the scores.
+
+    Query gradients are taken with the store's own projection (rebuilt from its manifest).
+    Positive score = the training example helps the query (lowers its loss).
+
+    Example: gradtrace score ./store queries.jsonl --model ./model --out ./scores --topk 20
+
+    TracIn: one --store, --model and --lr per checkpoint, in order (STORE is the first checkpoint):
+    gradtrace score ck1/store q.jsonl --method tracin --model ck1 --lr 3e-4 --store ck2/store --model ck2 --lr 1e-4
+    """
+    import gradtrace
+    from gradtrace.store import GradientStore
+
+    phases = Phases()
+    sc, ck, data_opts, model_opts = (opts.scoring_options, opts.checkpoint_options, opts.data_options,
+                                     opts.model_options)
+    _check_out(sc)
+    multi = get_method(sc.method).multi_checkpoint
+    store_paths = [opts.store, *ck.checkpoint_stores]
+    _check_checkpoints(sc.method, multi, store_paths, ck)
+    with phases("open stores"):
+        for path in store_paths:
+            if not path.exists():
+                raise CliError(f"store {path} does not exist")
+        stores = [GradientStore.open(path) for path in store_paths]
+    models = _models(opts.model, stores)
+    device = resolve_device(model_opts.device)
+    query_sets, max_length = _query_gradients(opts, stores, models, device, phases)
+    options: dict[str, Any] = {"weights": list(ck.lr)} if multi else {}
+    with phases("score"):
+        attributor = gradtrace.Attributor(sc.method, train=stores if multi else stores[0], block_rows=sc.block_rows,
+                                          device=device, **options)
+        matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
+        scores = attributor.score(query_sets if multi else query_sets[0], topk=sc.topk or None, matrix=matrix,
+                                  progress=opts.progress)
+    phases.note("score", f"{attributor.profile.get('rows_per_s', 0):,.0f} training rows/s")
+    final = replace(opts, store=opts.store.absolute(), queries=opts.queries.absolute(),
+                    model=[m.absolute() for m in models],
+                    scoring_options=replace(sc, out=sc.out.absolute(),
+                                            export=sc.export.absolute() if sc.export else None),
+                    checkpoint_options=replace(ck, checkpoint_stores=[p.absolute() for p in ck.checkpoint_stores]),
+                    data_options=replace(data_opts, max_length=max_length),
+                    model_options=replace(model_opts, device=device))
+    values = resolved(final)
+    scores.meta["config"] = {META_KEY: provenance("score"), **values}
+    with phases("save"):
+        scores.save(sc.out)
+        written = write_resolved(sc.out, "score", values)
+        if sc.export:
+            scores.export(sc.export, k=sc.topk or None)
+    out = console()
+    kept = "full matrix" if scores.matrix is not None else "no matrix"
+    kept += f", top/bottom {scores.top[0].shape[1]}" if scores.top is not None else ""
+    out.print(f"Scored {len(scores.query_ids):,} queries against {len(scores.train_ids):,} training examples with "
+              f"{sc.method}; saved in {sc.out}")
+    out.print(f"  kept        {kept}")
+    out.print(f"  models      {', '.join(str(m) for m in models)}")
+    out.print("  sign        positive = the training example helps the query (lowers its loss)")
+    if sc.export:
+        out.print(f"  export      {sc.export} (top {sc.topk or 'all'} rows per query)")
+    out.print(f"  config      {written}")
+    out.print(f"Next: gradtrace topk {sc.out} --data TRAIN.jsonl")
+    if opts.progress:
+        console(stderr=True).print(phases.table())
+
+
+def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], device: str,
+                     phases: Phases) -> tuple[list[Any], int | None]:
+    """The queries' gradients at every checkpoint, each with its store's projection; and the resolved
+    ``--max-length``. The queries are tokenized once, with the first model's tokenizer."""
+    import gradtrace
+
+    data_opts = opts.data_options
+    projections = [projection_from_spec(s.spec.projection, s.root) for s in stores]
+    with phases("read queries"):
+        examples = read_examples(opts.queries, data_opts.text_field, data_opts.id_field, what="queries")
+        tokenizer = load_tokenizer(models[0])
+    query_sets, max_length, batches = [], None, None
+    for store, model_dir, projection in zip(stores, models, projections):
+        with phases("load model"):
+            model = load_model(model_dir, device, opts.model_options.model_dtype)
+        if batches is None:
+            with phases("tokenize"):
+                max_length = resolve_max_length(data_opts.max_length, model)
+                tokens, ids, _ = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.queries)
+                batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
+        with phases("query gradients"):
+            queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=opts.progress)
+        _check_match(store, queries, model_dir)
+        query_sets.append(queries)
+        del model
+    return query_sets, max_length
+
+
+def _check_out(sc: ScoringOptions) -> None:
+    if sc.out.exists() and not sc.out.is_dir():
+        raise CliError(f"--out {sc.out} exists and is not a directory")
+    if (sc.out / "manifest.json").exists():
+        raise CliError(f"--out {sc.out} is a gradient store; save the scores in another directory")
+    if (sc.out / "scores.json").exists() and not sc.overwrite:
+        raise CliError(f"{sc.out} already holds scores: pass --overwrite to replace them")
+    if sc.export is not None and sc.export.suffix.lower() not in EXPORT_SUFFIXES:
+        raise CliError(f"--export {sc.export}: unknown format {sc.export.suffix or '(no suffix)'!r}; use a .csv, "
+                       ".json or .parquet file")
+    if sc.export is not None and sc.export.suffix.lower() == ".parquet":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise CliError("--export to .parquet needs pyarrow (pip install pyarrow)") from None
+
+
+def _check_checkpoints(method: str, multi: bool, store_paths: list[Path], ck: CheckpointOptions) -> None:
+    if not multi:
+        if ck.checkpoint_stores:
+            raise CliError(f"--store adds checkpoints, which {method} does not use; only multi-checkpoint methods "
+                           "(tracin) take several stores")
+        if ck.lr:
+            raise CliError(f"--lr weights checkpoints, which {method} does not use (tracin does)")
+        return
+    if len(ck.lr) != len(store_paths):
+        raise CliError(f"--method {method} needs one --lr per checkpoint: got {len(ck.lr)} for {len(store_paths)} "
+                       f"stores (STORE and {len(ck.checkpoint_stores)} --store)")
+
+
+def _models(given: list[Path], stores: list[Any]) -> list[Path]:
+    """One model directory per store: as given (in order), else the one each store records."""
+    if given:
+        if len(given) != len(stores):
+            raise CliError(f"{len(given)} --model for {len(stores)} stores: give one --model per store, in order")
+        return list(given)
+    models = []
+    for store in stores:
+        recorded = (store.manifest.get("config") or {}).get("model")
+        if not recorded:
+            raise CliError(f"store {store.root} does not record the model it was collected with: pass --model "
+                           "MODEL_DIR")
+        models.append(Path(recorded))
+    return models
+
+
+def projection_from_spec(spec: dict[str, Any] | None, root: Path) -> Any:
+    """The :class:`gradtrace.LoGra` that reproduces a store's projection (None for exact gradients)."""
+    from ..grad.projection import LoGra
+
+    if spec is None:
+        return None
+    if spec.get("kind") != "logra":
+        raise CliError(f"store {root} was collected with a {spec.get('kind')!r} projection; gradtrace score rebuilds "
+                       "LoGra projections only (compute the query gradients in Python with the same projection)")
+    try:
+        projection = LoGra(rank=int(spec["rank_rows"]), seed=int(spec["seed"]), rank_rows=int(spec["rank_rows"]),
+                           rank_cols=int(spec["rank_cols"]), vector_rank=int(spec["vector_rank"]))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CliError(f"store {root} records an incomplete LoGra projection ({err!r})") from None
+    if projection.to_dict() != spec:
+        raise CliError(f"store {root} was projected with {spec}, which this gradtrace cannot reproduce "
+                       f"({projection.to_dict()}); use the gradtrace version that wrote it")
+    return projection
+
+
+def _check_match(store: Any, queries: Any, model_dir: Path) -> None:
+    """Refuse query gradients that cannot be compared with the store; warn about different weights."""
+    from ..store.spec import SpecMismatch
+
+    try:
+        store.spec.check_compatible(queries.spec, f"store {store.root} vs the queries' gradients from {model_dir}")
+    except SpecMismatch as err:
+        raise CliError(str(err)) from None
+    if store.spec.model.get("weights") != queries.spec.model.get("weights"):
+        console(stderr=True).print(
+            f"[yellow]Warning: the weights of {model_dir} differ from those of the model that collected "
+            f"{store.root}; the scores compare gradients taken at different weights.[/yellow]")

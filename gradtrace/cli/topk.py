@@ -1,0 +1,161 @@
+"""``gradtrace topk SCORES_DIR``: the most influential training examples of each query, readable."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rich.table import Table
+
+from .config import read_resolved
+from .data import text_index
+from .errors import CliError
+from .models import load_tokenizer
+from .options import cli
+from .report import console
+
+__all__ = ["OPTIONS", "TopkOptions", "run"]
+
+
+@dataclass(kw_only=True)
+class TopkOptions:
+    """Options of ``gradtrace topk``."""
+
+    scores: Path = field(metadata=cli("Directory of saved scores (written by gradtrace score).", argument=True,
+                                      metavar="SCORES_DIR"))
+    k: int = field(default=10, metadata=cli("Training examples shown per query.", "--k", "-k", min=1))
+    query: list[str] = field(default_factory=list, metadata=cli(
+        "Show only this query id (repeat for several).", "--query", "-q"))
+    bottom: bool = field(default=False, metadata=cli(
+        "Show the lowest scores (the examples that hurt the query most) instead."))
+    data: Path | None = field(default=None, metadata=cli(
+        "Training data (.jsonl/.txt) to show each training example's text."))
+    queries: Path | None = field(default=None, metadata=cli("Query data (.jsonl/.txt) to show each query's text."))
+    text_field: str | None = field(default=None, metadata=cli(
+        "JSONL text field of --data/--queries (default: as recorded when collecting/scoring, else 'text')."))
+    id_field: str | None = field(default=None, metadata=cli(
+        "JSONL id field of --data/--queries (default: as recorded, else 'id')."))
+    model: Path | None = field(default=None, metadata=cli(
+        "Tokenizer directory for content-hash ids, when the data has no ids (default: the model recorded with "
+        "the store/scores).", metavar="MODEL_DIR"))
+    format: Literal["table", "csv", "json"] = field(default="table", metadata=cli(
+        "Output: a table, or CSV/JSON rows on stdout.", "--format", "-f"))
+    width: int = field(default=60, metadata=cli("Characters of text shown per snippet in the table.", min=10))
+
+
+OPTIONS = TopkOptions
+
+
+def run(opts: TopkOptions) -> None:
+    """Show the top-k training examples of each query (with their text when --data is given).
+
+    Positive score = the training example helps the query (lowers its loss); --bottom shows the most harmful.
+
+    Example: gradtrace topk ./scores --k 5 --data train.jsonl
+    """
+    from ..score import Scores
+
+    if not opts.scores.exists():
+        raise CliError(f"score directory {opts.scores} does not exist")
+    if not (opts.scores / "scores.json").exists():
+        raise CliError(f"{opts.scores} holds no saved scores (no scores.json); write them with gradtrace score")
+    scores = Scores.load(opts.scores)
+    rows = _rows(scores, opts)
+    score_config = scores.meta.get("config") or read_resolved(opts.scores, "score") or {}
+    if opts.data is not None:
+        texts = _texts(opts.data, opts, _collect_config(score_config), what="data")
+        for row in rows:
+            row["train_text"] = texts.get(row["train_id"])
+    query_texts: dict[str, str] = {}
+    if opts.queries is not None:
+        query_texts = _texts(opts.queries, opts, score_config, what="queries")
+        for row in rows:
+            row["query_text"] = query_texts.get(row["query_id"])
+    if opts.format == "json":
+        sys.stdout.write(json.dumps(rows, indent=1) + "\n")
+    elif opts.format == "csv":
+        writer = csv.DictWriter(sys.stdout, fieldnames=list(rows[0]) if rows else ["query_id", "rank", "train_id"],
+                                lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    else:
+        _print_tables(scores, rows, opts, query_texts)
+
+
+def _rows(scores: Any, opts: TopkOptions) -> list[dict[str, Any]]:
+    wanted = list(opts.query)
+    unknown = [q for q in wanted if q not in set(scores.query_ids)]
+    if unknown:
+        sample = ", ".join(scores.query_ids[:5]) + (", ..." if len(scores.query_ids) > 5 else "")
+        raise CliError(f"query id {unknown[0]!r} is not in {opts.scores} (its queries: {sample})")
+    records = scores.to_records(opts.k, largest=not opts.bottom)
+    return [r for r in records if not wanted or r["query_id"] in wanted]
+
+
+def _collect_config(score_config: dict[str, Any]) -> dict[str, Any]:
+    """The collect configuration recorded in the training store the scores were computed against."""
+    store = score_config.get("store")
+    if not store:
+        return {}
+    try:
+        manifest = json.loads((Path(store) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return read_resolved(Path(store), "collect") or {}
+    return manifest.get("config") or {}
+
+
+def _texts(path: Path, opts: TopkOptions, recorded: dict[str, Any], what: str) -> dict[str, str]:
+    text_field = opts.text_field or recorded.get("text_field") or "text"
+    id_field = opts.id_field or recorded.get("id_field") or "id"
+    model = opts.model
+    if model is None and recorded.get("model"):
+        model = recorded["model"][0] if isinstance(recorded["model"], list) else recorded["model"]
+
+    tokenizer = None
+    if model is not None:
+        try:
+            tokenizer = load_tokenizer(Path(model))
+        except CliError:
+            if opts.model is not None:
+                raise
+    return text_index(path, text_field, id_field, tokenizer, recorded.get("max_length"), what=what)
+
+
+def _snippet(text: str | None, width: int) -> str:
+    if text is None:
+        return "(not in the data)"
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[:width - 1] + "…"
+
+
+def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, query_texts: dict[str, str]) -> None:
+    out = console()
+    which = "lowest (most harmful)" if opts.bottom else "highest (most helpful)"
+    out.print(f"[bold]{scores.method}[/bold] scores of {len(scores.query_ids):,} queries against "
+              f"{len(scores.train_ids):,} training examples: top {opts.k} {which} per query.")
+    by_query: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_query.setdefault(row["query_id"], []).append(row)
+    show_text = opts.data is not None
+    for query_id, query_rows in by_query.items():
+        title = f"query {query_id}"
+        if query_id in query_texts:
+            title += f": {_snippet(query_texts[query_id], opts.width)}"
+        table = Table(title=title, title_justify="left", show_edge=False)
+        table.add_column("rank", justify="right")
+        table.add_column("train id", overflow="fold")
+        table.add_column("score", justify="right")
+        if show_text:
+            table.add_column("text", overflow="fold")
+        for row in query_rows:
+            cells = [str(row["rank"]), str(row["train_id"]), f"{row['score']:.4g}"]
+            if show_text:
+                cells.append(_snippet(row.get("train_text"), opts.width))
+            table.add_row(*cells)
+        out.print(table)
+    out.print("Sign: positive score = the training example helps the query (a gradient step on it lowers the "
+              "query's loss); negative = it hurts.")
