@@ -173,3 +173,21 @@ def test_collect_store_resume_when_everything_is_stored(tmp_path):
     again = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4), store=tmp_path / "s", resume=True)
     assert again.ids == first.ids and again.complete
     assert torch.equal(again.read(0, len(again)), first.read(0, len(first)))
+
+
+def test_token_cross_entropy_matches_torch():
+    import torch.nn.functional as F
+
+    from gradtrace.losses import token_cross_entropy
+
+    logits = (torch.randn(37, 1000) * 3).requires_grad_()
+    targets = torch.randint(0, 1000, (37,))
+    targets[::5] = -100
+    weights = torch.rand(37)
+    ours = token_cross_entropy(logits, targets)
+    (ours * weights).sum().backward()
+    mine = logits.grad.clone()
+    logits.grad = None
+    ref = F.cross_entropy(logits, targets, reduction="none")
+    (ref * weights).sum().backward()
+    assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(mine, logits.grad, atol=1e-7)
