@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check gradtrace tests bench
+	$(BIN)/ruff check gradtrace tests bench examples
 
 demo: $(STAMP)
 	$(BIN)/gradtrace demo

@@ -14,6 +14,7 @@ training documents explain its answers to questions about planted facts.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from contextlib import nullcontext
@@ -44,6 +45,12 @@ def _batches(docs: list[Document], tokenizer, batch_size: int, max_length: int, 
     return out
 
 
+def _write_jsonl(path: Path, docs: list[Document]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"id": d.id, "text": d.text}) + "\n")
+
+
 def _snippet(text: str, width: int = 70) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
@@ -53,8 +60,11 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
         seed: int = 0, method: str = "grad_cos", topk: int = 3, dtype: str = "int8", threads: int | None = None,
         verbose: bool = True) -> dict[str, Any]:
     """Run the demo; returns ``{"recall_at_1", "scores", "store", "seconds", ...}``."""
+    import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    transformers.utils.logging.set_verbosity_error()  # keep the demo's output to the point
+    transformers.utils.logging.disable_progress_bar()
     say = print if verbose else (lambda *a, **k: None)
     started = time.perf_counter()
     if threads is not None:
@@ -104,9 +114,12 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
             + (f"  (gradients captured: LoGra rank {rank})" if last else ""))
     train_seconds = time.perf_counter() - started
     store = GradientStore.open(store_path)
+    attribution_started = time.perf_counter()
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    _write_jsonl(out / "train.jsonl", docs)
+    _write_jsonl(out / "queries.jsonl", [Document(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED])
 
     queries = [Document(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED]
     query_batches = _batches(queries, tokenizer, len(queries), max_length, list(range(len(queries))))
@@ -130,11 +143,13 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
     scores.save(scores_dir)
     scores.export(scores_dir / "top.csv", k=topk)
     seconds = time.perf_counter() - started
+    train_seconds = seconds - (time.perf_counter() - attribution_started)
     say(f"\nrecall@1: {hits}/{len(PLANTED)} = {recall:.0%} of queries rank their planted document first")
     say(f"store:  {store_path} ({len(store)} examples x {store.dim} dims, {store.info()['bytes'] / 2**20:.1f} MiB)")
     say(f"scores: {scores_dir} (top-k table: {scores_dir / 'top.csv'})")
-    say(f"model:  {model_dir}")
-    say(f"time:   {seconds:.0f} s (training with capture {train_seconds:.0f} s)")
+    say(f"model:  {model_dir} (with train.jsonl and queries.jsonl beside it, for the CLI)")
+    say(f"time:   {seconds:.0f} s (training with capture {train_seconds:.0f} s, query gradients + scoring "
+        f"{seconds - train_seconds:.0f} s)")
     return {"recall_at_1": recall, "scores": scores, "store": store, "seconds": seconds, "out_dir": out,
             "train_seconds": train_seconds}
 

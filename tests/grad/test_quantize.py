@@ -108,3 +108,19 @@ def test_spearman_invariances_and_edge_cases():
     assert torch.isnan(spearman(torch.ones(1, 5), torch.randn(1, 5))).all()
     with pytest.raises(ValueError):
         spearman(a, b[:, :50])
+
+
+def test_int8_store_keeps_score_ranking_on_captured_gradients():
+    """Real LoGra gradients of a tiny GPT-2: int8 rows rank training examples like float32."""
+    import gradtrace
+    from tests import tiny
+
+    torch.manual_seed(0)
+    model = tiny.gpt2()
+    ids = torch.randint(1, tiny.VOCAB, (48, 12))
+    logra = gradtrace.LoGra(rank=8)
+    train = gradtrace.collect(model, [{"input_ids": ids[i:i + 16]} for i in range(0, 40, 16)], projection=logra)
+    queries = gradtrace.collect(model, [{"input_ids": ids[40:]}], projection=logra)
+    base = queries.vectors @ train.vectors.t()
+    approx = queries.vectors @ quantize(train.vectors, "int8").dequantize().t()
+    assert float(spearman(base, approx).min()) >= 0.99
