@@ -22,7 +22,7 @@ from .gradients import GradientSet
 from .losses import default_loss
 from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
 
-__all__ = ["collect"]
+__all__ = ["collect", "run_capture"]
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -102,7 +102,6 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
     """
     if store is None and (resume or overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
-    device = torch.device(device) if device is not None else None
     writer = StoreWriter(store, dtype=dtype, shard_rows=shard_rows, resume=resume, overwrite=overwrite,
                          config=config) if store is not None else None
     stored: set[str] = set()
@@ -110,19 +109,44 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
         stored = set(GradientStore.open(store, verify=False, allow_incomplete=True).ids)
     if projection is not None and keep_tokens:
         projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
+    cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum",
+                  projection=projection, callbacks=[writer] if writer is not None else [],
+                  keep_batches=writer is None)
+    run_capture(model, data, loss_fn, cap, ids=ids, id_key=id_key, skip=stored, device=device,
+                weight_grads=weight_grads, eval_mode=eval_mode, progress=progress, total=total)
+    if writer is not None:
+        if writer.writer is None:
+            if not stored:
+                raise ValueError("collect(): the data produced no examples")
+            # resumed with nothing left to compute: mark this rank's part of the store complete
+            existing = GradientStore.open(store, verify=False, allow_incomplete=True)
+            ShardWriter(store, existing.spec, resume=True).close()
+        return GradientStore.open(store)
+    if not cap.batches:
+        raise ValueError("collect(): the data produced no examples")
+    return GradientSet.from_batches(cap.batches, model_fingerprint(model), keep_batches=keep_tokens)
+
+
+def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, cap: Any, *,
+                ids: Sequence[Any] | None = None, id_key: str = "id", skip: set[str] | frozenset = frozenset(),
+                device: torch.device | str | None = None, weight_grads: bool = False, eval_mode: bool = True,
+                progress: bool = False, total: int | None = None, what: str = "collect") -> int:
+    """Run ``data`` through ``model`` inside capture ``cap``: one per-example loss and one backward pass per
+    batch, to the captured layers' outputs only (no weight gradients) unless ``weight_grads``.
+
+    Returns the number of examples processed. Examples whose id is in ``skip`` are not computed. The model's
+    mode and ``param.grad`` are restored afterwards.
+    """
+    device = torch.device(device) if device is not None else None
     was_training = model.training
     if eval_mode:
         model.eval()
     id_list = list(ids) if ids is not None else None
-    consumed = 0
-    seen_examples = 0
+    consumed = seen = 0
     limit = _context_limit(model)
-    cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum",
-                  projection=projection, callbacks=[writer] if writer is not None else [],
-                  keep_batches=writer is None)
     cap.track_outputs = not weight_grads
     saved_grads = {n: p.grad for n, p in model.named_parameters()} if weight_grads else None
-    bar = _progress(data, progress, total)
+    bar = _progress(data, progress, total, what)
     try:
         with cap:
             for batch in bar:
@@ -135,10 +159,10 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
                 elif id_list is not None:
                     batch_ids = [str(i) for i in id_list[consumed:consumed + size]]
                     if len(batch_ids) < size:
-                        raise ValueError(f"collect(): {len(id_list)} ids given but the data has more examples")
+                        raise ValueError(f"{what}(): {len(id_list)} ids given but the data has more examples")
                     consumed += size
-                if stored and batch_ids is not None:  # resume: skip examples the store already holds
-                    keep = [i for i, ident in enumerate(batch_ids) if ident not in stored]
+                if skip and batch_ids is not None:  # resume: skip examples already done
+                    keep = [i for i, ident in enumerate(batch_ids) if ident not in skip]
                     if not keep:
                         continue
                     if len(keep) < size:
@@ -147,7 +171,7 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
                 if limit is not None and isinstance(batch, dict) and isinstance(batch.get("input_ids"), Tensor):
                     length = batch["input_ids"].shape[-1]
                     if length > limit:
-                        raise ValueError(f"collect(): a batch has sequences of {length} tokens but the model's "
+                        raise ValueError(f"{what}(): a batch has sequences of {length} tokens but the model's "
                                          f"context is {limit}; truncate or split them")
                 batch = _to_device(batch, device)
                 fn = loss_fn or default_loss(batch)
@@ -163,11 +187,11 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
                 else:
                     outputs = cap.pop_outputs()
                     if not outputs:
-                        raise RuntimeError("collect(): no captured layer took part in the loss")
+                        raise RuntimeError(f"{what}(): no captured layer took part in the loss")
                     torch.autograd.grad(total_loss, outputs, allow_unused=True)
-                seen_examples += size
+                seen += size
                 if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(examples=seen_examples)
+                    bar.set_postfix(examples=seen)
     finally:
         if hasattr(bar, "close"):
             bar.close()
@@ -175,22 +199,12 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
             for n, p in model.named_parameters():
                 p.grad = saved_grads[n]
         model.train(was_training)
-    if id_list is not None and consumed < len(id_list) and writer is None:
-        raise ValueError(f"collect(): {len(id_list)} ids given for {consumed} examples")
-    if writer is not None:
-        if writer.writer is None:
-            if not stored:
-                raise ValueError("collect(): the data produced no examples")
-            # resumed with nothing left to compute: mark this rank's part of the store complete
-            existing = GradientStore.open(store, verify=False, allow_incomplete=True)
-            ShardWriter(store, existing.spec, resume=True).close()
-        return GradientStore.open(store)
-    if not cap.batches:
-        raise ValueError("collect(): the data produced no examples")
-    return GradientSet.from_batches(cap.batches, model_fingerprint(model), keep_batches=keep_tokens)
+    if id_list is not None and consumed < len(id_list) and not skip:
+        raise ValueError(f"{what}(): {len(id_list)} ids given for {consumed} examples")
+    return seen
 
 
-def _progress(data: Iterable[Any], enabled: bool, total: int | None) -> Iterable[Any]:
+def _progress(data: Iterable[Any], enabled: bool, total: int | None, what: str = "collect") -> Iterable[Any]:
     if not enabled:
         return data
     try:
@@ -200,4 +214,4 @@ def _progress(data: Iterable[Any], enabled: bool, total: int | None) -> Iterable
     if total is None:
         with contextlib.suppress(TypeError):
             total = len(data)  # type: ignore[arg-type]
-    return tqdm(data, total=total, desc="collect", unit="batch", dynamic_ncols=True)
+    return tqdm(data, total=total, desc=what, unit="batch", dynamic_ncols=True)

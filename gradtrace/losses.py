@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["causal_lm_loss", "classification_loss", "lm_labels", "token_cross_entropy"]
+__all__ = ["causal_lm_loss", "classification_loss", "regression_loss", "lm_labels", "token_cross_entropy"]
 
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 
@@ -97,6 +97,19 @@ def classification_loss(model: nn.Module, batch: Any) -> Tensor:
         inputs, targets = batch
         logits = model(inputs)
     return F.cross_entropy(logits, targets, reduction="none")
+
+
+def regression_loss(model: nn.Module, batch: Any) -> Tensor:
+    """Per-example squared error ``0.5 * |f(x) - y|^2`` for ``(inputs, targets)`` batches or dicts with ``labels``."""
+    if isinstance(batch, dict):
+        targets = batch["labels"]
+        outputs = model(**{k: v for k, v in batch.items() if k not in ("labels", "id")})
+    else:
+        inputs, targets = batch
+        outputs = model(inputs)
+    outputs = getattr(outputs, "logits", outputs)
+    diff = (outputs - targets.to(outputs.dtype)).reshape(outputs.shape[0], -1)
+    return 0.5 * diff.pow(2).sum(1)
 
 
 def default_loss(batch: Any):

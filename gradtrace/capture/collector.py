@@ -211,10 +211,11 @@ class Capture:
     def _install(self) -> None:
         root = self.model
         self._handles.append(root.register_forward_pre_hook(self._root_pre, with_kwargs=True))
-        self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
         for handler in self.handlers:
             hook = self._make_layer_hook(handler)
             self._handles.append(handler.module.register_forward_hook(hook, with_kwargs=True))
+        # last, so that when the model is itself a captured layer its layer hook still sees the context
+        self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
         params = {id(p): p for h in self.handlers for role in h.params for p in [getattr(h.module, role)]}
         names = {id(getattr(h.module, role)): name for h in self.handlers for role, name in h.params.items()}
         for pid, param in params.items():
@@ -338,7 +339,7 @@ class Capture:
         if self._implicit is None:  # a submodule called outside the model's own forward
             settings = ContextSettings(self.convention, 1.0, self.causal_lm, self.ignore_index, False)
             self._implicit = ForwardContext(len(self._contexts), batch_size=inputs.shape[0], seq_len=None,
-                                            content=inputs if not inputs.is_floating_point() else None,
+                                            content=inputs,
                                             info=BatchInfo(), settings=settings)
             self._contexts.append(self._implicit)
             self._report.notes.append("layers were called outside model.forward(): their calls form one batch")

@@ -61,6 +61,14 @@ class LoGra:
     def k_vector(self) -> int:
         return self.vector_rank or self.rank
 
+    @classmethod
+    def from_dict(cls, spec: dict) -> LoGra:
+        """Rebuild a spec from :meth:`to_dict` (e.g. a store's manifest), refusing other schemes."""
+        if spec.get("kind") != "logra" or spec.get("scheme") != _SCHEME:
+            raise ValueError(f"not a LoGra spec of this gradtrace version: {spec}")
+        return cls(rank=spec["rank_rows"], rank_cols=spec["rank_cols"], vector_rank=spec["vector_rank"],
+                   seed=spec["seed"])
+
     def to_dict(self) -> dict:
         """The spec as stored in manifests: everything that determines the projected numbers."""
         return {"kind": "logra", "scheme": _SCHEME, "distribution": "gaussian", "seed": self.seed,

@@ -1,6 +1,7 @@
 """Attribution methods (one file each) and their registry."""
 
 from .base import Method, MissingStage, available_methods, get_method, register_method
+from .influence import EKFAC, GGN, KFAC, LoGraInfluence
 from .similarity import GradCos, GradDot
 from .tracin import TracIn
 
@@ -9,7 +10,7 @@ __all__ = [
            "GradDot",
            "Method",
            "MissingStage",
-           "TracIn",
+           "TracIn", "KFAC", "EKFAC", "GGN", "LoGraInfluence",
            "available_methods",
            "get_method",
            "register_method",

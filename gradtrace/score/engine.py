@@ -121,6 +121,8 @@ class Attributor:
             progress: show a progress bar over training blocks.
         """
         self.method.check_ready()
+        if hasattr(self.method, "bind"):
+            self.method.bind(self.spec)
         start = time.perf_counter()
         query_sets = self._query_sets(queries)
         weights = (self.method.checkpoint_weights(len(self.train)) if hasattr(self.method, "checkpoint_weights")
@@ -201,7 +203,11 @@ class Attributor:
         return {(qid, tid): shares[i, :, j].clone() for i, tid in enumerate(train_ids) for j, qid in enumerate(qids)}
 
     def self_scores(self) -> Tensor:
-        """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot)."""
+        """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot, ``g^T H^-1 g`` for
+        influence functions): high self-influence flags mislabeled or outlying examples."""
+        self.method.check_ready()
+        if hasattr(self.method, "bind"):
+            self.method.bind(self.spec)
         weights = (self.method.checkpoint_weights(len(self.train)) if hasattr(self.method, "checkpoint_weights")
                    else [1.0] * len(self.train))
         out = torch.zeros(len(self.train[0]))

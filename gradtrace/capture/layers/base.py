@@ -125,6 +125,9 @@ class LayerHandler:
     """
 
     kind: ClassVar[str] = "layer"
+    activation_side: ClassVar[str | None] = None
+    """Which factor of the weight's outer term is the layer input ("rows"/"cols"; None: no outer term).
+    Curvature methods append the bias column on that side (K-FAC's ``[a; 1]``)."""
 
     def __init__(self, name: str, module: nn.Module, params: dict[str, str]) -> None:
         self.name = name

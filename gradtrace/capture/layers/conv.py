@@ -22,6 +22,7 @@ from .base import LayerHandler, TokenScale, register_layer, scaled
 @register_layer
 class ConvHandler(LayerHandler):
     kind = "conv"
+    activation_side = "cols"
 
     def __init__(self, name: str, module: nn.Module, params: dict[str, str]) -> None:
         super().__init__(name, module, params)

@@ -19,6 +19,7 @@ from .base import LayerHandler, TokenScale, register_layer, scaled, tokens_last
 @register_layer
 class EmbeddingHandler(LayerHandler):
     kind = "embedding"
+    activation_side = "rows"
 
     @classmethod
     def matches(cls, module: nn.Module) -> bool:

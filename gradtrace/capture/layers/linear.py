@@ -40,6 +40,10 @@ class LinearHandler(LayerHandler):
     def matches(cls, module: nn.Module) -> bool:
         return isinstance(module, nn.Linear) or _is_hf_conv1d(module)
 
+    @property
+    def activation_side(self) -> str:  # type: ignore[override]
+        return "rows" if self.transposed else "cols"
+
     def describe(self) -> str:
         return "conv1d-hf" if self.transposed else "linear"
 

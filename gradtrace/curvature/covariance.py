@@ -1,0 +1,183 @@
+"""Accumulating curvature statistics from captured gradients (float32 sums, counts in float64).
+
+:class:`CovarianceCallback` is a capture callback: during training (or a separate pass over a dataset,
+see :func:`gradtrace.curvature.fit_curvature`) it sums, per block,
+
+* Kronecker blocks: ``R = sum_t r_t r_t^T`` and ``C = sum_t c_t c_t^T`` over the tokens of the weight's
+  gradient factors (``G_n = sum_t r_t c_t^T``), with the bias column on the activation side; one-hot
+  (embedding) factors give diagonal sums (token counts). Only tokens that carry gradient are counted.
+* dense blocks: ``F = sum_n g_n g_n^T`` (or its diagonal) over per-example gradients.
+
+:class:`EigenCorrectionCallback` is the EK-FAC second pass: with the Kronecker eigenbases ``Q_R``, ``Q_C``
+fixed, it sums ``(Q_R^T G_n Q_C)^2`` over examples.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..grad.batch import GradBatch, ParamGrad
+from ..grad.terms import OuterTerm, is_index
+from .blocks import Block, DenseBlock, KronBlock
+
+__all__ = ["CovarianceCallback", "EigenCorrectionCallback", "block_factors", "KronStats", "DenseStats",
+           "rotated_example_grads"]
+
+_MAX_DENSE_FACTOR = 8192
+
+
+class KronStats:
+    """Running sums of one Kronecker block: row/column second moments, token and example counts."""
+
+    def __init__(self, block: KronBlock) -> None:
+        self.block = block
+        self.rows: Tensor | None = None  # [n, n] or [n] (diagonal)
+        self.cols: Tensor | None = None
+        self.tokens = 0.0
+        self.examples = 0.0
+
+    @staticmethod
+    def _add(total: Tensor | None, part: Tensor) -> Tensor:
+        if total is None:
+            return part
+        if total.dim() != part.dim():  # one side mixes one-hot and dense factors (tied weights): go dense
+            total = torch.diag(total) if total.dim() == 1 else total
+            part = torch.diag(part) if part.dim() == 1 else part
+        return total + part
+
+
+class DenseStats:
+    def __init__(self, block: DenseBlock) -> None:
+        self.block = block
+        self.total: Tensor | None = None  # [d, d] or [d]
+        self.examples = 0.0
+
+
+def _with_ones(factor: Tensor, live: Tensor) -> Tensor:
+    """Append the bias column (1 on tokens that carry gradient) to a dense factor ``[E, T, n]``."""
+    return torch.cat([factor.to(torch.float32), live.to(torch.float32).unsqueeze(-1)], dim=-1)
+
+
+def block_factors(block: KronBlock, grads: dict[str, ParamGrad]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Per use site of the block's weight: ``(rows, cols, live)`` factors with the bias joined.
+
+    rows/cols: ``[E, T, n]`` float32 or ``[E, T]`` ids; live: ``[E, T]`` bool, tokens carrying gradient.
+    """
+    weight = grads[block.name]
+    out = []
+    for term in weight.terms:
+        if not isinstance(term, OuterTerm):
+            raise ValueError(f"curvature: {block.name} is not factorized (capture it without reducing tokens: "
+                             "exact, or LoGra(keep_tokens=True))")
+        grad_side = term.cols if block.act_side == "rows" else term.rows
+        if is_index(grad_side):
+            live = grad_side >= 0
+        else:
+            live = grad_side.to(torch.float32).abs().sum(-1) > 0
+        rows, cols = term.rows, term.cols
+        if block.bias is not None:
+            if block.act_side == "cols":
+                cols = _with_ones(cols, live)
+            else:
+                rows = _with_ones(rows, live)
+        out.append((rows, cols, live))
+    return out
+
+
+def _second_moment(factor: Tensor, width: int, live: Tensor) -> Tensor:
+    """``sum`` over live tokens of ``f f^T`` (dense ``[n, n]``) or of one-hot counts (``[n]``)."""
+    if is_index(factor):
+        ids = factor[live & (factor >= 0)]
+        return torch.bincount(ids, minlength=width).to(torch.float32)
+    flat = factor.reshape(-1, factor.shape[-1])[live.reshape(-1)].to(torch.float32)
+    if flat.shape[1] > _MAX_DENSE_FACTOR:
+        raise ValueError(f"curvature would need a dense {flat.shape[1]}x{flat.shape[1]} factor; exclude this layer "
+                         "or use a LoGra projection")
+    return flat.t() @ flat
+
+
+def _flat_grad(pg: ParamGrad) -> Tensor:
+    return pg.flat(torch.float32)
+
+
+class CovarianceCallback:
+    """Capture callback accumulating K-FAC factors and dense Fisher blocks (see module docstring)."""
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self.blocks = blocks
+        self.stats = {b.name: (KronStats(b) if isinstance(b, KronBlock) else DenseStats(b)) for b in blocks}
+        self.examples = 0
+
+    def on_batch(self, batch: GradBatch, capture=None) -> None:
+        keep = None
+        if batch.nonfinite is not None and bool(batch.nonfinite.any()):
+            keep = (~batch.nonfinite).nonzero().flatten().tolist()
+            batch = batch.select(keep)
+        self.examples += len(batch)
+        for block in self.blocks:
+            if not all(p in batch.params for p in block.params):
+                continue
+            stats = self.stats[block.name]
+            if isinstance(block, KronBlock):
+                for rows, cols, live in block_factors(block, batch.params):
+                    stats.rows = stats._add(stats.rows, _second_moment(rows, block.shape[0], live))
+                    stats.cols = stats._add(stats.cols, _second_moment(cols, block.shape[1], live))
+                    stats.tokens += float(live.sum())
+                stats.examples += len(batch)
+            else:
+                grad = _flat_grad(batch.params[block.name])
+                part = grad.pow(2).sum(0) if block.diagonal else grad.t() @ grad
+                stats.total = part if stats.total is None else stats.total + part
+                stats.examples += len(batch)
+
+
+def rotated_example_grads(block: KronBlock, grads: dict[str, ParamGrad], q_rows: Tensor | None,
+                          q_cols: Tensor | None) -> Tensor:
+    """``[E, n_rows, n_cols]`` per-example gradients of the (bias-augmented) block in the Kronecker eigenbasis:
+    ``Q_R^T G_n Q_C`` (``None`` = identity: a diagonal, one-hot side)."""
+    total = None
+    for rows, cols, live in block_factors(block, grads):
+        rot_rows = _rotate(rows, q_rows, block.shape[0], live)
+        rot_cols = _rotate(cols, q_cols, block.shape[1], live)
+        part = torch.einsum("etr,etc->erc", rot_rows, rot_cols)
+        total = part if total is None else total + part
+    return total
+
+
+def _rotate(factor: Tensor, basis: Tensor | None, width: int, live: Tensor) -> Tensor:
+    if is_index(factor):
+        ids = torch.where(live & (factor >= 0), factor, torch.full_like(factor, -1))
+        hot = torch.nn.functional.one_hot(ids.clamp(min=0), width).to(torch.float32) * (ids >= 0).unsqueeze(-1)
+        return hot if basis is None else hot @ basis
+    factor = factor.to(torch.float32)
+    return factor if basis is None else factor @ basis
+
+
+class EigenCorrectionCallback:
+    """EK-FAC second pass: sums of squared per-example gradients in the Kronecker eigenbasis."""
+
+    def __init__(self, blocks: list[KronBlock], bases: dict[str, tuple[Tensor | None, Tensor | None]],
+                 max_bytes: int = 256 * 2**20) -> None:
+        self.blocks = blocks
+        self.bases = bases
+        self.sums: dict[str, Tensor] = {}
+        self.counts: dict[str, float] = {}
+        self.max_bytes = max_bytes
+
+    def on_batch(self, batch: GradBatch, capture=None) -> None:
+        if batch.nonfinite is not None and bool(batch.nonfinite.any()):
+            batch = batch.select((~batch.nonfinite).nonzero().flatten().tolist())
+        for block in self.blocks:
+            if not all(p in batch.params for p in block.params):
+                continue
+            q_rows, q_cols = self.bases[block.name]
+            rows, cols = block.shape
+            step = max(1, self.max_bytes // (rows * cols * 4 * 2))
+            for start in range(0, len(batch), step):
+                part = batch.select(list(range(start, min(len(batch), start + step))))
+                rotated = rotated_example_grads(block, part.params, q_rows, q_cols)
+                squares = rotated.pow(2).sum(0)
+                self.sums[block.name] = squares if block.name not in self.sums else self.sums[block.name] + squares
+                self.counts[block.name] = self.counts.get(block.name, 0.0) + len(part)
+

@@ -1,0 +1,221 @@
+"""``Curvature``: fitted, eigendecomposed curvature blocks and the damped inverse applied to query gradients.
+
+For a Kronecker block with row/column eigenbases ``Q_R``, ``Q_C`` and eigenvalue grid ``Lambda`` (the K-FAC
+product ``e_R e_C^T`` or the EK-FAC corrected second moments), the damped inverse-Hessian-vector product
+of a gradient matrix ``V`` is
+
+    (G + lambda I)^-1 vec(V) = vec( Q_R [ (Q_R^T V Q_C) / (Lambda + lambda) ] Q_C^T ).
+
+Dense blocks use their own eigendecomposition. Damping is ``damping * mean(Lambda)`` per block
+(``damping_mode="relative"``, default 0.1, the Kronfluence / LogIX heuristic) or a fixed ``damping``
+(``"absolute"``). It is applied when the curvature is used, so re-damping needs no refit. Eigenvectors are
+computed in float64 and kept in float32.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..store.spec import GradientSpec
+from .blocks import Block, DenseBlock, KronBlock, block_from_dict
+
+__all__ = ["Curvature", "KronEigen", "DenseEigen", "CurvatureError", "eigh"]
+
+FORMAT = "gradtrace-curvature"
+VERSION = 1
+
+
+class CurvatureError(ValueError):
+    """Curvature that cannot be used as asked (empty, singular without damping, from another model...)."""
+
+
+def eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, computed in float64."""
+    values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
+    return values.clamp(min=0).to(torch.float32), vectors.to(torch.float32)
+
+
+@dataclass
+class KronEigen:
+    """Eigendata of a Kronecker block: bases (None = identity, for one-hot sides) and the eigenvalue grid."""
+
+    block: KronBlock
+    q_rows: Tensor | None
+    q_cols: Tensor | None
+    eigenvalues: Tensor  # [n_rows, n_cols] (bias-augmented shape)
+    rows_eig: Tensor | None = None
+    cols_eig: Tensor | None = None
+
+
+@dataclass
+class DenseEigen:
+    block: DenseBlock
+    q: Tensor | None  # None: diagonal
+    eigenvalues: Tensor  # [dim]
+
+
+@dataclass
+class Curvature:
+    """Fitted curvature for the parameters of a :class:`GradientSpec`.
+
+    kind: ``"kfac"``, ``"ekfac"`` or ``"fisher"`` (dense blocks only). fisher: ``"empirical"`` (observed
+    labels), ``"true"`` (labels sampled from the model) or ``"exact"`` (expectation over every label).
+    damping / damping_mode: see the module docstring; :meth:`with_damping` changes them without refitting.
+    """
+
+    kind: str
+    spec: GradientSpec
+    blocks: dict[str, KronEigen | DenseEigen]
+    fisher: str = "empirical"
+    damping: float = 0.1
+    damping_mode: str = "relative"
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.damping_mode not in ("relative", "absolute"):
+            raise ValueError(f"damping_mode must be 'relative' or 'absolute', got {self.damping_mode!r}")
+        if self.damping < 0:
+            raise ValueError("damping must be >= 0")
+
+    def with_damping(self, damping: float, mode: str | None = None) -> Curvature:
+        """The same fit with another damping (no refit)."""
+        return replace(self, damping=damping, damping_mode=mode or self.damping_mode)
+
+    def block_damping(self, name: str) -> float:
+        eig = self.blocks[name]
+        if self.damping_mode == "absolute":
+            return self.damping
+        return self.damping * float(eig.eigenvalues.mean())
+
+    def check(self) -> None:
+        """Refuse blocks that would make the inverse meaningless (no data, or singular and undamped)."""
+        for name, eig in self.blocks.items():
+            values = eig.eigenvalues
+            if not torch.isfinite(values).all():
+                raise CurvatureError(f"curvature of {name} has NaN/inf eigenvalues")
+            if float(values.max()) == 0.0:
+                raise CurvatureError(f"curvature of {name} is zero: no gradient reached it while fitting")
+            lam = self.block_damping(name)
+            if float(values.min()) + lam <= 0.0:
+                raise CurvatureError(f"curvature of {name} is singular and damping is {lam:g}; use damping > 0 or "
+                                     "damping_mode='relative'")
+
+    # -- the inverse -------------------------------------------------------------------------------
+    def apply_inverse(self, vectors: Tensor) -> Tensor:
+        """``(G + lambda I)^-1 v`` for every row of ``vectors`` ``[Q, D]`` laid out as :attr:`spec`."""
+        self.check()
+        offsets = self.spec.offsets()
+        if vectors.shape[1] != self.spec.dim:
+            raise ValueError(f"vectors of dim {vectors.shape[1]}, the curvature covers {self.spec.dim}")
+        out = vectors.clone().to(torch.float32)
+        for name, eig in self.blocks.items():
+            lam = self.block_damping(name)
+            if isinstance(eig, KronEigen):
+                self._kron_inverse(out, vectors, eig, offsets, lam)
+            else:
+                start, stop = offsets[name]
+                part = vectors[:, start:stop].to(torch.float32)
+                denom = eig.eigenvalues.to(part.device) + lam
+                if eig.q is None:
+                    out[:, start:stop] = part / denom
+                else:
+                    q = eig.q.to(part.device)
+                    out[:, start:stop] = ((part @ q) / denom) @ q.t()
+        return out
+
+    def _kron_inverse(self, out: Tensor, vectors: Tensor, eig: KronEigen, offsets: dict, lam: float) -> None:
+        block = eig.block
+        count = vectors.shape[0]
+        w0, w1 = offsets[block.name]
+        matrix = vectors[:, w0:w1].to(torch.float32).reshape(count, block.n_rows, block.n_cols)
+        if block.bias is not None:
+            b0, b1 = offsets[block.bias]
+            bias = vectors[:, b0:b1].to(torch.float32)
+            matrix = (torch.cat([matrix, bias.unsqueeze(2)], dim=2) if block.act_side == "cols"
+                      else torch.cat([matrix, bias.unsqueeze(1)], dim=1))
+        device = matrix.device
+        q_rows = eig.q_rows.to(device) if eig.q_rows is not None else None
+        q_cols = eig.q_cols.to(device) if eig.q_cols is not None else None
+        rotated = matrix
+        if q_rows is not None:
+            rotated = q_rows.t() @ rotated
+        if q_cols is not None:
+            rotated = rotated @ q_cols
+        rotated = rotated / (eig.eigenvalues.to(device) + lam)
+        if q_rows is not None:
+            rotated = q_rows @ rotated
+        if q_cols is not None:
+            rotated = rotated @ q_cols.t()
+        if block.bias is not None:
+            b0, b1 = offsets[block.bias]
+            if block.act_side == "cols":
+                out[:, b0:b1] = rotated[:, :, -1]
+                rotated = rotated[:, :, :-1]
+            else:
+                out[:, b0:b1] = rotated[:, -1, :]
+                rotated = rotated[:, :-1, :]
+        out[:, w0:w1] = rotated.reshape(count, -1)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def report(self) -> str:
+        lines = [f"{self.kind} curvature ({self.fisher} Fisher, damping {self.damping:g} {self.damping_mode}), "
+                 f"{len(self.blocks)} blocks, fitted on {self.meta.get('examples', '?')} examples"]
+        for name, eig in self.blocks.items():
+            values = eig.eigenvalues
+            lam = self.block_damping(name)
+            cond = float((values.max() + lam) / (values.min() + lam)) if float(values.min()) + lam > 0 else float("inf")
+            shape = "x".join(str(n) for n in (eig.block.shape if isinstance(eig, KronEigen) else (eig.block.dim,)))
+            lines.append(f"  {name:<40} {type(eig.block).__name__[:-5].lower():<6} {shape:>12}  mean eig "
+                         f"{float(values.mean()):.3e}  damping {lam:.3e}  condition {cond:.3e}")
+        return "\n".join(lines)
+
+    # -- persistence -------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """``path/curvature.safetensors`` (eigendata) + ``path/curvature.json`` (spec, blocks, settings)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        tensors: dict[str, Tensor] = {}
+        for name, eig in self.blocks.items():
+            fields = ({"q_rows": eig.q_rows, "q_cols": eig.q_cols, "eigenvalues": eig.eigenvalues,
+                       "rows_eig": eig.rows_eig, "cols_eig": eig.cols_eig} if isinstance(eig, KronEigen)
+                      else {"q": eig.q, "eigenvalues": eig.eigenvalues})
+            for key, value in fields.items():
+                if value is not None:
+                    tensors[f"{name}::{key}"] = value.contiguous().cpu()
+        save_file(tensors, str(path / "curvature.safetensors"))
+        info = {"format": FORMAT, "version": VERSION, "kind": self.kind, "fisher": self.fisher,
+                "damping": self.damping, "damping_mode": self.damping_mode, "spec": self.spec.to_dict(),
+                "blocks": [eig.block.to_dict() for eig in self.blocks.values()], "meta": self.meta}
+        (path / "curvature.json").write_text(json.dumps(info, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Curvature:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not (path / "curvature.json").exists():
+            raise FileNotFoundError(f"{path} holds no fitted curvature (curvature.json missing)")
+        info = json.loads((path / "curvature.json").read_text())
+        if info.get("format") != FORMAT or info.get("version") != VERSION:
+            raise CurvatureError(f"{path} is not a gradtrace curvature file of version {VERSION}")
+        tensors = load_file(str(path / "curvature.safetensors"))
+        blocks: dict[str, KronEigen | DenseEigen] = {}
+        for data in info["blocks"]:
+            block: Block = block_from_dict(data)
+            get = lambda key, name=block.name: tensors.get(f"{name}::{key}")
+            if isinstance(block, KronBlock):
+                blocks[block.name] = KronEigen(block, get("q_rows"), get("q_cols"), get("eigenvalues"),
+                                               get("rows_eig"), get("cols_eig"))
+            else:
+                blocks[block.name] = DenseEigen(block, get("q"), get("eigenvalues"))
+        return cls(info["kind"], GradientSpec.from_dict(info["spec"]), blocks, info["fisher"], info["damping"],
+                   info["damping_mode"], info.get("meta", {}))

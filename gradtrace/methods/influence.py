@@ -1,0 +1,152 @@
+"""Influence functions: ``tau(q, i) = g_q^T (G + lambda I)^-1 g_i`` with a block-diagonal curvature ``G``.
+
+* ``kfac`` / ``ekfac`` -- Kronecker-factored curvature (George et al. 2018; Grosse et al. 2023), fitted with
+  :func:`gradtrace.curvature.fit_curvature` (``attr.fit(model, train_data, loss_fn)``), or loaded from a
+  saved fit (``curvature="path"``). On a LoGra store they work in the projected space.
+* ``ggn`` -- the dense Fisher / Gauss-Newton matrix of each parameter (exact for classifiers with
+  ``fisher="exact"``): the reference the factored methods approximate; quadratic in parameter size.
+* ``logra`` -- LoGra influence (Choe et al. 2024): the dense Fisher of the *projected* per-example gradients of
+  each parameter, computed from the training store itself (no model pass).
+
+The inverse is applied to the query side once; training gradients stay raw. Positive = helpful.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..curvature import Curvature, fit_curvature
+from ..curvature.blocks import DenseBlock
+from ..curvature.curvature import DenseEigen, eigh
+from ..store.spec import GradientSpec, SpecMismatch
+from .base import Method, MissingStage, register_method
+
+__all__ = ["KFAC", "EKFAC", "GGN", "LoGraInfluence"]
+
+
+class _CurvatureMethod(Method):
+    needs = ("curvature",)
+    curvature_kind: ClassVar[str] = ""
+    default_fisher: ClassVar[str] = "true"
+
+    def __init__(self, curvature: Curvature | str | Path | None = None, damping: float | None = None,
+                 damping_mode: str | None = None, fisher: str | None = None, samples: int = 1, seed: int = 0,
+                 max_dense: int = 4096) -> None:
+        if isinstance(curvature, (str, Path)):
+            curvature = Curvature.load(curvature)
+        self.curvature = curvature
+        self.damping = damping
+        self.damping_mode = damping_mode
+        self.fisher = fisher or self.default_fisher
+        self.fit_options = {"samples": samples, "seed": seed, "max_dense": max_dense}
+
+    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, **options: Any) -> None:
+        if model is None or data is None:
+            raise MissingStage(f"{self.name}: fit(model, train_data, loss_fn) needs the model and training data")
+        kwargs = {**self.fit_options, **options}
+        self.curvature = fit_curvature(model, data, loss_fn, kind=self.curvature_kind, fisher=self.fisher,
+                                       spec=attributor.spec, **kwargs)
+
+    def check_ready(self) -> None:
+        if self.curvature is None:
+            raise MissingStage(f"{self.name} needs curvature: run attr.fit(model, train_data, loss_fn) first, or pass "
+                               f"Attributor('{self.name}', train, curvature=<saved curvature directory>)")
+
+    def bind(self, spec: GradientSpec) -> None:
+        """Refuse curvature fitted for other gradients (another model, projection or parameter set)."""
+        self.check_ready()
+        mine = self.curvature.spec
+        if mine.model.get("arch") and spec.model.get("arch") and mine.model["arch"] != spec.model["arch"]:
+            raise SpecMismatch(f"{self.name}: the curvature was fitted on another model ({mine.model.get('class')})")
+        if mine.projection != spec.projection:
+            raise SpecMismatch(f"{self.name}: the curvature was fitted with projection {mine.projection}, the "
+                               f"gradients use {spec.projection}")
+        if mine.params != spec.params:
+            raise SpecMismatch(f"{self.name}: the curvature covers other parameters than the gradients "
+                               f"({len(mine.params)} vs {len(spec.params)}); fit it with the same layers")
+
+    def active(self) -> Curvature:
+        curvature = self.curvature
+        if self.damping is not None or self.damping_mode is not None:
+            curvature = curvature.with_damping(self.damping if self.damping is not None else curvature.damping,
+                                               self.damping_mode)
+        return curvature
+
+    def prepare_queries(self, queries: Tensor, checkpoint: int = 0) -> Tensor:
+        self.check_ready()
+        return self.active().apply_inverse(queries)
+
+    def options(self) -> dict[str, Any]:
+        curvature = self.active() if self.curvature is not None else None
+        return {"fisher": self.fisher, "damping": None if curvature is None else curvature.damping,
+                "damping_mode": None if curvature is None else curvature.damping_mode,
+                "kind": self.curvature_kind}
+
+
+@register_method
+class KFAC(_CurvatureMethod):
+    name = "kfac"
+    curvature_kind = "kfac"
+    description = "K-FAC influence: Kronecker-factored Fisher, damped inverse on the query side"
+
+
+@register_method
+class EKFAC(_CurvatureMethod):
+    name = "ekfac"
+    curvature_kind = "ekfac"
+    description = "EK-FAC influence: K-FAC eigenbasis with corrected eigenvalues"
+
+
+@register_method
+class GGN(_CurvatureMethod):
+    name = "ggn"
+    curvature_kind = "fisher"
+    default_fisher = "exact"
+    description = "dense per-parameter Gauss-Newton / Fisher influence (reference; small models)"
+
+    def __init__(self, *args: Any, max_dense: int = 1 << 16, **kwargs: Any) -> None:
+        super().__init__(*args, max_dense=max_dense, **kwargs)
+
+
+@register_method
+class LoGraInfluence(_CurvatureMethod):
+    """Dense Fisher of each parameter's projected gradients, from the training store (LoGra's "raw" mode)."""
+
+    name = "logra"
+    curvature_kind = "fisher"
+    default_fisher = "empirical"
+    description = "LoGra influence: damped dense Fisher of the projected gradients of each layer"
+
+    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, **options: Any) -> None:
+        """Accumulate ``F_p = mean_i g_ip g_ip^T`` per parameter over the stored training gradients."""
+        spec = attributor.spec
+        if spec.projection is None:
+            raise ValueError("logra influence works in a projected space: collect the training gradients with "
+                             "projection=gradtrace.LoGra(...)")
+        max_dense = options.get("max_dense", self.fit_options["max_dense"])
+        offsets = spec.offsets()
+        totals = {name: None for name, _ in spec.params}
+        source = attributor.train[0]
+        count = 0
+        for _, block in source.iter_blocks(attributor.block_rows, attributor.device):
+            count += block.shape[0]
+            for name, (start, stop) in offsets.items():
+                part = block[:, start:stop].to(torch.float32)
+                value = part.pow(2).sum(0) if stop - start > max_dense else part.t() @ part
+                totals[name] = value if totals[name] is None else totals[name] + value
+        if count == 0:
+            raise ValueError("logra: the training store is empty")
+        blocks = {}
+        for name, dim in spec.params:
+            moment = totals[name] / count
+            if moment.dim() == 1:
+                blocks[name] = DenseEigen(DenseBlock(name, dim, True), None, moment.cpu())
+            else:
+                values, vectors = eigh(moment.cpu())
+                blocks[name] = DenseEigen(DenseBlock(name, dim), vectors, values)
+        self.curvature = Curvature("fisher", spec, blocks, "empirical", 0.1, "relative",
+                                   {"examples": count, "source": "training store"})

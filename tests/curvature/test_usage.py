@@ -1,0 +1,99 @@
+"""Curvature in use: language models (tied weights, projected space), saving and re-damping, bad input."""
+
+import pytest
+import torch
+from torch import nn
+
+import gradtrace
+from gradtrace.curvature import Curvature, CurvatureError, fit_curvature
+from gradtrace.methods import MissingStage
+from gradtrace.store import SpecMismatch
+from tests import tiny
+
+
+def _lm_data(model_seed=0, n=16, t=8):
+    torch.manual_seed(model_seed)
+    ids = torch.randint(1, tiny.VOCAB, (n + 4, t))
+    return [{"input_ids": ids[i:i + 8]} for i in range(0, n, 8)], [{"input_ids": ids[n:]}]
+
+
+@pytest.mark.parametrize("projection", [None, gradtrace.LoGra(rank=4)], ids=["exact", "logra"])
+@pytest.mark.parametrize("fisher", ["empirical", "true"])
+def test_ekfac_on_gpt2_with_tied_embeddings(projection, fisher):
+    model = tiny.gpt2(tied=True)
+    train_batches, query_batches = _lm_data()
+    train = gradtrace.collect(model, train_batches, projection=projection)
+    queries = gradtrace.collect(model, query_batches, projection=projection)
+    attr = gradtrace.Attributor("ekfac", train, fisher=fisher)
+    with pytest.raises(MissingStage, match=r"attr\.fit"):
+        attr.score(queries)
+    attr.fit(model, train_batches)
+    scores = attr.score(queries)
+    assert scores.matrix.shape == (4, 16) and torch.isfinite(scores.matrix).all()
+    curvature = attr.method.curvature
+    assert "transformer.wte.weight" in curvature.blocks  # the tied weight is one block
+    self_scores = attr.self_scores()
+    assert (self_scores > 0).all(), "g^T (G + lambda I)^-1 g is positive"
+
+
+def test_save_load_and_redamp_without_refit(tmp_path):
+    model = tiny.llama()
+    train_batches, query_batches = _lm_data(1)
+    logra = gradtrace.LoGra(rank=4)
+    train = gradtrace.collect(model, train_batches, projection=logra)
+    queries = gradtrace.collect(model, query_batches, projection=logra)
+    attr = gradtrace.Attributor("kfac", train, fisher="empirical")
+    attr.fit(model, train_batches)
+    attr.method.curvature.save(tmp_path / "curv")
+    loaded = Curvature.load(tmp_path / "curv")
+    assert loaded.kind == "kfac" and loaded.spec.params == train.spec.params
+    again = gradtrace.Attributor("kfac", train, curvature=tmp_path / "curv").score(queries).matrix
+    assert torch.allclose(again, attr.score(queries).matrix)
+    heavy = gradtrace.Attributor("kfac", train, curvature=tmp_path / "curv", damping=10.0).score(queries).matrix
+    assert not torch.allclose(heavy, again)
+    refit = gradtrace.Attributor("kfac", train, fisher="empirical", damping=10.0)
+    refit.fit(model, train_batches)
+    assert torch.allclose(refit.score(queries).matrix, heavy, rtol=1e-4, atol=1e-6)
+    assert "damping" in loaded.report()
+
+
+def test_curvature_from_another_model_or_projection_is_refused(tmp_path):
+    model = tiny.gpt2()
+    train_batches, query_batches = _lm_data(2)
+    train = gradtrace.collect(model, train_batches, projection=gradtrace.LoGra(rank=4))
+    curvature = fit_curvature(model, train_batches, kind="kfac", spec=train.spec)
+    other = gradtrace.collect(model, train_batches, projection=gradtrace.LoGra(rank=4, seed=9))
+    with pytest.raises(SpecMismatch, match="projection"):
+        gradtrace.Attributor("kfac", other, curvature=curvature).score(other)
+    llama = tiny.llama()
+    llama_train = gradtrace.collect(llama, train_batches, projection=gradtrace.LoGra(rank=4))
+    with pytest.raises(SpecMismatch, match="another model"):
+        gradtrace.Attributor("kfac", llama_train, curvature=curvature).score(llama_train)
+
+
+def test_degenerate_curvature_is_a_clear_error():
+    model = nn.Sequential(nn.Linear(3, 2, bias=False))
+    x = torch.zeros(6, 3)  # no activation: the input factor is zero
+    batches = [(x, torch.zeros(6, 2))]
+    from gradtrace.losses import regression_loss
+
+    train = gradtrace.collect(model, batches, regression_loss)
+    attr = gradtrace.Attributor("kfac", train, fisher="empirical")
+    with pytest.raises(CurvatureError, match="zero curvature"):
+        attr.fit(model, batches, regression_loss)
+    model = nn.Sequential(nn.Linear(3, 2, bias=False))
+    batches = [(torch.randn(2, 3), torch.randn(2, 2))]  # 2 examples cannot span the 6 weight dimensions
+    train = gradtrace.collect(model, batches, regression_loss)
+    attr = gradtrace.Attributor("ggn", train, fisher="empirical", damping=0.0, damping_mode="absolute")
+    attr.fit(model, batches, regression_loss)
+    with pytest.raises(CurvatureError, match="singular"):
+        attr.score(train)
+
+
+def test_true_fisher_needs_a_known_loss():
+    model = tiny.MLP()
+    batches = [(torch.randn(4, 7), torch.randint(0, 4, (4,)))]
+    with pytest.raises(ValueError, match="sampled from the model"):
+        fit_curvature(model, batches, lambda m, b: m(b[0]).sum(1), kind="kfac", fisher="true")
+    with pytest.raises(ValueError, match="fisher must be"):
+        fit_curvature(model, batches, kind="kfac", fisher="bogus")
