@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from . import collect, demo, inspect, score, topk
+from . import collect, demo, fit, inspect, score, topk
 from .options import make_command
 
 __all__ = ["app", "main"]
@@ -40,7 +40,7 @@ def _root(version: bool = typer.Option(False, "--version", "-V", callback=_versi
     """Training data attribution for language models."""
 
 
-for _name, _module in (("collect", collect), ("score", score), ("topk", topk), ("inspect", inspect),
+for _name, _module in (("collect", collect), ("fit", fit), ("score", score), ("topk", topk), ("inspect", inspect),
                        ("demo", demo)):
     app.command(_name)(make_command(_name, _module.OPTIONS, _module.run))
 

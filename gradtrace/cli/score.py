@@ -58,6 +58,13 @@ class ScoringOptions(Group):
     export: Path | None = field(default=None, metadata=cli(
         "Also export the top-k rows of every query to this .csv, .json or .parquet file."))
     overwrite: bool = field(default=False, metadata=cli("Replace scores already saved in --out."))
+    curvature: Path | None = field(default=None, metadata=cli(
+        "Fitted curvature for influence methods (kfac, ekfac, ggn, logra), written by gradtrace fit.",
+        metavar="CURVATURE_DIR"))
+    damping: float | None = field(default=None, metadata=cli(
+        "Damping of the curvature (default: the one saved with the fit); no refit needed.", min=0))
+    damping_mode: Literal["relative", "absolute"] | None = field(default=None, metadata=cli(
+        "relative: damping times each block's mean eigenvalue; absolute: damping as is."))
 
 
 @dataclass(kw_only=True)
@@ -124,17 +131,30 @@ def run(opts: ScoreOptions) -> None:
     device = resolve_device(model_opts.device)
     query_sets, max_length = _query_gradients(opts, stores, models, device, phases)
     options: dict[str, Any] = {"weights": list(ck.lr)} if multi else {}
+    if "curvature" in get_method(sc.method).needs:
+        if sc.curvature is None:
+            raise CliError(f"--method {sc.method} needs a fitted curvature: run gradtrace fit {opts.store} TRAIN.jsonl "
+                           f"--method {sc.method} --out CURVATURE_DIR, then pass --curvature CURVATURE_DIR")
+        if not (sc.curvature / "curvature.json").exists():
+            raise CliError(f"--curvature {sc.curvature} holds no fitted curvature (curvature.json missing)")
+        options.update(curvature=sc.curvature, damping=sc.damping, damping_mode=sc.damping_mode)
+    elif sc.curvature is not None or sc.damping is not None:
+        raise CliError(f"--curvature/--damping apply to influence methods (kfac, ekfac, ggn, logra), not {sc.method}")
     with phases("score"):
         attributor = gradtrace.Attributor(sc.method, train=stores if multi else stores[0], block_rows=sc.block_rows,
                                           device=device, **options)
         matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
-        scores = attributor.score(query_sets if multi else query_sets[0], topk=sc.topk or None, matrix=matrix,
-                                  progress=opts.progress)
+        try:
+            scores = attributor.score(query_sets if multi else query_sets[0], topk=sc.topk or None, matrix=matrix,
+                                      progress=opts.progress)
+        except ValueError as err:  # curvature from other gradients, singular curvature, ...
+            raise CliError(str(err)) from None
     phases.note("score", f"{attributor.profile.get('rows_per_s', 0):,.0f} training rows/s")
     final = replace(opts, store=opts.store.absolute(), queries=opts.queries.absolute(),
                     model=[m.absolute() for m in models],
                     scoring_options=replace(sc, out=sc.out.absolute(),
-                                            export=sc.export.absolute() if sc.export else None),
+                                            export=sc.export.absolute() if sc.export else None,
+                                            curvature=sc.curvature.absolute() if sc.curvature else None),
                     checkpoint_options=replace(ck, checkpoint_stores=[p.absolute() for p in ck.checkpoint_stores]),
                     data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))

@@ -38,8 +38,9 @@ def modules_of(param_names: Sequence[str]) -> list[str]:
 class _LazyCovariance(CovarianceCallback):
     """Builds its blocks from the first captured batch (the shapes the capture actually produces)."""
 
-    def __init__(self, kind: str, max_dense: int, wanted: set[str] | None) -> None:
+    def __init__(self, kind: str, max_dense: int, wanted: set[str] | None, join_bias: bool = True) -> None:
         self.kind = kind
+        self.join_bias = join_bias
         self.max_dense = max_dense
         self.wanted = wanted
         self.handlers: list = []
@@ -58,7 +59,7 @@ class _LazyCovariance(CovarianceCallback):
             if self.kind == "fisher":
                 blocks = [DenseBlock(n, _numel(s), diagonal=_numel(s) > self.max_dense) for n, s in dims.items()]
             else:
-                blocks = blocks_for(self.handlers, dims, projected=batch.projection is not None,
+                blocks = blocks_for(self.handlers, dims, projected=batch.projection is not None or not self.join_bias,
                                     max_dense=self.max_dense)
             self.blocks = blocks
             self.stats = {b.name: (KronStats(b) if isinstance(b, KronBlock) else DenseStats(b)) for b in blocks}
@@ -79,7 +80,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
                   layers: Sequence[Any] | None = None, exclude: Sequence[Any] | None = None,
                   spec: GradientSpec | None = None, samples: int = 1, seed: int = 0, max_dense: int = 4096,
                   damping: float = 0.1, damping_mode: str = "relative", device: Any = None,
-                  progress: bool = False) -> Curvature:
+                  join_bias: bool = True, progress: bool = False) -> Curvature:
     """Fit curvature on ``data`` at the model's current weights.
 
     Args:
@@ -89,6 +90,8 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
         projection: fit in a LoGra-projected space (a spec or its dict); ``spec``: the gradients the curvature
             will be used with (a store's spec): its projection and parameters are used unless given.
         max_dense: dense blocks larger than this are kept diagonal.
+        join_bias: join a module's bias to its weight's Kronecker block (K-FAC's ``[a; 1]``); False keeps
+            biases as dense blocks (pure weight factors, as a PCA projection basis needs).
         damping, damping_mode: stored defaults (changeable later with :meth:`Curvature.with_damping`).
     """
     if kind not in KINDS:
@@ -121,7 +124,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
                           projection=projection, callbacks=[callback], keep_batches=False)
             run_capture(model, data, fn, cap, device=device, progress=progress, what=label)
 
-    cov = _LazyCovariance(kind, max_dense, wanted)
+    cov = _LazyCovariance(kind, max_dense, wanted, join_bias)
     run(cov, "curvature")
     if cov.dims is None:
         raise ValueError("fit_curvature(): no gradients were captured")

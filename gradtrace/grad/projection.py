@@ -13,9 +13,12 @@ shared by several layers (tied embeddings) are projected consistently at all the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,6 +37,10 @@ class LoGra:
     seed: projection seed; stores and queries must use the same seed to be comparable.
     keep_tokens: keep the per-token projected factors (needed for token-level attribution)
         instead of summing each example over its tokens right away.
+    init: ``"random"`` (Gaussian) or ``"pca"``: project onto the top eigenvectors of K-FAC factors
+        (``basis``: a :class:`gradtrace.curvature.Curvature` fitted on exact gradients without joined biases,
+        or its directory; see :meth:`pca`). In that basis K-FAC is diagonal, so the projection keeps the
+        top Kronecker eigen-directions.
     """
 
     rank: int = 16
@@ -42,12 +49,33 @@ class LoGra:
     rank_cols: int | None = None
     vector_rank: int | None = None
     keep_tokens: bool = False
+    init: str = "random"
+    basis: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("rank", "rank_rows", "rank_cols", "vector_rank"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"LoGra.{name} must be a positive integer, got {value!r}")
+        if self.init not in ("random", "pca"):
+            raise ValueError(f"LoGra.init must be 'random' or 'pca', got {self.init!r}")
+        if self.init == "pca":
+            if self.basis is None:
+                raise ValueError("LoGra(init='pca') needs basis= (a fitted K-FAC curvature): see LoGra.pca(...)")
+            if isinstance(self.basis, (str, Path)):
+                from ..curvature import Curvature
+
+                object.__setattr__(self, "basis", Curvature.load(self.basis))
+
+    @classmethod
+    def pca(cls, model: Any, data: Any, loss_fn: Any = None, *, rank: int = 16, fisher: str = "empirical",
+            layers: Any = None, exclude: Any = None, **options: Any) -> LoGra:
+        """Fit K-FAC factors on exact gradients of ``data`` and return a PCA-initialised LoGra spec."""
+        from ..curvature import fit_curvature
+
+        basis = fit_curvature(model, data, loss_fn, kind="kfac", fisher=fisher, layers=layers, exclude=exclude,
+                              join_bias=False, **options)
+        return cls(rank=rank, init="pca", basis=basis, **{k: v for k, v in options.items() if k == "seed"})
 
     @property
     def k_rows(self) -> int:
@@ -71,8 +99,55 @@ class LoGra:
 
     def to_dict(self) -> dict:
         """The spec as stored in manifests: everything that determines the projected numbers."""
-        return {"kind": "logra", "scheme": _SCHEME, "distribution": "gaussian", "seed": self.seed,
-                "rank_rows": self.k_rows, "rank_cols": self.k_cols, "vector_rank": self.k_vector}
+        out = {"kind": "logra", "scheme": _SCHEME, "distribution": "gaussian", "seed": self.seed,
+               "rank_rows": self.k_rows, "rank_cols": self.k_cols, "vector_rank": self.k_vector}
+        if self.init == "pca":
+            out.update(distribution="pca", init="pca", basis=basis_fingerprint(self.basis))
+        return out
+
+
+def basis_fingerprint(basis: Any) -> str:
+    """A hash of a PCA basis's eigendata: stores projected with different bases are refused."""
+    cached = getattr(basis, "_fingerprint", None)
+    if cached is None:
+        h = hashlib.blake2b(digest_size=8)
+        for name in sorted(basis.blocks):
+            eig = basis.blocks[name]
+            for value in (getattr(eig, "q_rows", None), getattr(eig, "q_cols", None), getattr(eig, "q", None),
+                          eig.eigenvalues):
+                if value is not None:
+                    h.update(name.encode())
+                    h.update(value.detach().cpu().contiguous().numpy().tobytes())
+        cached = h.hexdigest()
+        with contextlib.suppress(AttributeError):  # frozen containers just recompute
+            basis._fingerprint = cached
+    return cached
+
+
+def pca_matrix(basis: Any, param: str, axis: str, n: int, k: int) -> Tensor:
+    """``[k, n]``: the top-``k`` eigenvectors (rows) of ``param``'s factor on ``axis`` in a K-FAC ``basis``."""
+    eig = basis.blocks.get(param)
+    if eig is None:
+        raise ValueError(f"the PCA basis has no factors for {param}: fit it on the same layers")
+    if axis == "vector":
+        vectors, values = getattr(eig, "q", None), eig.eigenvalues
+    else:
+        if getattr(eig.block, "bias", None) is not None:
+            raise ValueError(f"{param}'s basis joins a bias column: fit it with join_bias=False (LoGra.pca does)")
+        vectors = eig.q_rows if axis == "rows" else eig.q_cols
+        values = eig.rows_eig if axis == "rows" else eig.cols_eig
+    if values is None or values.numel() != n:
+        raise ValueError(f"the PCA basis of {param} ({axis}) has {None if values is None else values.numel()} "
+                         f"directions, the gradient has {n}")
+    order = torch.argsort(values, descending=True)[: min(k, n)]
+    if vectors is None:  # diagonal factor (one-hot side): the top-k coordinates
+        top = torch.zeros(len(order), n)
+        top[torch.arange(len(order)), order] = 1.0
+    else:
+        top = vectors[:, order].t().to(torch.float32)
+    if k > n:  # keep the declared shape: the extra directions carry nothing
+        top = torch.cat([top, torch.zeros(k - n, n)])
+    return top.contiguous()
 
 
 def stable_seed(*parts: object) -> int:
@@ -104,7 +179,10 @@ class Projector:
         mat = self._cache.get(key)
         if mat is None:
             k = self.k(axis)
-            mat = gaussian_matrix(k, n, stable_seed(_SCHEME, self.spec.seed, param, axis, n, k)).to(device)
+            if self.spec.init == "pca":
+                mat = pca_matrix(self.spec.basis, param, axis, n, k).to(device)
+            else:
+                mat = gaussian_matrix(k, n, stable_seed(_SCHEME, self.spec.seed, param, axis, n, k)).to(device)
             self._cache[key] = mat
         return mat
 

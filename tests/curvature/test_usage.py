@@ -97,3 +97,40 @@ def test_true_fisher_needs_a_known_loss():
         fit_curvature(model, batches, lambda m, b: m(b[0]).sum(1), kind="kfac", fisher="true")
     with pytest.raises(ValueError, match="fisher must be"):
         fit_curvature(model, batches, kind="kfac", fisher="bogus")
+
+
+def test_pca_logra_keeps_top_kronecker_directions():
+    """PCA-initialised LoGra projects onto the top eigenvectors of the K-FAC factors: with the full rank it is
+    an orthogonal change of basis (inner products preserved exactly), and its spec is refused against random."""
+    model = tiny.MLP()
+    x, y = torch.randn(24, 7), torch.randint(0, 4, (24,))
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 24, 8)]
+    full = gradtrace.LoGra.pca(model, batches, rank=12)  # >= every layer width: nothing is dropped
+    exact = gradtrace.collect(model, batches)
+    projected = gradtrace.collect(model, batches, projection=full)
+    assert projected.spec.projection["init"] == "pca" and "basis" in projected.spec.projection
+    gram_exact = exact.vectors @ exact.vectors.t()
+    gram_projected = projected.vectors @ projected.vectors.t()
+    assert torch.allclose(gram_projected, gram_exact, rtol=1e-4, atol=1e-4 * float(gram_exact.abs().max()))
+    small = gradtrace.LoGra.pca(model, batches, rank=2)
+    top = gradtrace.collect(model, batches, projection=small)
+    random = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=2))
+    with pytest.raises(SpecMismatch, match="projection"):
+        gradtrace.Attributor("grad_dot", top).score(random)
+    del random
+    # rank 2 in the top-eigenvector basis keeps more gradient energy than a random orthonormal rank-2 basis
+    params = dict(model.named_parameters())
+    offsets = exact.spec.offsets()
+    gen = torch.Generator().manual_seed(0)
+    random_energy = 0.0
+    for name, (start, stop) in offsets.items():
+        shape = params[name].shape
+        grads = exact.vectors[:, start:stop].reshape(len(exact), shape[0], -1)
+        if grads.shape[2] == 1:  # vector parameter
+            basis = torch.linalg.qr(torch.randn(shape[0], 2, generator=gen))[0]
+            random_energy += float((grads[:, :, 0] @ basis).pow(2).sum())
+            continue
+        rows = torch.linalg.qr(torch.randn(grads.shape[1], 2, generator=gen))[0]
+        cols = torch.linalg.qr(torch.randn(grads.shape[2], 2, generator=gen))[0]
+        random_energy += float((rows.t() @ grads @ cols).pow(2).sum())
+    assert float(top.vectors.pow(2).sum()) > random_energy

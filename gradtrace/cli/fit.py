@@ -1,0 +1,138 @@
+"""``gradtrace fit STORE DATA --out CURVATURE_DIR``: fit the curvature an influence method needs.
+
+The curvature is fitted for the store's gradients (its parameters and projection, rebuilt from the
+manifest) on DATA -- usually the training data -- at the weights of the model that collected the store, and
+saved (eigendata in safetensors + a JSON manifest). ``gradtrace score --method ekfac --curvature DIR`` uses it;
+damping can be changed there without refitting. ``--method logra`` needs no model pass: it is computed from
+the stored projected gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from .config import META_KEY, provenance, write_resolved
+from .data import make_batches, read_examples, token_ids
+from .errors import CliError
+from .groups import DataOptions, ModelOptions
+from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
+from .options import Group, cli, resolved
+from .report import Phases, console
+
+__all__ = ["OPTIONS", "FitOptions", "run"]
+
+
+@dataclass(kw_only=True)
+class CurvatureOptions(Group):
+    """Which curvature is fitted and how."""
+
+    panel = "Curvature"
+    out: Path = field(metadata=cli("Directory to save the fitted curvature in.", "--out", "-o",
+                                   metavar="CURVATURE_DIR"))
+    method: Literal["kfac", "ekfac", "ggn", "logra"] = field(default="ekfac", metadata=cli(
+        "kfac / ekfac: Kronecker-factored (EK-FAC corrects the eigenvalues with a second pass); ggn: dense per "
+        "parameter (small models); logra: dense Fisher of the stored projected gradients (no model pass)."))
+    fisher: Literal["true", "empirical"] = field(default="true", metadata=cli(
+        "Labels of the Fisher: sampled from the model (true) or the observed ones (empirical)."))
+    samples: int = field(default=1, metadata=cli("Label samples per example for --fisher true.", min=1))
+    seed: int = field(default=0, metadata=cli("Seed of the label sampling."))
+    damping: float = field(default=0.1, metadata=cli(
+        "Default damping saved with the fit (relative: times the mean eigenvalue of each block).", min=0))
+    overwrite: bool = field(default=False, metadata=cli("Replace a curvature already saved in --out."))
+
+
+@dataclass(kw_only=True)
+class FitOptions:
+    """Options of ``gradtrace fit``."""
+
+    store: Path = field(metadata=cli("Gradient store the curvature is for (written by gradtrace collect).",
+                                     argument=True, metavar="STORE"))
+    data: Path | None = field(default=None, metadata=cli(
+        "Examples to fit on (.jsonl or .txt), usually the training data; not needed for --method logra.",
+        argument=True, metavar="DATA"))
+    model: Path | None = field(default=None, metadata=cli(
+        "Model directory (default: the one the store records).", "--model", "-m", metavar="MODEL_DIR"))
+    curvature_options: CurvatureOptions
+    data_options: DataOptions
+    model_options: ModelOptions
+    progress: bool = field(default=True, metadata=cli("Show progress bars and the time profile.",
+                                                      "--progress/--no-progress"))
+
+
+OPTIONS = FitOptions
+
+
+def run(opts: FitOptions) -> None:
+    """Fit the curvature of an influence method (kfac, ekfac, ggn, logra) for a gradient store.
+
+    Example: gradtrace fit ./store train.jsonl --method ekfac --out ./curvature
+    then:    gradtrace score ./store queries.jsonl --method ekfac --curvature ./curvature --out ./scores
+    """
+    import gradtrace
+    from gradtrace.curvature import fit_curvature
+    from gradtrace.store import GradientStore
+
+    from .score import projection_from_spec
+
+    phases = Phases()
+    cv, data_opts, model_opts = opts.curvature_options, opts.data_options, opts.model_options
+    if (cv.out / "curvature.json").exists() and not cv.overwrite:
+        raise CliError(f"{cv.out} already holds a fitted curvature: pass --overwrite to replace it")
+    if not opts.store.exists():
+        raise CliError(f"store {opts.store} does not exist")
+    with phases("open store"):
+        store = GradientStore.open(opts.store)
+    model_dir = opts.model
+    device = resolve_device(model_opts.device)
+    if cv.method == "logra":
+        with phases("fit"):
+            attributor = gradtrace.Attributor("logra", store, device=device)
+            attributor.fit()
+            curvature = attributor.method.curvature
+    else:
+        if opts.data is None:
+            raise CliError(f"--method {cv.method} fits on data: give DATA (usually the training examples)")
+        if model_dir is None:
+            recorded = (store.manifest.get("config") or {}).get("model")
+            if not recorded:
+                raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
+            model_dir = Path(recorded)
+        projection = projection_from_spec(store.spec.projection, store.root)
+        with phases("read data"):
+            examples = read_examples(opts.data, data_opts.text_field, data_opts.id_field)
+        with phases("load model"):
+            tokenizer = load_tokenizer(model_dir)
+            model = load_model(model_dir, device, model_opts.model_dtype)
+        with phases("tokenize"):
+            max_length = resolve_max_length(data_opts.max_length, model)
+            tokens, ids, _ = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.data)
+            batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
+            data_opts = replace(data_opts, max_length=max_length)
+        kind = {"kfac": "kfac", "ekfac": "ekfac", "ggn": "fisher"}[cv.method]
+        with phases("fit"):
+            try:
+                curvature = fit_curvature(model, batches, kind=kind, fisher=cv.fisher, projection=projection,
+                                          spec=store.spec, samples=cv.samples, seed=cv.seed, damping=cv.damping,
+                                          device=device, progress=opts.progress)
+            except ValueError as err:
+                raise CliError(str(err)) from None
+    curvature = curvature.with_damping(cv.damping)
+    final = replace(opts, store=opts.store.absolute(), data=opts.data.absolute() if opts.data else None,
+                    model=model_dir.absolute() if model_dir else None,
+                    curvature_options=replace(cv, out=cv.out.absolute()), data_options=data_opts,
+                    model_options=replace(model_opts, device=device))
+    values = resolved(final)
+    curvature.meta["config"] = {META_KEY: provenance("fit"), **values}
+    with phases("save"):
+        curvature.save(cv.out)
+        written = write_resolved(cv.out, "fit", values)
+    out = console()
+    out.print(f"Fitted {cv.method} curvature for {store.root} ({len(curvature.blocks)} blocks); saved in {cv.out}")
+    out.print(curvature.report())
+    out.print(f"  config      {written}")
+    out.print(f"Next: gradtrace score {opts.store} QUERIES.jsonl --method {cv.method} --curvature {cv.out} "
+              "--out SCORES_DIR")
+    if opts.progress:
+        console(stderr=True).print(phases.table())
