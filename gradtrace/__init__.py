@@ -12,27 +12,17 @@ from .collect import collect
 from .grad import GradBatch, LoGra, LossConvention, ParamGrad
 from .gradients import GradientSet
 from .methods import available_methods
+from .methods.dvemb import data_value_embeddings
+from .methods.less import less_features, less_query_features
 from .score import Attributor, Scores
 from .store import GradientSpec, GradientStore, StoreWriter
+from .train import TrajectoryWriter
 
 __version__ = "0.1.0"
 
 __all__ = [
-           "Attributor",
-           "Capture",
-           "CaptureCallback",
-           "CaptureReport",
-           "GradBatch",
-           "GradientSet",
-           "GradientSpec",
-           "GradientStore",
-           "LoGra",
-           "LossConvention",
-           "ParamGrad",
-           "Scores",
-           "StoreWriter",
-           "__version__",
-           "available_methods",
-           "capture",
-           "collect",
+    "capture", "Capture", "CaptureCallback", "CaptureReport", "collect", "GradBatch", "ParamGrad", "LoGra",
+    "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
+    "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
+    "__version__",
 ]

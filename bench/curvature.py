@@ -1,0 +1,70 @@
+"""How fitting and scoring time of the curvature methods grow with the number of training examples and the
+layer width.
+
+Model: an MLP ``width -> width -> width -> 10`` (tanh), random inputs and labels, batch 64, fp32. For each
+setting: ``fit`` = ``Attributor(method, train).fit(model, data)`` (K-FAC: one pass; EK-FAC: two passes;
+logra: from the stored LoGra-32 gradients, no model pass) and ``score`` = scoring 64 queries against all
+training examples (query-side inverse once + one streamed matrix product). Exact gradients for kfac/ekfac
+(dimension ~2 width^2), LoGra rank 32 for logra.
+
+    python bench/curvature.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+from torch import nn
+
+import gradtrace
+from gradtrace.losses import classification_loss
+
+
+def _setup(width: int, n: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                          nn.Linear(width, 10))
+    x, y = torch.randn(n, width), torch.randint(0, 10, (n,))
+    data = [(x[i:i + 64], y[i:i + 64]) for i in range(0, n, 64)]
+    queries = [(torch.randn(64, width), torch.randint(0, 10, (64,)))]
+    return model, data, queries
+
+
+def _measure(method: str, width: int, n: int) -> tuple[float, float, int]:
+    model, data, queries = _setup(width, n)
+    projection = gradtrace.LoGra(rank=32) if method == "logra" else None
+    train = gradtrace.collect(model, data, classification_loss, projection=projection)
+    q = gradtrace.collect(model, queries, classification_loss, projection=projection)
+    attr = gradtrace.Attributor(method, train, fisher="empirical")
+    start = time.perf_counter()
+    if method == "logra":
+        attr.fit()
+    else:
+        attr.fit(model, data, classification_loss)
+    fit = time.perf_counter() - start
+    start = time.perf_counter()
+    attr.score(q, topk=10)
+    return fit, time.perf_counter() - start, train.dim
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", nargs="+", default=["kfac", "ekfac", "logra"])
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"# {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} threads; MLP "
+          "width->width->width->10, batch 64, 64 queries, fp32")
+    print(f"{'method':<7}{'width':>7}{'N':>7}{'dim':>10}{'fit s':>9}{'score s':>9}{'fit us/example':>16}")
+    for method in args.methods:
+        for width, n in [(256, 256), (256, 1024), (256, 4096), (64, 1024), (128, 1024), (512, 1024)]:
+            fit, score, dim = _measure(method, width, n)
+            print(f"{method:<7}{width:>7}{n:>7}{dim:>10,}{fit:>9.2f}{score:>9.2f}{fit / n * 1e6:>16.0f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

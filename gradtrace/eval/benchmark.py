@@ -1,0 +1,187 @@
+"""``evaluate``: the LDS of attribution methods on a task, against a retraining ground truth.
+
+A method is a registered name, its options, and whether it must be fitted first
+(``Attributor.fit(model, train_batches, loss_fn, **fit_options)``, e.g. curvature methods); ``"random"``
+is a built-in baseline of independent standard-normal scores (fixed seed), whose LDS should be near 0.
+Per-example gradients of the training examples and queries are collected once, at the task's model
+trained on all the data, with the task's per-example loss, and shared by all methods.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..collect import collect
+from ..grad.projection import LoGra
+from ..methods import available_methods, get_method
+from ..score import Attributor
+from .groundtruth import GroundTruth
+from .metrics import QueryMetric, lds
+from .tasks.base import Task
+
+__all__ = ["RANDOM", "MethodSpec", "Row", "evaluate", "format_table", "unsupported"]
+
+RANDOM = "random"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method to evaluate.
+
+    name: a registered method name or ``"random"``. options: passed to the method (``Attributor(name,
+    train, **options)``). fit: call ``Attributor.fit(model, train_batches, loss_fn, **fit_options)`` before
+    scoring; None = when the method defines ``fit``. label: the row's name (default: the name, with options).
+    """
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    fit: bool | None = None
+    fit_options: dict[str, Any] = field(default_factory=dict)
+    label: str | None = None
+
+    @classmethod
+    def parse(cls, item: str | tuple[str, dict[str, Any]] | MethodSpec) -> MethodSpec:
+        """A spec from a name, a ``(name, options)`` pair or a spec."""
+        if isinstance(item, MethodSpec):
+            return item
+        if isinstance(item, str):
+            return cls(item)
+        name, options = item
+        return cls(name, dict(options))
+
+    @property
+    def title(self) -> str:
+        if self.label:
+            return self.label
+        if not self.options:
+            return self.name
+        return f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in sorted(self.options.items())) + ")"
+
+
+@dataclass
+class Row:
+    """One method's result: ``lds_mean`` ± ``lds_se`` (standard error over queries, ``std / sqrt(Q)``);
+    ``seconds``: the method's own time (fit + score), not counting the shared gradient collection
+    (``collect_seconds``); ``lds``: the per-query values."""
+
+    method: str
+    lds_mean: float
+    lds_se: float
+    seconds: float
+    collect_seconds: float = 0.0
+    lds: QueryMetric | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def unsupported(name: str) -> str | None:
+    """Why the harness cannot evaluate method ``name`` (None when it can)."""
+    if name == RANDOM:
+        return None
+    if name not in available_methods():
+        return f"unknown method (available: {', '.join(available_methods())})"
+    try:
+        method = get_method(name)
+    except TypeError:  # needs options to be built: nothing more to check here
+        return None
+    if method.multi_checkpoint:
+        return "needs gradients at several training checkpoints; the tasks attribute one final model"
+    return None
+
+
+def _fit_kwargs(fit: Any, projection: LoGra | None, fit_options: dict[str, Any]) -> dict[str, Any]:
+    kwargs = dict(fit_options)
+    if projection is not None and "projection" not in kwargs:
+        try:
+            params = inspect.signature(fit).parameters
+        except (TypeError, ValueError):
+            params = {}
+        if "projection" in params:
+            kwargs["projection"] = projection
+    return kwargs
+
+
+def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | MethodSpec],
+             ground_truth: GroundTruth, projection: LoGra | None = None, *, batch_size: int = 64,
+             seed: int = 0, progress: bool = False) -> list[Row]:
+    """LDS of each method on ``task`` against ``ground_truth``.
+
+    Args:
+        task: the task; its ``model`` (trained on all data) is the one attributed.
+        methods: names, ``(name, options)`` pairs or :class:`MethodSpec` s; ``"random"`` for the baseline.
+        ground_truth: LDS ground truth of this task (``masks [S, N]``, ``outcomes [S, Q]``), e.g. from
+            ``build_lds_ground_truth(task.train, task.outcome, task.num_train, config=task.config)``;
+            refused when its metadata names another task configuration.
+        projection: collect projected gradients (``gradtrace.LoGra(rank=...)``); passed to a method's
+            ``fit`` when that accepts ``projection``.
+        batch_size: examples per batch when collecting gradients and fitting.
+        seed: seed of the random baseline.
+        progress: progress bars while collecting.
+
+    Returns:
+        One :class:`Row` per method, in order.
+    """
+    specs = [MethodSpec.parse(m) for m in methods]
+    for spec in specs:
+        reason = unsupported(spec.name)
+        if reason is not None:
+            raise ValueError(f"cannot evaluate {spec.name!r}: {reason}")
+    _check_ground_truth(task, ground_truth)
+    model = task.model
+    began = time.perf_counter()
+    train = collect(model, task.train_batches(batch_size), task.loss_fn, projection=projection, progress=progress)
+    queries = collect(model, task.query_batches(), task.loss_fn, projection=projection)
+    collect_seconds = time.perf_counter() - began
+    if list(train.ids) != task.train_ids or list(queries.ids) != task.query_ids:
+        raise RuntimeError("the collected gradients do not cover the task's examples in order (non-finite "
+                           "gradients dropped?)")
+    rows = []
+    for spec in specs:
+        began = time.perf_counter()
+        matrix = _score(spec, task, model, train, queries, projection, batch_size, seed)
+        seconds = time.perf_counter() - began
+        result = lds(matrix, ground_truth.masks, ground_truth.outcomes)
+        rows.append(Row(spec.title, result.mean, result.se, seconds, collect_seconds, result, dict(spec.options)))
+    return rows
+
+
+def _score(spec: MethodSpec, task: Task, model: Any, train: Any, queries: Any, projection: LoGra | None,
+           batch_size: int, seed: int) -> Tensor:
+    if spec.name == RANDOM:
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randn(len(queries.ids), len(train.ids), generator=generator)
+    attributor = Attributor(spec.name, train, **spec.options)
+    fit = getattr(attributor.method, "fit", None)
+    needs_fit = spec.fit if spec.fit is not None else callable(fit)
+    if needs_fit:
+        if not callable(fit):
+            raise ValueError(f"method {spec.name!r} has no fit()")
+        attributor.fit(model, task.train_batches(batch_size), task.loss_fn,
+                       **_fit_kwargs(fit, projection, spec.fit_options))
+    return attributor.score(queries, topk=None, matrix=True).matrix
+
+
+def _check_ground_truth(task: Task, ground_truth: GroundTruth) -> None:
+    if ground_truth.masks.shape[1] != task.num_train:
+        raise ValueError(f"the ground truth covers {ground_truth.masks.shape[1]} training examples, "
+                         f"the task has {task.num_train}")
+    if ground_truth.outcomes.shape[1] != task.num_queries:
+        raise ValueError(f"the ground truth has {ground_truth.outcomes.shape[1]} queries, the task {task.num_queries}")
+    built_for = ground_truth.meta.get("settings", {}).get("config")
+    if built_for is not None and built_for != task.config:
+        raise ValueError("the ground truth was built for another task configuration "
+                         f"({built_for.get('task')} {built_for.get('settings')}, data {built_for.get('data')})")
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """A markdown table: method, LDS ± SE, seconds (fit + score)."""
+    lines = ["| method | LDS ± SE | fit + score (s) |", "|---|---|---|"]
+    for row in rows:
+        lines.append(f"| `{row.method}` | {row.lds_mean:.3f} ± {row.lds_se:.3f} | {row.seconds:.2f} |")
+    return "\n".join(lines)

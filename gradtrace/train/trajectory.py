@@ -1,0 +1,169 @@
+"""Recording a training trajectory: every example's gradient at every optimizer step, with its step size.
+
+Trajectory-aware methods (DVEmb, :mod:`gradtrace.methods.dvemb`) need, for each optimizer step ``t``, the
+per-example gradients of the batch ``B_t`` at ``theta_t`` and the step size each example got. A
+:class:`TrajectoryWriter` is a capture callback that records exactly that from an unmodified loop::
+
+    writer = TrajectoryWriter("runs/trajectory", optimizer)
+    with gradtrace.capture(model, reduction="mean", projection=gradtrace.LoGra(rank=8), callbacks=[writer]) as cap:
+        for batch in loader:
+            cap.annotate(ids=batch.pop("id"))
+            loss_fn(model(**batch)).backward()
+            optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+Each row is one example at one optimizer step, keyed ``f"{id}@{step}"`` (so the repeats of later epochs are all
+kept), with per-row fields:
+
+* ``example``: the example's id;
+* ``step``: the optimizer step the gradient belongs to -- ``optimizer.step()`` calls are counted with a step
+  post-hook, so the backward passes of gradient accumulation share one step;
+* ``lr``: ``optimizer.param_groups[0]["lr"]`` when the backward pass ends (the rate that step will use);
+* ``weight``: the example's effective SGD step size, ``lr / scale`` where ``scale`` is the factor the capture
+  removed from the loop's loss (the batch size for a mean loss, times the accumulation steps when the loop
+  divides by them and says so with ``capture(..., loss_scale=1/accum)``): the step is
+  ``theta_{t+1} = theta_t - sum_rows weight * g``;
+* ``backward``: the backward pass within the capture session.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..grad.batch import GradBatch
+from ..gradients import GradientSet
+from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
+
+__all__ = ["FIELDS", "TrajectoryWriter"]
+
+FIELDS = ("example", "step", "lr", "weight", "backward")
+
+
+class TrajectoryWriter:
+    """Capture callback recording each example's (projected) gradient at every optimizer step.
+
+    Args:
+        path: store directory; None keeps the rows in memory (:meth:`result` returns a
+            :class:`~gradtrace.GradientSet`).
+        optimizer: the loop's optimizer: its ``step()`` calls are counted and its learning rate read.
+        dtype, shard_rows, queue_size, resume, overwrite, config: store options (see
+            :class:`gradtrace.store.ShardWriter`).
+        start_step: the index of the first optimizer step recorded (a run resumed from a checkpoint).
+
+    The optimizer hook is installed when the capture starts and removed when it ends. Pass your own ids with
+    ``cap.annotate(ids=...)``: the default content-hash ids count repeats of the same content as new examples
+    (``id#1``) unless ``cap.reset_ids()`` is called at every epoch.
+    """
+
+    def __init__(self, path: str | Path | None, optimizer: torch.optim.Optimizer, *, dtype: str = "float32",
+                 shard_rows: int = 4096, queue_size: int = 8, resume: bool = False, overwrite: bool = False,
+                 start_step: int = 0, config: dict[str, Any] | None = None) -> None:
+        if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "register_step_post_hook"):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if path is None and (resume or overwrite):
+            raise ValueError("resume/overwrite apply to a store: pass a path")
+        self.path = Path(path) if path is not None else None
+        self.optimizer = optimizer
+        self.dtype = dtype
+        self.options = {"shard_rows": shard_rows, "queue_size": queue_size, "resume": resume, "overwrite": overwrite,
+                        "config": {"trajectory": {"optimizer": type(optimizer).__name__, "start_step": start_step},
+                                   **(config or {})}}
+        self.step = int(start_step)  # the optimizer step the next backward pass belongs to
+        self.spec: GradientSpec | None = None
+        self.writer: ShardWriter | None = None
+        self.model = None
+        self._handle: Any = None
+        self._warned = False
+        self._seen: dict[str, int] = {}  # occurrences of each id within the current step
+        self._seen_step: int | None = None
+        self._vectors: list[Tensor] = []
+        self._ids: list[str] = []
+        self._fields: dict[str, list[Any]] = {name: [] for name in FIELDS}
+
+    # -- capture callback ----------------------------------------------------------------------
+    def on_capture_start(self, capture: Any) -> None:
+        self.model = capture.model
+        if self._handle is None:
+            self._handle = self.optimizer.register_step_post_hook(self._on_step)
+
+    def _on_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.step += 1
+
+    def learning_rate(self) -> float:
+        """The learning rate of the optimizer's first parameter group, now."""
+        groups = self.optimizer.param_groups
+        if not self._warned and len({float(g["lr"]) for g in groups}) > 1:
+            self._warned = True
+            warnings.warn("gradtrace: the optimizer's parameter groups have different learning rates; the trajectory "
+                          "records group 0's (DVEmb then mis-weights the other groups' parameters)", stacklevel=3)
+        return float(groups[0]["lr"])
+
+    def _open(self, batch: GradBatch) -> None:
+        convention = {**batch.convention.to_dict(), "features": "trajectory"}
+        self.spec = GradientSpec(params=list(batch.dims.items()), projection=batch.projection, convention=convention,
+                                 model=model_fingerprint(self.model) if self.model is not None else {},
+                                 dtype=self.dtype)
+
+    def on_batch(self, batch: GradBatch, capture: Any = None) -> None:
+        if self.spec is None:
+            self._open(batch)
+        if list(batch.dims.items()) != self.spec.params or batch.projection != self.spec.projection:
+            raise SpecMismatch(f"gradtrace: backward pass {batch.step} captured other parameters or another "
+                               "projection than the trajectory started with")
+        if self.path is not None and self.writer is None:
+            self.writer = ShardWriter(self.path, self.spec, **self.options)
+        keep = list(range(len(batch)))
+        if batch.nonfinite is not None and bool(batch.nonfinite.any()):
+            bad = set(batch.nonfinite.nonzero().flatten().tolist())
+            if self.writer is not None:
+                self.writer.note_nonfinite([batch.ids[i] for i in keep if i in bad])
+            keep = [i for i in keep if i not in bad]
+        if not keep:
+            return
+        sub = batch if len(keep) == len(batch) else batch.select(keep)
+        lr, step = self.learning_rate(), self.step
+        if self._seen_step != step:
+            self._seen, self._seen_step = {}, step
+        keys = []
+        for ident in sub.ids:
+            count = self._seen.get(ident, 0)
+            self._seen[ident] = count + 1
+            keys.append(f"{ident}@{step}" if count == 0 else f"{ident}@{step}#{count}")
+        scale = sub.scale.detach().to("cpu", torch.float64)
+        weight = torch.where(scale > 0, lr / scale.clamp(min=1e-300), torch.zeros_like(scale))
+        fields = {"example": list(sub.ids), "step": [step] * len(keys), "lr": [lr] * len(keys),
+                  "weight": weight.tolist(), "backward": [batch.step] * len(keys)}
+        vectors = sub.flat()  # [E, dim] float32 gradient of each example's own loss
+        if self.writer is not None:
+            self.writer.put(keys, vectors, fields)
+        else:
+            self._vectors.append(vectors.detach().cpu())
+            self._ids += keys
+            for name, values in fields.items():
+                self._fields[name] += values
+
+    def on_capture_end(self, capture: Any, error: BaseException | None) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        if self.writer is not None:
+            self.writer.close(complete=error is None)
+            self.writer = None
+            self.options.update(resume=True, overwrite=False)  # a later session appends
+
+    # -- results -------------------------------------------------------------------------------
+    def result(self) -> GradientStore | GradientSet:
+        """The recorded trajectory: the store (opened) or, in memory, a :class:`~gradtrace.GradientSet`."""
+        if self.spec is None:
+            raise ValueError("nothing was recorded: no backward pass ran inside the capture")
+        if self.path is not None:
+            if self.writer is not None:
+                raise RuntimeError("the capture is still running: read the trajectory after it ends")
+            return GradientStore.open(self.path)
+        vectors = torch.cat(self._vectors) if self._vectors else torch.zeros(0, self.spec.dim)
+        return GradientSet(vectors, list(self._ids), self.spec,
+                           fields={k: list(v) for k, v in self._fields.items()})
