@@ -6,12 +6,13 @@ LDS outcomes are ``-loss`` and leave-one-out effects are positive for helpful ex
 correlate positively.
 """
 
-from .benchmark import RANDOM, MethodSpec, Row, evaluate, format_table, unsupported
+from .benchmark import INHERIT, RANDOM, MethodSpec, Row, evaluate, format_table, unsupported
 from .groundtruth import GroundTruth, StaleGroundTruth, build_lds_ground_truth, build_loo_ground_truth, subset_masks
 from .metrics import LDSResult, QueryMetric, lds, loo_correlation, pearson, recall_at_k, summarize
 from .tasks import TASKS, DigitsTask, Task, TinyLMTask, get_task
 
 __all__ = [
+    "INHERIT",
     "RANDOM",
     "TASKS",
     "DigitsTask",

@@ -26,9 +26,12 @@ from .groundtruth import GroundTruth
 from .metrics import QueryMetric, lds
 from .tasks.base import Task
 
-__all__ = ["RANDOM", "MethodSpec", "Row", "evaluate", "format_table", "unsupported"]
+__all__ = ["INHERIT", "RANDOM", "MethodSpec", "Row", "evaluate", "format_table", "unsupported"]
 
 RANDOM = "random"
+
+
+INHERIT = "inherit"
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,16 @@ class MethodSpec:
 
     name: a registered method name or ``"random"``. options: passed to the method (``Attributor(name,
     train, **options)``). fit: call ``Attributor.fit(model, train_batches, loss_fn, **fit_options)`` before
-    scoring; None = when the method defines ``fit``. label: the row's name (default: the name, with options).
+    scoring; None = when the method defines ``fit``. projection: the gradients this method scores
+    (``gradtrace.LoGra(...)``, or None for exact ones); default: the projection given to :func:`evaluate`.
+    label: the row's name (default: the name, with options).
     """
 
     name: str
     options: dict[str, Any] = field(default_factory=dict)
     fit: bool | None = None
     fit_options: dict[str, Any] = field(default_factory=dict)
+    projection: LoGra | str | None = INHERIT
     label: str | None = None
 
     @classmethod
@@ -68,8 +74,8 @@ class MethodSpec:
 @dataclass
 class Row:
     """One method's result: ``lds_mean`` ± ``lds_se`` (standard error over queries, ``std / sqrt(Q)``);
-    ``seconds``: the method's own time (fit + score), not counting the shared gradient collection
-    (``collect_seconds``); ``lds``: the per-query values."""
+    ``seconds``: the method's own time (fit + score), not counting the gradient collection it shares with
+    other methods (``collect_seconds``); ``lds``: the per-query values; ``dim``: the gradient dimension."""
 
     method: str
     lds_mean: float
@@ -78,6 +84,7 @@ class Row:
     collect_seconds: float = 0.0
     lds: QueryMetric | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    dim: int = 0
 
 
 def unsupported(name: str) -> str | None:
@@ -92,19 +99,50 @@ def unsupported(name: str) -> str | None:
         return None
     if method.multi_checkpoint:
         return "needs gradients at several training checkpoints; the tasks attribute one final model"
+    fit = getattr(method, "fit", None)
+    if fit is not None and "model" not in _parameters(fit):
+        stages = ", ".join(method.needs) or "its fit"
+        return (f"needs a recorded training trajectory ({stages}; its fit() takes no model or data); the tasks "
+                "attribute one final model")
     return None
+
+
+def _parameters(fn: Any) -> dict[str, Any]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
 
 
 def _fit_kwargs(fit: Any, projection: LoGra | None, fit_options: dict[str, Any]) -> dict[str, Any]:
     kwargs = dict(fit_options)
-    if projection is not None and "projection" not in kwargs:
-        try:
-            params = inspect.signature(fit).parameters
-        except (TypeError, ValueError):
-            params = {}
-        if "projection" in params:
-            kwargs["projection"] = projection
+    if projection is not None and "projection" not in kwargs and "projection" in _parameters(fit):
+        kwargs["projection"] = projection
     return kwargs
+
+
+class _Gradients:
+    """Training and query gradients of a task's model, collected once per projection."""
+
+    def __init__(self, task: Task, batch_size: int, progress: bool) -> None:
+        self.task, self.batch_size, self.progress = task, batch_size, progress
+        self.held: list[tuple[LoGra | None, Any, Any, float]] = []
+
+    def get(self, projection: LoGra | None) -> tuple[Any, Any, float]:
+        for known, train, queries, seconds in self.held:
+            if known is projection or (known is not None and projection is not None and known == projection):
+                return train, queries, seconds
+        task, model = self.task, self.task.model
+        began = time.perf_counter()
+        train = collect(model, task.train_batches(self.batch_size), task.loss_fn, projection=projection,
+                        progress=self.progress)
+        queries = collect(model, task.query_batches(), task.loss_fn, projection=projection)
+        seconds = time.perf_counter() - began
+        if list(train.ids) != task.train_ids or list(queries.ids) != task.query_ids:
+            raise RuntimeError("the collected gradients do not cover the task's examples in order (non-finite "
+                               "gradients dropped?)")
+        self.held.append((projection, train, queries, seconds))
+        return train, queries, seconds
 
 
 def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | MethodSpec],
@@ -118,8 +156,8 @@ def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | Me
         ground_truth: LDS ground truth of this task (``masks [S, N]``, ``outcomes [S, Q]``), e.g. from
             ``build_lds_ground_truth(task.train, task.outcome, task.num_train, config=task.config)``;
             refused when its metadata names another task configuration.
-        projection: collect projected gradients (``gradtrace.LoGra(rank=...)``); passed to a method's
-            ``fit`` when that accepts ``projection``.
+        projection: collect projected gradients (``gradtrace.LoGra(rank=...)``) for the methods whose
+            spec does not choose; passed to a method's ``fit`` when that takes ``projection``.
         batch_size: examples per batch when collecting gradients and fitting.
         seed: seed of the random baseline.
         progress: progress bars while collecting.
@@ -133,26 +171,22 @@ def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | Me
         if reason is not None:
             raise ValueError(f"cannot evaluate {spec.name!r}: {reason}")
     _check_ground_truth(task, ground_truth)
-    model = task.model
-    began = time.perf_counter()
-    train = collect(model, task.train_batches(batch_size), task.loss_fn, projection=projection, progress=progress)
-    queries = collect(model, task.query_batches(), task.loss_fn, projection=projection)
-    collect_seconds = time.perf_counter() - began
-    if list(train.ids) != task.train_ids or list(queries.ids) != task.query_ids:
-        raise RuntimeError("the collected gradients do not cover the task's examples in order (non-finite "
-                           "gradients dropped?)")
+    gradients = _Gradients(task, batch_size, progress)
     rows = []
     for spec in specs:
+        chosen = projection if isinstance(spec.projection, str) and spec.projection == INHERIT else spec.projection
+        train, queries, collect_seconds = gradients.get(chosen)
         began = time.perf_counter()
-        matrix = _score(spec, task, model, train, queries, projection, batch_size, seed)
+        matrix = _score(spec, task, train, queries, chosen, batch_size, seed)
         seconds = time.perf_counter() - began
         result = lds(matrix, ground_truth.masks, ground_truth.outcomes)
-        rows.append(Row(spec.title, result.mean, result.se, seconds, collect_seconds, result, dict(spec.options)))
+        rows.append(Row(spec.title, result.mean, result.se, seconds, collect_seconds, result, dict(spec.options),
+                        train.vectors.shape[1]))
     return rows
 
 
-def _score(spec: MethodSpec, task: Task, model: Any, train: Any, queries: Any, projection: LoGra | None,
-           batch_size: int, seed: int) -> Tensor:
+def _score(spec: MethodSpec, task: Task, train: Any, queries: Any, projection: LoGra | None, batch_size: int,
+           seed: int) -> Tensor:
     if spec.name == RANDOM:
         generator = torch.Generator().manual_seed(seed)
         return torch.randn(len(queries.ids), len(train.ids), generator=generator)
@@ -162,7 +196,7 @@ def _score(spec: MethodSpec, task: Task, model: Any, train: Any, queries: Any, p
     if needs_fit:
         if not callable(fit):
             raise ValueError(f"method {spec.name!r} has no fit()")
-        attributor.fit(model, task.train_batches(batch_size), task.loss_fn,
+        attributor.fit(task.model, task.train_batches(batch_size), task.loss_fn,
                        **_fit_kwargs(fit, projection, spec.fit_options))
     return attributor.score(queries, topk=None, matrix=True).matrix
 

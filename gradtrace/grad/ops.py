@@ -20,7 +20,8 @@ from .cost import CostModel, TermShape, default_cost_model
 from .ghost import DEFAULT_MAX_BYTES, ghost_diag, ghost_inner
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm, is_index
 
-__all__ = ["check_compatible", "concat", "inner", "param_route", "sq_norms", "to", "token_inner"]
+__all__ = ["check_compatible", "concat", "dense_inner", "inner", "param_route", "sq_norms", "to", "token_inner",
+           "weighted_sum"]
 
 
 class IncompatibleGradients(ValueError):
@@ -287,3 +288,76 @@ def to(batch: GradBatch, device: torch.device | str | None = None, dtype: torch.
     if device is not None:
         out.scale = batch.scale.to(device)
     return out
+
+
+def weighted_sum(pg: ParamGrad, weights: Tensor) -> Tensor:
+    """``sum_e weights[e] * G_e`` of one parameter (shape ``pg.shape``), without forming per-example gradients:
+    one matrix product (or scatter) per term."""
+    weights = weights.to(torch.float32)
+    total = None
+    for term in pg.terms:
+        w = weights.to(_term_device(term))
+        if isinstance(term, OuterTerm):
+            part = _weighted_outer(term, w)
+        elif isinstance(term, VectorTerm):
+            part = (term.values.to(torch.float32) * w[:, None, None]).sum((0, 1))
+        else:
+            part = (term.values.to(torch.float32).reshape(term.num_examples, -1) * w[:, None]).sum(0)
+        part = part.reshape(pg.shape)
+        total = part if total is None else total + part
+    return total
+
+
+def _term_device(term: Term) -> torch.device:
+    return (term.rows if isinstance(term, OuterTerm) else term.values).device
+
+
+def _weighted_outer(term: OuterTerm, w: Tensor) -> Tensor:
+    if is_index(term.rows):
+        cols = (term.cols.to(torch.float32) * w[:, None, None]).reshape(-1, term.n_cols)
+        ids = term.rows.reshape(-1)
+        out = torch.zeros(term.n_rows, term.n_cols, device=cols.device)
+        keep = ids >= 0
+        return out.index_add_(0, ids[keep], cols[keep])
+    rows = (term.rows.to(torch.float32) * w[:, None, None]).reshape(-1, term.n_rows)
+    if is_index(term.cols):
+        ids = term.cols.reshape(-1)
+        out = torch.zeros(term.n_cols, term.n_rows, device=rows.device)
+        keep = ids >= 0
+        return out.index_add_(0, ids[keep], rows[keep]).t()
+    return rows.t() @ term.cols.to(torch.float32).reshape(-1, term.n_cols)
+
+
+def dense_inner(batch: GradBatch, vectors: dict[str, Tensor]) -> Tensor:
+    """``[E]``: ``sum_p <G_e,p, V_p>`` of every example's gradient with one dense gradient ``V`` (``{name: tensor
+    of the parameter's (projected) shape}``), e.g. a target direction. Factorized terms are contracted token by
+    token (``r_t^T V c_t``), never materialized per example."""
+    missing = [n for n in batch.params if n not in vectors]
+    if missing:
+        raise IncompatibleGradients(f"the dense gradient lacks parameters {missing[:3]}")
+    out = torch.zeros(len(batch), dtype=torch.float32)
+    for name, pg in batch.params.items():
+        target = vectors[name].to(torch.float32)
+        for term in pg.terms:
+            v = target.to(_term_device(term))
+            if isinstance(term, OuterTerm):
+                part = _outer_dense_inner(term, v.reshape(term.n_rows, term.n_cols))
+            elif isinstance(term, VectorTerm):
+                part = (term.values.to(torch.float32) @ v.reshape(-1)).sum(1)
+            else:
+                part = term.values.to(torch.float32).reshape(term.num_examples, -1) @ v.reshape(-1)
+            out = out.to(part.device) + part
+    return out
+
+
+def _outer_dense_inner(term: OuterTerm, matrix: Tensor) -> Tensor:
+    """``[E]``: ``sum_t r_t^T M c_t`` for one outer term."""
+    if is_index(term.rows):
+        picked = matrix.index_select(0, term.rows.clamp(min=0).reshape(-1)).reshape(*term.rows.shape, -1)
+        picked = picked * (term.rows >= 0).unsqueeze(-1)
+        return (picked * term.cols.to(torch.float32)).sum((1, 2))
+    if is_index(term.cols):
+        picked = matrix.t().index_select(0, term.cols.clamp(min=0).reshape(-1)).reshape(*term.cols.shape, -1)
+        picked = picked * (term.cols >= 0).unsqueeze(-1)
+        return (picked * term.rows.to(torch.float32)).sum((1, 2))
+    return ((term.rows.to(torch.float32) @ matrix) * term.cols.to(torch.float32)).sum((1, 2))

@@ -114,19 +114,45 @@ class GGN(_CurvatureMethod):
 
 @register_method
 class LoGraInfluence(_CurvatureMethod):
-    """Dense Fisher of each parameter's projected gradients, from the training store (LoGra's "raw" mode)."""
+    """LoGra influence: curvature in the LoGra-projected space.
+
+    mode: ``"dense"`` -- the dense Fisher of each parameter's projected per-example gradients, from the training
+        store (LoGra's "raw" mode; no model pass; needs many more examples than projected dimensions to be well
+        estimated); ``"ekfac"`` / ``"kfac"`` -- Kronecker factors of the projected activations and output-gradients
+        (fitted with a model pass over the data: ``k x k`` factors estimated from every token). ``"auto"``
+        (default): ``"ekfac"`` when ``fit`` gets a model and data, else ``"dense"``.
+    """
 
     name = "logra"
     curvature_kind = "fisher"
     default_fisher = "empirical"
-    description = "LoGra influence: damped dense Fisher of the projected gradients of each layer"
+    description = "LoGra influence: curvature of the projected gradients (EK-FAC in the projected space, or dense)"
+
+    def __init__(self, *args: Any, mode: str = "auto", **kwargs: Any) -> None:
+        if mode not in ("auto", "dense", "kfac", "ekfac"):
+            raise ValueError(f"logra mode must be 'auto', 'dense', 'kfac' or 'ekfac', got {mode!r}")
+        super().__init__(*args, **kwargs)
+        self.mode = mode
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), "mode": self.mode}
 
     def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, **options: Any) -> None:
-        """Accumulate ``F_p = mean_i g_ip g_ip^T`` per parameter over the stored training gradients."""
         spec = attributor.spec
         if spec.projection is None:
             raise ValueError("logra influence works in a projected space: collect the training gradients with "
                              "projection=gradtrace.LoGra(...)")
+        mode = self.mode if self.mode != "auto" else ("ekfac" if model is not None and data is not None else "dense")
+        if mode in ("kfac", "ekfac"):
+            if model is None or data is None:
+                raise MissingStage(f"logra mode {mode!r}: fit(model, train_data, loss_fn) needs the model and data")
+            self.curvature = fit_curvature(model, data, loss_fn, kind=mode, fisher=self.fisher, spec=spec,
+                                           **{**self.fit_options, **options})
+            return
+        self._fit_dense(attributor, spec, options)
+
+    def _fit_dense(self, attributor: Any, spec: GradientSpec, options: dict[str, Any]) -> None:
+        """Accumulate ``F_p = mean_i g_ip g_ip^T`` per parameter over the stored training gradients."""
         max_dense = options.get("max_dense", self.fit_options["max_dense"])
         offsets = spec.offsets()
         totals = {name: None for name, _ in spec.params}

@@ -137,3 +137,17 @@ def test_cost_model_prefers_obvious_routes():
     sizes = model.storage_bytes(short_wide, projected_dim=256)
     assert sizes["factorized"] < sizes["materialized"]
     assert model.choose_storage(short_wide, projected_dim=256) == "projected"
+
+
+def test_weighted_sum_and_dense_inner_equal_materialized(gpt2_batches):
+    a, _ = gpt2_batches
+    weights = torch.rand(len(a))
+    vectors = {}
+    for name, pg in a.params.items():
+        full = pg.materialize()
+        want = (full * weights.view(-1, *[1] * (full.dim() - 1))).sum(0)
+        got = ops.weighted_sum(pg, weights)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max() + 1)), name
+        vectors[name] = torch.randn(pg.shape)
+    want = sum(a.params[n].flat() @ v.reshape(-1) for n, v in vectors.items())
+    _close(ops.dense_inner(a, vectors), want)

@@ -1,0 +1,155 @@
+"""Attribution quality: the LDS of every method the harness can run, on small tasks with a retraining ground truth.
+
+Tasks (``gradtrace.eval.tasks``):
+
+* ``digits`` -- an MLP 64-32(tanh)-10 on 1,000 scikit-learn 8x8 digit images, 100 held-out query images;
+* ``tinylm`` -- a one-layer GPT-2 (width 64) on 200 Shakespeare documents of 20 words, 20 held-out documents.
+
+For each task the LDS ground truth (random half-size subsets, one retraining each, outcome = -query loss)
+is built once and cached under ``--cache`` (refused and rebuilt only if the task's configuration changes:
+delete the directory). Every method in ``gradtrace.available_methods()`` that the harness can run is
+scored with default options on exact per-example gradients at the model trained on all the data (``logra``
+on LoGra-projected ones, ``--rank``), plus a ``random`` baseline; the others are listed with the reason.
+Prints one markdown table per task (LDS mean ± standard error over queries, and fit + score seconds).
+
+    python bench/quality.py                       # both tasks, all methods (builds the cache the first time)
+    python bench/quality.py --tasks digits --methods grad_dot,kfac,random --subsets 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import gradtrace
+from gradtrace.eval import (
+    RANDOM,
+    GroundTruth,
+    MethodSpec,
+    Row,
+    build_lds_ground_truth,
+    evaluate,
+    format_table,
+    get_task,
+    unsupported,
+)
+
+DEFAULT_SUBSETS = {"digits": 100, "tinylm": 150}
+PROJECTED = {"logra"}  # methods that score LoGra-projected gradients
+ORDER = ["grad_dot", "grad_cos", "tracin", "less", "dvemb", "logra", "kfac", "ekfac", "ggn"]  # table order
+SKIP = {  # (task, method): why the harness does not run it there
+    ("tinylm", "ggn"): "the dense per-parameter Fisher (blocks up to 65,536 entries) includes the 32,768-entry "
+                       "embedding matrix; fitting it was killed at 23 GB of memory on this machine",
+}
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _subsets(text: str | None, tasks: list[str]) -> dict[str, int]:
+    counts = {t: DEFAULT_SUBSETS.get(t, 100) for t in tasks}
+    if text:
+        for part in text.split(","):
+            name, _, value = part.rpartition("=")
+            if name:
+                counts[name] = int(value)
+            else:
+                counts = dict.fromkeys(tasks, int(value))
+    return counts
+
+
+def _specs(task: str, names: list[str], rank: int) -> tuple[list[MethodSpec], list[str]]:
+    specs, notes = [], []
+    for name in names:
+        reason = SKIP.get((task, name)) or unsupported(name)
+        if reason is not None:
+            notes.append(f"`{name}` skipped: {reason}")
+            continue
+        projection = gradtrace.LoGra(rank=rank) if name in PROJECTED else None
+        label = f"{name} (LoGra rank {rank})" if name in PROJECTED else name
+        specs.append(MethodSpec(name, projection=projection, label=label))
+    return specs, notes
+
+
+def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int) -> dict:
+    task = get_task(name)
+    began = time.perf_counter()
+    model = task.model
+    model_seconds = time.perf_counter() - began
+    print(f"\n### {name}\n\n{task.describe()}")
+    if hasattr(task, "accuracy"):
+        print(f"test accuracy of the model trained on all the data: {task.accuracy(model):.1%}")
+    cache = Path(args.cache) / name
+    held = GroundTruth.load(cache).num_subsets if GroundTruth.exists(cache) else 0
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=subsets, runs=args.runs,
+                                   cache=cache, config=task.config, progress=args.progress)
+    meta = truth.meta
+    state = "cached" if held >= subsets else f"{subsets - held} subsets trained now"
+    print(f"ground truth: {truth.num_subsets} subsets of {meta['subset_size']} examples, {args.runs} training "
+          f"run(s) each, {meta['seconds_per_model']:.2f} s per model on {meta.get('threads')} threads ({state}; "
+          f"{cache}); first training on all the data: {model_seconds:.1f} s")
+    specs, notes = _specs(name, names, args.rank)
+    rows: list[Row] = []
+    for spec in specs:  # one at a time, so that one failing method does not hide the others
+        try:
+            rows += evaluate(task, [spec], truth, batch_size=args.batch_size)
+        except Exception as error:  # report it in the table's notes, never as a score
+            notes.append(f"`{spec.title}` failed: {type(error).__name__}: {error}")
+    print()
+    print(format_table(rows))
+    collected = {}
+    for row in rows:
+        collected.setdefault(row.dim, row.collect_seconds)
+    print("\ngradients: " + "; ".join(f"{dim:,} dims collected in {sec:.2f} s" for dim, sec in collected.items()))
+    for note in notes:
+        print(f"- {note}")
+    return {"task": name, "description": task.describe(), "config": task.config, "ground_truth": meta,
+            "rows": [{"method": r.method, "lds_mean": r.lds_mean, "lds_se": r.lds_se, "seconds": r.seconds,
+                      "collect_seconds": r.collect_seconds, "dim": r.dim,
+                      "lds_per_query": r.lds.per_query.tolist() if r.lds is not None else None} for r in rows],
+            "notes": notes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="digits,tinylm", help="comma-separated tasks (digits, tinylm)")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated methods (default: every available method, and random)")
+    parser.add_argument("--subsets", default=None,
+                        help=f"LDS subsets: N for every task or task=N,... (default {DEFAULT_SUBSETS})")
+    parser.add_argument("--runs", type=int, default=1, help="training runs averaged per subset")
+    parser.add_argument("--rank", type=int, default=16, help="LoGra rank of the projected methods")
+    parser.add_argument("--batch-size", type=int, default=64, help="examples per batch when collecting and fitting")
+    parser.add_argument("--cache", default=".cache/gradtrace-quality", help="ground-truth cache directory")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--json", default=None, help="also write the results (with per-query LDS) to this file")
+    parser.add_argument("--progress", action="store_true", help="progress bar while building ground truth")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tasks = [t for t in args.tasks.split(",") if t]
+    known = gradtrace.available_methods()
+    default = [n for n in ORDER if n in known] + [n for n in known if n not in ORDER] + [RANDOM]
+    names = args.methods.split(",") if args.methods else default
+    counts = _subsets(args.subsets, tasks)
+    print(f"gradtrace {gradtrace.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{_cpu()} ({os.cpu_count()} cores)")
+    results = [run_task(name, args, names, counts[name]) for name in tasks]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Tasks train deterministically, reach their accuracy, and describe themselves for cache fingerprints."""
+
+import torch
+
+from gradtrace.eval import DigitsTask, TinyLMTask
+from gradtrace.losses import classification_loss
+
+
+def _same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_digits_trains_deterministically_and_accurately(digits_task):
+    task = digits_task
+    assert task.num_train == 1000 and task.num_queries == 100
+    subset = torch.arange(0, 1000, 3)
+    first, again = task.train(subset, seed=1), task.train(subset, seed=1)
+    assert _same_weights(first, again)
+    assert not _same_weights(first, task.train(subset, seed=2))
+    assert task.accuracy() >= 0.9
+    assert task.model is task.model  # trained once
+    assert not task.model.training
+
+
+def test_digits_batches_outcome_and_config(digits_task):
+    task = digits_task
+    batches = task.train_batches(300)
+    assert [len(b["id"]) for b in batches] == [300, 300, 300, 100]
+    assert [i for b in batches for i in b["id"]] == task.train_ids
+    assert len(set(task.train_ids) | set(task.query_ids)) == 1100  # queries are held out
+    queries = task.query_batches()[0]
+    want = -classification_loss(task.model, (queries["inputs"], queries["labels"])).double()
+    assert torch.allclose(task.outcome(task.model), want)
+    assert task.config == DigitsTask().config
+    assert task.config != DigitsTask(steps=299).config
+    assert task.config["data"] != DigitsTask(split_seed=1).config["data"]
+
+
+def test_tinylm_trains_deterministically():
+    task = TinyLMTask(num_train=16, num_queries=4, epochs=2, batch_size=8, vocab_size=300, width=32)
+    assert task.num_train == 16 and task.num_queries == 4 and not set(task.train_ids) & set(task.query_ids)
+    subset = torch.arange(0, 16, 2)
+    first = task.train(subset, seed=0)
+    assert _same_weights(first, task.train(subset, seed=0))
+    assert not _same_weights(first, task.train(subset, seed=1))
+    outcome = task.outcome(first)
+    assert outcome.shape == (4,) and (outcome < 0).all()
+    batch = task.train_batches(5)[0]
+    assert batch["input_ids"].shape[0] == 5 and batch["id"] == task.train_ids[:5]
+    assert task.config == TinyLMTask(num_train=16, num_queries=4, epochs=2, batch_size=8, vocab_size=300,
+                                     width=32).config

@@ -1,0 +1,103 @@
+"""Online selection: after the step's pre-hook, param.grad is exactly the gradient of the loop's loss over the kept
+examples (optionally renormalised), on a plain loop and with gradient accumulation."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradtrace
+from gradtrace.train import OnlineSelection
+from tests import tiny
+
+
+def _reference(model, x, y, keep, denominator):
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    (F.cross_entropy(ref(x[keep]), y[keep], reduction="sum") / denominator).backward()
+    return {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+
+def _ids(n):
+    return [f"ex{i}" for i in range(n)]
+
+
+@pytest.mark.parametrize("rule", ["negative", ("bottom", 0.25), ("threshold", 0.0)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_param_grad_equals_kept_examples_gradient(rule, renormalize):
+    torch.manual_seed(0)
+    model = tiny.MLP()
+    x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
+    y[:3] = (y[:3] + 1) % 4  # some examples pull against the rest
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    selector = OnlineSelection(opt, target="batch", rule=rule, renormalize=renormalize, record_scores=True)
+    with gradtrace.capture(model, callbacks=[selector]) as cap:
+        cap.annotate(ids=_ids(8))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    record = selector.history[-1]
+    keep = [i for i, ident in enumerate(_ids(8)) if ident not in record.dropped]
+    assert 0 < len(keep) <= 8
+    scores = record.scores
+    if rule == ("bottom", 0.25):
+        assert len(record.dropped) == 2
+        assert sorted(scores, key=scores.get)[:2] == sorted(record.dropped, key=scores.get)
+    denominator = len(keep) if renormalize else 8
+    want = _reference(model, x, y, keep, denominator)
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, want[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_selection_with_gradient_accumulation_and_fixed_target():
+    torch.manual_seed(1)
+    model = tiny.MLP()
+    x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
+    target = torch.randn(sum(p.numel() for p in model.parameters()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    selector = OnlineSelection(opt, target=target, rule="negative")
+    with gradtrace.capture(model, callbacks=[selector], loss_scale=0.5) as cap:
+        for part in (slice(0, 4), slice(4, 8)):
+            cap.annotate(ids=_ids(8)[part])
+            (F.cross_entropy(model(x[part]), y[part]) / 2).backward()
+        opt.step()
+    record = selector.history[-1]
+    assert record.examples == 8
+    keep = [i for i, ident in enumerate(_ids(8)) if ident not in record.dropped]
+    want = _reference(model, x, y, keep, 8)
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, want[name], rtol=1e-4, atol=1e-6), name
+    # the drop decision is the sign of <g_e, target>
+    exact = gradtrace.collect(model, [(x, y)], ids=_ids(8))
+    signs = exact.vectors @ target
+    assert sorted(record.dropped) == sorted(i for i, s in zip(_ids(8), signs.tolist()) if s < 0)
+
+
+def test_selection_on_a_language_model_keeps_at_least_one():
+    torch.manual_seed(2)
+    model = tiny.gpt2()
+    ids = torch.randint(1, tiny.VOCAB, (4, 6))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    selector = OnlineSelection(opt, target="batch", rule=("threshold", float("inf")))  # would drop everything
+    with pytest.warns(UserWarning, match="would drop every example"), gradtrace.capture(
+            model, reduction="token_mean", callbacks=[selector]) as cap:
+        cap.annotate(ids=_ids(4))
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+    assert len(selector.history[-1].dropped) == 3
+
+
+def test_bad_targets_are_refused():
+    model = tiny.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="validation"):
+        OnlineSelection(opt, target="validation")
+    with pytest.raises(ValueError, match="rule"):
+        OnlineSelection(opt, rule="worst")
+    selector = OnlineSelection(opt, target=torch.randn(5))
+    with pytest.raises(ValueError, match="entries"), gradtrace.capture(model, callbacks=[selector]):
+        F.cross_entropy(model(torch.randn(2, 7)), torch.tensor([0, 1])).backward()
+        opt.step()
+    with pytest.raises(ValueError, match="projection"), gradtrace.capture(
+            model, projection=gradtrace.LoGra(rank=2), callbacks=[OnlineSelection(opt)]):
+        pass
