@@ -104,6 +104,9 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
     wanted = None
     if spec is not None:
         if projection is None and spec.projection is not None:
+            if spec.projection.get("init") == "pca":
+                raise ValueError("these gradients were projected with a PCA basis: pass projection=<the LoGra spec "
+                                 "with its basis> to fit the curvature in the same space")
             projection = spec.projection
         wanted = {name for name, _ in spec.params}
         if layers is None and all("." in name for name in wanted):  # else the model itself is a layer

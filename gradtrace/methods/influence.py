@@ -44,7 +44,11 @@ class _CurvatureMethod(Method):
         self.fisher = fisher or self.default_fisher
         self.fit_options = {"samples": samples, "seed": seed, "max_dense": max_dense}
 
-    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, **options: Any) -> None:
+    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, *,
+            projection: Any = None, **options: Any) -> None:
+        """Fit the curvature for the training gradients' spec (pass ``projection=`` for PCA-projected ones)."""
+        if projection is not None:
+            options["projection"] = projection
         if model is None or data is None:
             raise MissingStage(f"{self.name}: fit(model, train_data, loss_fn) needs the model and training data")
         kwargs = {**self.fit_options, **options}
@@ -137,8 +141,11 @@ class LoGraInfluence(_CurvatureMethod):
     def options(self) -> dict[str, Any]:
         return {**super().options(), "mode": self.mode}
 
-    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, **options: Any) -> None:
+    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, *,
+            projection: Any = None, **options: Any) -> None:
         spec = attributor.spec
+        if projection is not None:
+            options["projection"] = projection
         if spec.projection is None:
             raise ValueError("logra influence works in a projected space: collect the training gradients with "
                              "projection=gradtrace.LoGra(...)")
