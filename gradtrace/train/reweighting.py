@@ -27,8 +27,9 @@ Usage (the loss line is the only change to a loop)::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn

@@ -89,7 +89,7 @@ def test_weights_separate_corrupted_from_clean_examples():
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     sama = SAMAReweighting(model, opt, meta, loss_fn=per_example, meta_lr=0.3)
     ids = [f"e{i}" for i in range(96)]
-    for epoch in range(15):
+    for _epoch in range(15):
         order = torch.randperm(96)
         for start in range(0, 96, 16):
             rows = order[start:start + 16]
