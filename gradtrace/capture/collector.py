@@ -164,6 +164,7 @@ class Capture:
         self._ids_given = ids is not None
         self._hash_counts: dict[str, int] = {}
         self._handles: list[Any] = []
+        self._hooked: dict[int, Tensor] = {}  # parameters with a gradient hook (kept alive: ids stay unique)
         self._active = False
         self._pending_info: BatchInfo | None = None
         self._report = CaptureReport.from_selection(self.selection)
@@ -187,9 +188,14 @@ class Capture:
         self._install()
         self._active = True
         self._forwards_with_grad = 0
-        for cb in self.callbacks:
-            if hasattr(cb, "on_capture_start"):
-                cb.on_capture_start(self)
+        try:
+            for cb in self.callbacks:
+                if hasattr(cb, "on_capture_start"):
+                    cb.on_capture_start(self)
+        except BaseException:  # __exit__ will not run: leave the model without hooks
+            self._remove()
+            self._active = False
+            raise
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -216,16 +222,26 @@ class Capture:
             self._handles.append(handler.module.register_forward_hook(hook, with_kwargs=True))
         # last, so that when the model is itself a captured layer its layer hook still sees the context
         self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
-        params = {id(p): p for h in self.handlers for role in h.params for p in [getattr(h.module, role)]}
-        names = {id(getattr(h.module, role)): name for h in self.handlers for role, name in h.params.items()}
-        for pid, param in params.items():
-            if param.requires_grad:
-                self._handles.append(param.register_hook(self._make_param_hook(names[pid])))
+        for handler in self.handlers:
+            self._hook_params(handler)
+            # FSDP2 (fully_shard) swaps in unsharded parameters just before a forward (its pre-hooks run
+            # first), and only those receive gradients through autograd: hook them there
+            self._handles.append(handler.module.register_forward_pre_hook(
+                lambda module, args, handler=handler: self._hook_params(handler)))
+
+    def _hook_params(self, handler: LayerHandler) -> None:
+        """Hook the parameters ``handler``'s module holds now (a module's forward may hold other ones)."""
+        for role, name in handler.params.items():
+            param = getattr(handler.module, role)
+            if param.requires_grad and id(param) not in self._hooked:
+                self._hooked[id(param)] = param
+                self._handles.append(param.register_hook(self._make_param_hook(name)))
 
     def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
 
     def _reset_step(self) -> None:
         self._contexts: list[ForwardContext] = []
@@ -281,6 +297,8 @@ class Capture:
             self._reset_step()
         info = self._pending_info or BatchInfo()
         self._pending_info = None
+        for handler in self.handlers:  # parameters the model's forward may use functionally (FSDP2: unsharded now)
+            self._hook_params(handler)
         if not torch.is_grad_enabled():
             self._stack.append(None)
             return
@@ -385,8 +403,14 @@ class Capture:
     # ------------------------------------------------------------------ backward side
     def _ensure_end_callback(self) -> None:
         if not self._end_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._queue_finish)
             self._end_queued = True
+
+    def _queue_finish(self) -> None:
+        # Queued again so that it runs after every callback queued during the backward pass: DDP's
+        # all-reduce and FSDP's reduce-scatter finish in such callbacks, and capture callbacks must see the
+        # final param.grad.
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _on_layer_grad(self, handler: LayerHandler, context: Any, order: int, saved: Any, grad: Tensor) -> None:
         self._ensure_end_callback()

@@ -134,6 +134,17 @@ def _drop_partially_captured(selection: Selection, owners: dict[int, list[str]],
     selection.handlers = kept
 
 
+def _refuse_fsdp1(model: nn.Module) -> None:
+    """FSDP1 keeps parameters flattened into sharded flat parameters outside forward, so layer shapes (and
+    with ``use_orig_params=False`` the layers' parameters themselves) are hidden: refuse it clearly."""
+    wrapped = [n or "the model" for n, m in model.named_modules()
+               if type(m).__name__ == "FullyShardedDataParallel" and type(m).__module__.startswith("torch.distributed")]
+    if wrapped:
+        raise ValueError(f"gradtrace cannot capture a model wrapped in FSDP1 (FullyShardedDataParallel around "
+                         f"{', '.join(wrapped[:3])}): its flat sharded parameters hide the layers' shapes. Shard "
+                         "with FSDP2 instead (torch.distributed.fsdp.fully_shard), which gradtrace supports.")
+
+
 def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
                   exclude: Iterable[LayerSpec] | None = None, include_frozen: bool = False) -> Selection:
     """Choose the modules to capture.
@@ -145,6 +156,7 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
         include_frozen: also capture parameters with ``requires_grad=False``.
     """
     inner = unwrap(model)
+    _refuse_fsdp1(inner)
     modules = [(strip_wrappers(n), m) for n, m in inner.named_modules()]
     by_name = dict(modules)
     layers = list(layers) if layers is not None else None

@@ -111,42 +111,60 @@ def run(opts: ScoreOptions) -> None:
 
     TracIn: one --store, --model and --lr per checkpoint, in order (STORE is the first checkpoint):
     gradtrace score ck1/store q.jsonl --method tracin --model ck1 --lr 3e-4 --store ck2/store --model ck2 --lr 1e-4
+
+    Under torchrun (torchrun --nproc_per_node N -m gradtrace.cli score ...) every rank scores its share of the
+    training rows, the top-k is merged with collectives, and rank 0 writes the outputs.
     """
+    from ..distributed import RankFailure, process_group
+
+    device = resolve_device(opts.model_options.device)
+    with process_group(device) as (rank, world):
+        try:
+            _run(opts, device, rank, world)
+        except RankFailure as err:  # another rank's bad input: report it here too
+            raise CliError(str(err)) from None
+
+
+def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     import gradtrace
     from gradtrace.store import GradientStore
+
+    from ..distributed import agreed, score_sharded
 
     phases = Phases()
     sc, ck, data_opts, model_opts = (opts.scoring_options, opts.checkpoint_options, opts.data_options,
                                      opts.model_options)
-    _check_out(sc)
     multi = get_method(sc.method).multi_checkpoint
     store_paths = [opts.store, *ck.checkpoint_stores]
-    _check_checkpoints(sc.method, multi, store_paths, ck)
-    with phases("open stores"):
-        for path in store_paths:
-            if not path.exists():
-                raise CliError(f"store {path} does not exist")
-        stores = [GradientStore.open(path) for path in store_paths]
-    models = _models(opts.model, stores)
-    device = resolve_device(model_opts.device)
-    query_sets, max_length = _query_gradients(opts, stores, models, device, phases)
     options: dict[str, Any] = {"weights": list(ck.lr)} if multi else {}
-    if "curvature" in get_method(sc.method).needs:
-        if sc.curvature is None:
-            raise CliError(f"--method {sc.method} needs a fitted curvature: run gradtrace fit {opts.store} TRAIN.jsonl "
-                           f"--method {sc.method} --out CURVATURE_DIR, then pass --curvature CURVATURE_DIR")
-        if not (sc.curvature / "curvature.json").exists():
-            raise CliError(f"--curvature {sc.curvature} holds no fitted curvature (curvature.json missing)")
-        options.update(curvature=sc.curvature, damping=sc.damping, damping_mode=sc.damping_mode)
-    elif sc.curvature is not None or sc.damping is not None:
-        raise CliError(f"--curvature/--damping apply to influence methods (kfac, ekfac, ggn, logra), not {sc.method}")
+    with agreed("preparing the scoring"):  # no collective inside: an error on one rank is raised on all
+        _check_out(sc)
+        _check_checkpoints(sc.method, multi, store_paths, ck)
+        with phases("open stores"):
+            for path in store_paths:
+                if not path.exists():
+                    raise CliError(f"store {path} does not exist")
+            stores = [GradientStore.open(path) for path in store_paths]
+        models = _models(opts.model, stores)
+        query_sets, max_length = _query_gradients(opts, stores, models, device, phases, opts.progress and rank == 0)
+        if "curvature" in get_method(sc.method).needs:
+            if sc.curvature is None:
+                raise CliError(f"--method {sc.method} needs a fitted curvature: run gradtrace fit {opts.store} "
+                               f"TRAIN.jsonl --method {sc.method} --out CURVATURE_DIR, then pass --curvature "
+                               "CURVATURE_DIR")
+            if not (sc.curvature / "curvature.json").exists():
+                raise CliError(f"--curvature {sc.curvature} holds no fitted curvature (curvature.json missing)")
+            options.update(curvature=sc.curvature, damping=sc.damping, damping_mode=sc.damping_mode)
+        elif sc.curvature is not None or sc.damping is not None:
+            raise CliError(f"--curvature/--damping apply to influence methods (kfac, ekfac, ggn, logra), not "
+                           f"{sc.method}")
     with phases("score"):
         attributor = gradtrace.Attributor(sc.method, train=stores if multi else stores[0], block_rows=sc.block_rows,
                                           device=device, **options)
         matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
-        try:
-            scores = attributor.score(query_sets if multi else query_sets[0], topk=sc.topk or None, matrix=matrix,
-                                      progress=opts.progress)
+        try:  # one process: attributor.score(); under torchrun: every rank scores its rows, top-k merged
+            scores = score_sharded(attributor, query_sets if multi else query_sets[0], topk=sc.topk or None,
+                                   matrix=matrix, progress=opts.progress)
         except ValueError as err:  # curvature from other gradients, singular curvature, ...
             raise CliError(str(err)) from None
     phases.note("score", f"{attributor.profile.get('rows_per_s', 0):,.0f} training rows/s")
@@ -160,11 +178,15 @@ def run(opts: ScoreOptions) -> None:
                     model_options=replace(model_opts, device=device))
     values = resolved(final)
     scores.meta["config"] = {META_KEY: provenance("score"), **values}
-    with phases("save"):
-        scores.save(sc.out)
-        written = write_resolved(sc.out, "score", values)
-        if sc.export:
-            scores.export(sc.export, k=sc.topk or None)
+    written = None
+    with agreed("saving the scores"), phases("save"):
+        if rank == 0:  # every rank holds the same scores; one writes them
+            scores.save(sc.out)
+            written = write_resolved(sc.out, "score", values)
+            if sc.export:
+                scores.export(sc.export, k=sc.topk or None)
+    if rank != 0:
+        return
     out = console()
     kept = "full matrix" if scores.matrix is not None else "no matrix"
     kept += f", top/bottom {scores.top[0].shape[1]}" if scores.top is not None else ""
@@ -172,6 +194,9 @@ def run(opts: ScoreOptions) -> None:
               f"{sc.method}; saved in {sc.out}")
     out.print(f"  kept        {kept}")
     out.print(f"  models      {', '.join(str(m) for m in models)}")
+    if world > 1:
+        shares = ", ".join(f"{n:,}" for n in scores.meta["distributed"]["rows"])
+        out.print(f"  ranks       {world} (training rows per rank: {shares}); outputs written by rank 0")
     out.print("  sign        positive = the training example helps the query (lowers its loss)")
     if sc.export:
         out.print(f"  export      {sc.export} (top {sc.topk or 'all'} rows per query)")
@@ -182,7 +207,7 @@ def run(opts: ScoreOptions) -> None:
 
 
 def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], device: str,
-                     phases: Phases) -> tuple[list[Any], int | None]:
+                     phases: Phases, progress: bool) -> tuple[list[Any], int | None]:
     """The queries' gradients at every checkpoint, each with its store's projection; and the resolved
     ``--max-length``. The queries are tokenized once, with the first model's tokenizer."""
     import gradtrace
@@ -202,7 +227,7 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
                 tokens, ids, _ = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.queries)
                 batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
         with phases("query gradients"):
-            queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=opts.progress)
+            queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress)
         _check_match(store, queries, model_dir)
         query_sets.append(queries)
         del model

@@ -24,7 +24,10 @@ class SpecMismatch(ValueError):
 
 def model_fingerprint(model: nn.Module) -> dict[str, str]:
     """``{"class", "arch", "weights"}``: the model class, a hash of parameter names/shapes/dtypes, and a
-    hash of a few values of every parameter (cheap; tells checkpoints apart)."""
+    hash of a few values of every parameter (cheap; tells checkpoints apart).
+
+    Parameters sharded by FSDP2 (DTensors) are gathered one at a time, so the fingerprint equals the
+    unsharded model's: a collective, which every rank must call (the store writer and ``collect`` do)."""
     from ..capture.selection import strip_wrappers, unwrap
 
     inner = unwrap(model)
@@ -32,12 +35,18 @@ def model_fingerprint(model: nn.Module) -> dict[str, str]:
     weights = hashlib.blake2b(digest_size=8)
     for name, param in inner.named_parameters():
         arch.update(f"{strip_wrappers(name)}|{tuple(param.shape)}|{param.dtype}\n".encode())
-        flat = param.detach().reshape(-1)
+        flat = param.detach()
+        if hasattr(flat, "full_tensor"):  # a DTensor (FSDP2): gather this parameter
+            flat = flat.full_tensor()
+        flat = flat.reshape(-1)
         if flat.numel():
             sample = torch.cat([flat[:8], flat[-8:]]).to("cpu", torch.float64)
             weights.update(sample.numpy().tobytes())
             weights.update(repr(float(flat.to(torch.float64).sum())).encode())
-    return {"class": type(inner).__name__, "arch": arch.hexdigest(), "weights": weights.hexdigest()}
+    cls = type(inner)
+    if any(base.__name__ == "FSDPModule" for base in cls.__bases__):  # FSDP2's FSDP<class>: name the model's own
+        cls = next(base for base in cls.__bases__ if base.__name__ != "FSDPModule")
+    return {"class": cls.__name__, "arch": arch.hexdigest(), "weights": weights.hexdigest()}
 
 
 @dataclass

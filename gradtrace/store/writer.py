@@ -62,6 +62,30 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def _delete_store(root: Path, own_lock: Path) -> None:
+    """Delete the store at ``root`` but the lock ``own_lock`` (held by the caller); refused while another
+    live process holds a rank's lock."""
+    for path in root.glob("rank-*.lock"):
+        if path == own_lock:
+            continue
+        try:
+            holder = read_lock(root, int(path.stem.split("-")[1]))
+        except ValueError:
+            continue
+        if holder is None or lock_is_stale(holder):
+            continue
+        raise StoreError(f"cannot overwrite {root}: it is being written by pid {holder.get('pid')} on "
+                         f"{holder.get('host')} ({path.name})")
+    (root / MANIFEST).unlink(missing_ok=True)  # first: a half-deleted store is no store
+    for path in root.iterdir():
+        if path == own_lock:
+            continue
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 class ShardWriter:
     """Appends per-example vectors of one rank to a store, in shards of ``shard_rows`` rows.
 
@@ -160,25 +184,7 @@ class ShardWriter:
         if self.rank != 0:
             self._delete_rank_files(self.rank)
             return
-        for path in self.root.glob("rank-*.lock"):
-            if path == self._lock:
-                continue
-            try:
-                holder = read_lock(self.root, int(path.stem.split("-")[1]))
-            except ValueError:
-                continue
-            if holder is None or lock_is_stale(holder):
-                continue
-            raise StoreError(f"cannot overwrite {self.root}: it is being written by pid {holder.get('pid')} on "
-                             f"{holder.get('host')} ({path.name})")
-        (self.root / MANIFEST).unlink(missing_ok=True)  # first: a half-deleted store is no store
-        for path in self.root.iterdir():
-            if path == self._lock:
-                continue
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+        _delete_store(self.root, self._lock)
 
     def _delete_rank_files(self, rank: int) -> None:
         rank_file(self.root, rank).unlink(missing_ok=True)
@@ -450,9 +456,33 @@ class StoreWriter:
         self.fields = fields
         self.writer: ShardWriter | None = None
         self.model = None
+        self._together = False  # several ranks write this store (set when the capture starts)
 
     def on_capture_start(self, capture) -> None:
         self.model = capture.model
+        world = dist_rank()[1]
+        self._together = world > 1 and self.options["world_size"] in (None, world)
+        if self._together:
+            # the ranks write one store: same capture and store on all of them, or an error on every rank
+            from ..distributed.agree import agreed, check_store_writers
+
+            check_store_writers(self, capture)
+            if self.options["overwrite"]:
+                # rank 0 replaces the old store now, before any rank's writer opens (and holds its lock)
+                with agreed(f"replacing the store {self.path}"):
+                    if dist_rank()[0] == 0 and (self.path / MANIFEST).exists():
+                        try:
+                            old = json.loads((self.path / MANIFEST).read_text())
+                        except ValueError:
+                            old = {"format": FORMAT}  # a corrupted manifest: replaced, as by ShardWriter
+                        if not isinstance(old, dict) or old.get("format") != FORMAT:
+                            raise StoreError(f"{self.path} is not a gradtrace store; choose another directory")
+                        lock = acquire_lock(self.path, 0)
+                        try:
+                            _delete_store(self.path, lock)
+                        finally:
+                            release_lock(self.path, 0)
+                self.options = {**self.options, "overwrite": False}
 
     def spec_for(self, batch: GradBatch) -> GradientSpec:
         return GradientSpec(params=list(batch.dims.items()), projection=batch.projection,
@@ -490,3 +520,5 @@ class StoreWriter:
     def on_capture_end(self, capture, error: BaseException | None) -> None:
         if self.writer is not None:
             self.writer.close(complete=error is None)
+        if error is None and self._together:
+            torch.distributed.barrier()  # every rank's part is committed: the store opens complete on every rank

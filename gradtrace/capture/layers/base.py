@@ -10,7 +10,6 @@ Adding a layer kind is one file with a subclass decorated by :func:`register_lay
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
@@ -64,7 +63,10 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 def detached_copy(module: nn.Module, params: dict[str, Tensor]) -> nn.Module:
     """A shallow copy of ``module`` for probing its ``forward``: no hooks, the given parameters (frozen),
     private CPU copies of its buffers. Running it never touches the module's own state."""
-    clone = copy.copy(module)  # new __dict__; the dicts below are replaced, never mutated
+    # a shallow copy (new __dict__; the dicts below are replaced, never mutated). Not copy.copy: it calls
+    # cls.__new__, which for FSDP2 (fully_shard) module classes constructs a new module with no arguments
+    clone = object.__new__(type(module))
+    clone.__setstate__(dict(module.__dict__))
     for hooks in _HOOK_DICTS:
         if hooks in clone.__dict__:
             clone.__dict__[hooks] = OrderedDict()
