@@ -18,9 +18,10 @@ Nothing in the user's model is replaced or wrapped; on exit every hook is remove
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +58,14 @@ class CaptureCallback:
 
     def on_capture_end(self, capture: Capture, error: BaseException | None) -> None:
         """Called when the capture context exits (``error`` is the loop's exception, if any)."""
+
+
+class SidePass:
+    """Batches captured inside :meth:`Capture.side_pass`."""
+
+    def __init__(self) -> None:
+        self.batches: list[GradBatch] = []
+        self.count = 0
 
 
 class _Ambiguous:
@@ -170,6 +179,7 @@ class Capture:
         self._report = CaptureReport.from_selection(self.selection)
         self.track_outputs = False  # collect() sets this to backpropagate to layer outputs only
         self._outputs: list[Tensor] = []
+        self._side: SidePass | None = None
         self._reset_step()
 
     # ------------------------------------------------------------------ lifecycle
@@ -279,6 +289,33 @@ class Capture:
     def clear(self) -> None:
         """Drop the batches kept in memory."""
         self.batches.clear()
+
+    @contextlib.contextmanager
+    def side_pass(self, reduction: str = "sum", example_loss: str | None = None) -> Iterator[SidePass]:
+        """Capture a separate pass (e.g. a validation batch) without it counting as training.
+
+        Backward passes inside deliver their :class:`GradBatch` es only to the yielded object's ``batches``:
+        not to callbacks, not to ``capture.batches``, not counted in ``num_backward``. The loss convention
+        is overridden for the pass (``reduction``, default ``"sum"`` of per-example losses; no loss scale),
+        and layer outputs are tracked, so ``torch.autograd.grad(loss, capture.pop_outputs())`` captures the
+        pass without touching ``param.grad``.
+        """
+        if self._side is not None:
+            raise RuntimeError("side passes do not nest")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        side = SidePass()
+        saved = (self.convention, self.loss_scale, self.track_outputs, self._outputs)
+        self.convention = LossConvention(reduction, example_loss or self.convention.example_loss)
+        self.loss_scale = 1.0
+        self.track_outputs = True
+        self._outputs = []
+        self._side = side
+        try:
+            yield side
+        finally:
+            self.convention, self.loss_scale, self.track_outputs, self._outputs = saved
+            self._side = None
 
     def pop_outputs(self) -> list[Tensor]:
         """Outputs of the captured layer calls since the last call (with ``track_outputs`` on).
@@ -434,6 +471,11 @@ class Capture:
     def _finish_backward(self) -> None:
         results, seen, param_grads = self._results, self._params_seen, self._param_grads
         self._reset_step()
+        if self._side is not None:  # a side pass: its batch goes to the side pass only
+            if results:
+                self._side.batches.append(self._assemble(results, self._side.count))
+                self._side.count += 1
+            return
         self.num_backward += 1
         step = self.num_backward - 1
         captured = {name for r in results for name in r.terms}

@@ -101,3 +101,30 @@ def test_bad_targets_are_refused():
     with pytest.raises(ValueError, match="projection"), gradtrace.capture(
             model, projection=gradtrace.LoGra(rank=2), callbacks=[OnlineSelection(opt)]):
         pass
+
+
+def test_validation_target_through_the_same_hooks():
+    """target='validation': the mean gradient of a validation batch, taken through the capture hooks in a side pass
+    (not stored, not counted); the drop decision is the sign of <g_e, mean validation gradient>."""
+    torch.manual_seed(4)
+    model = tiny.MLP()
+    x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
+    val = [(torch.randn(5, 7), torch.randint(0, 4, (5,)))]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    selector = OnlineSelection(opt, target="validation", validation=val, record_scores=True)
+    with gradtrace.capture(model, callbacks=[selector], keep_batches=True) as cap:
+        cap.annotate(ids=_ids(8))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.step()  # nothing captured since: no selection, and the validation batches are re-iterated
+    assert len(cap.batches) == 1 and cap.num_backward == 1, "the side pass is not a training batch"
+    record = selector.history[-1]
+    exact = gradtrace.collect(model, [(x, y)], ids=_ids(8))
+    val_grad = gradtrace.collect(model, val).vectors.mean(0)
+    want = exact.vectors @ val_grad
+    got = torch.tensor([record.scores[i] for i in _ids(8)])
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    keep = [i for i, s in enumerate(want.tolist()) if s >= 0]
+    expected = _reference(model, x, y, keep, 8)
+    for name, param in model.named_parameters():
+        assert torch.allclose(param.grad, expected[name], rtol=1e-4, atol=1e-6), name
