@@ -389,3 +389,28 @@ def collect_store(rank: int, world: int, store_root: str, overwrite: bool = Fals
     store = gradtrace.collect(model, batches, projection=gradtrace.LoGra(**LOGRA), store=store_root, shard_rows=3,
                               overwrite=overwrite)
     return {"ids": sorted(store.ids), "complete": store.complete}
+
+
+# ---------------------------------------------------------------------------------------------- online selection
+def selection_target() -> torch.Tensor:
+    model = build("mlp")
+    gen = torch.Generator().manual_seed(7)
+    return torch.randn(sum(p.numel() for p in model.parameters()), generator=gen)
+
+
+def ddp_selection(rank: int, world: int, renormalize: bool) -> dict[str, Any]:
+    """Each rank trains on its half under DDP; selection drops examples against a fixed target on every rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gradtrace.train import OnlineSelection
+
+    model = DistributedDataParallel(build("mlp"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    selector = OnlineSelection(opt, target=selection_target(), rule="negative", renormalize=renormalize)
+    data, rows = dataset("mlp"), rows_of(rank, world)
+    with gradtrace.capture(model, reduction="mean", callbacks=[selector]) as cap:
+        cap.annotate(ids=[IDS[i] for i in rows])
+        F.cross_entropy(model(data["x"][rows]), data["y"][rows]).backward()
+        opt.step()
+    return {"dropped": selector.history[-1].dropped,
+            "grads": {n.removeprefix("module."): p.grad.detach().clone() for n, p in model.named_parameters()}}
