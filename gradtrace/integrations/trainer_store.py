@@ -1,0 +1,129 @@
+"""Rows a training run writes to a gradient store: each example's gradient with its place in training.
+
+:class:`TrainerRows` is the capture callback of the Trainer integration. It hands every captured example
+to a :class:`~gradtrace.StoreWriter` with per-row fields
+
+* ``step``: optimizer steps completed when the gradient was taken -- its weights are those a checkpoint
+  saved at that step holds (``checkpoint-{step}``);
+* ``epoch``: the epoch (0-based); ``lr``: the learning rate of the update that consumes the gradient;
+* ``backward``: the backward pass within the run;
+* with ``trajectory=True`` also ``example`` (the id) and ``weight`` (``lr / scale``: the example's SGD step
+  size given the Trainer's loss), and rows are keyed ``f"{id}@{step}"`` so every use of an example is kept
+  (the layout of :class:`gradtrace.train.TrajectoryWriter`, which DVEmb reads).
+
+It also checks the store before training starts (:func:`preflight`) and records the checkpoints the
+Trainer saves in the store's manifest (:func:`record_checkpoints`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ..grad.batch import GradBatch
+from ..store import StoreWriter
+from ..store.layout import MANIFEST, StoreError, atomic_write_json, lock_is_stale, read_lock
+from ..train.trajectory import TrajectoryKeys, step_weights
+
+__all__ = ["TrainerRows", "checkpoints", "preflight", "record_checkpoints", "shard_rows_for"]
+
+CONFIG_KEY = "trainer"
+SHARD_BYTES = 256 * 2**20  # rows a writer buffers before writing a shard: at most this many bytes (float32)
+
+
+def shard_rows_for(dim: int, limit: int = 4096) -> int:
+    """Rows per shard so that a shard buffered in float32 stays under ``SHARD_BYTES`` (exact gradients of a large
+    model are tens of MB per row; LoGra-projected ones a few KB, which keeps the usual 4096)."""
+    return max(1, min(limit, SHARD_BYTES // max(1, 4 * dim)))
+
+
+def preflight(path: Path, rank: int, world_size: int, resume: bool, overwrite: bool) -> None:
+    """Refuse, before training starts, a store that the first backward pass could not write."""
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"gradtrace: {path} exists and is not a directory")
+    holder = read_lock(path, rank) if path.is_dir() else None
+    if holder is not None and not lock_is_stale(holder):
+        raise StoreError(f"gradtrace: {path} (rank {rank}) is being written by another run (pid {holder.get('pid')} "
+                         f"on {holder.get('host')}); two runs cannot write the same store. Choose another store path; "
+                         f"if that run is gone, delete {path}/rank-{rank:05d}.lock")
+    if not path.is_dir():
+        return
+    if (path / MANIFEST).exists():
+        if world_size == 1 and not (resume or overwrite):
+            raise StoreError(f"gradtrace: {path} already holds a gradient store; pass resume=True to add to it or "
+                             "overwrite=True to replace it")
+        return
+    foreign = [p.name for p in path.iterdir() if p.name != "shards" and not p.name.startswith((".tmp-", "rank-"))]
+    if foreign:
+        raise StoreError(f"gradtrace: {path} is not empty and is not a gradient store (it holds {sorted(foreign)[:5]});"
+                         " choose a new or empty directory")
+
+
+def _merge(existing: list[dict], new: list[dict]) -> list[dict]:
+    by_step = {int(c["step"]): c for c in existing}
+    by_step.update({int(c["step"]): c for c in new})
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def record_checkpoints(path: Path, entries: list[dict], settings: dict[str, Any] | None = None) -> None:
+    """Merge checkpoint ``entries`` (and update ``settings``) into ``config.trainer`` of the store's manifest
+    (an atomic rewrite; the manifest's other fields are unchanged)."""
+    manifest_path = path / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    trainer = manifest.setdefault("config", {}).setdefault(CONFIG_KEY, {})
+    trainer.update({k: v for k, v in (settings or {}).items() if k != "checkpoints"})
+    trainer["checkpoints"] = _merge(trainer.get("checkpoints") or [], entries)
+    atomic_write_json(manifest_path, manifest)
+
+
+def checkpoints(store: Any) -> list[dict]:
+    """The checkpoints a Trainer run saved while it wrote ``store`` (a path or an open store), by step.
+
+    Each is ``{"step", "path", "epoch", "lr", "mean_lr", "updates"}``: ``lr`` is the learning rate of the
+    next update from the checkpoint's weights, ``mean_lr`` the mean rate of the ``updates`` optimizer steps
+    since the previous checkpoint (LESS weights each checkpoint by it; TracIn by the rate of its interval).
+    The store's ``config["trainer"]["optimizer_parameters"]`` names the optimizer's parameters in its order,
+    which maps a checkpoint's ``optimizer.pt`` to the model (``less_features(..., param_names=...)``).
+    """
+    if hasattr(store, "manifest"):
+        manifest = store.manifest
+    else:
+        manifest = json.loads((Path(store) / MANIFEST).read_text())
+    return list((manifest.get("config") or {}).get(CONFIG_KEY, {}).get("checkpoints") or [])
+
+
+class TrainerRows:
+    """Capture callback writing each captured example, with its training position, to a store.
+
+    ``position`` is updated by the Trainer callback before each captured optimizer step:
+    ``{"step", "epoch", "lr"}``.
+    """
+
+    def __init__(self, writer: StoreWriter, *, trajectory: bool, auto_shard_rows: bool = False) -> None:
+        self.writer = writer
+        self.trajectory = trajectory
+        self.auto_shard_rows = auto_shard_rows
+        self.position: dict[str, Any] = {"step": 0, "epoch": 0, "lr": 0.0}
+        self._keys = TrajectoryKeys()
+        writer.fields = self._fields
+
+    def _fields(self, batch: GradBatch) -> dict[str, list]:
+        count = len(batch)
+        pos = self.position
+        fields = {"step": [pos["step"]] * count, "epoch": [pos["epoch"]] * count, "lr": [pos["lr"]] * count,
+                  "backward": [batch.step] * count}
+        if self.trajectory:
+            fields["example"] = list(batch.meta["example"])
+            fields["weight"] = step_weights(batch.scale, pos["lr"])
+        return fields
+
+    def _trajectory_batch(self, batch: GradBatch) -> GradBatch:
+        keys = self._keys(batch.ids, self.position["step"])
+        return dataclasses.replace(batch, ids=keys, meta={**batch.meta, "example": list(batch.ids)})
+
+    def on_batch(self, batch: GradBatch, capture: Any = None) -> None:
+        if self.auto_shard_rows and self.writer.writer is None:  # the store opens with this batch
+            self.writer.options["shard_rows"] = shard_rows_for(sum(batch.dims.values()))
+        self.writer.on_batch(self._trajectory_batch(batch) if self.trajectory else batch, capture)

@@ -1,0 +1,301 @@
+"""GradtraceCallback in a Hugging Face Trainer: captured per-example gradients equal brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import Trainer
+
+import gradtrace
+from gradtrace.integrations.hf import GradtraceCallback
+from tests import tiny
+from tests.integrations.common import (
+    WeightRecorder,
+    assert_rows_close,
+    causal_loss,
+    lm_rows,
+    pad_collate,
+    reference_rows,
+    training_args,
+)
+
+MODELS = {"gpt2": lambda: tiny.gpt2(tied=True), "llama": lambda: tiny.llama()}
+
+
+def _train(tmp_path, model, callback, rows=None, **overrides):
+    rows = rows if rows is not None else lm_rows(12)
+    recorder = WeightRecorder()
+    trainer = Trainer(model=model, args=training_args(str(tmp_path / "out"), **overrides),
+                      train_dataset=Dataset.from_list(rows), data_collator=pad_collate,
+                      callbacks=[recorder, callback])
+    trainer.train()
+    return trainer, recorder
+
+
+@pytest.mark.parametrize("projection", [None, gradtrace.LoGra(rank=4, vector_rank=3, seed=1)], ids=["exact", "logra"])
+@pytest.mark.parametrize("arch", sorted(MODELS))
+def test_trainer_gradients_equal_brute_force(tmp_path, arch, projection):
+    """3 optimizer steps of 2 micro-batches of 2 (num_items_in_batch path): every row is the gradient of its
+    example's summed token loss at the weights of its step."""
+    rows = lm_rows(12)
+    model = MODELS[arch]()
+    callback = GradtraceCallback(tmp_path / "store", projection=projection)
+    trainer, recorder = _train(tmp_path, model, callback, rows)
+    store = callback.result()
+    assert len(store) == 12 and sorted(store.ids, key=int) == [str(i) for i in range(12)]
+    assert store.field("step") == sorted(store.field("step")) and set(store.field("step")) == {0, 1, 2}
+    assert store.field("epoch") == [0] * 12
+    lrs = {s: lr for s, lr in zip(store.field("step"), store.field("lr"))}
+    assert lrs[0] == pytest.approx(5e-2) and lrs[1] == pytest.approx(5e-2 * 2 / 3) and lrs[2] < lrs[1]
+    config = store.manifest["config"]["trainer"]
+    assert config["ids"] == {"source": "index"} and config["check"]["loss_ratio"] == pytest.approx(1, abs=1e-5)
+    assert config["loss"]["rules"] == ["sum / num_items_in_batch"]
+    examples = {str(i): r for i, r in enumerate(rows)}
+    got, want = reference_rows(trainer.model, store, recorder.states, examples, causal_loss, projection)
+    assert_rows_close(store, got, want)
+    # the Trainer is left as it was
+    assert "compute_loss" not in vars(trainer) and "gradtrace_id" not in trainer.train_dataset.column_names
+    assert not trainer.model._forward_pre_hooks and not trainer.model._forward_hooks
+
+
+class _Classifier(torch.nn.Module):
+    """A model that does not take loss kwargs: its loss is the micro-batch mean, divided by the accumulation
+    steps by the Trainer (the last step of the epoch has fewer micro-batches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = tiny.MLP()
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+def test_model_without_loss_kwargs_and_a_partial_accumulation_step(tmp_path):
+    generator = torch.Generator().manual_seed(3)
+    rows = [{"x": torch.randn(7, generator=generator), "labels": int(i % 4)} for i in range(10)]
+    model = _Classifier()
+    callback = GradtraceCallback(tmp_path / "store")
+    recorder = WeightRecorder()
+    trainer = Trainer(model=model, args=training_args(str(tmp_path / "out"), max_steps=-1, num_train_epochs=1),
+                      train_dataset=rows, callbacks=[recorder, callback])
+    assert not trainer.model_accepts_loss_kwargs
+    trainer.train()
+    store = callback.result()
+    assert len(store) == 10 and set(store.field("step")) == {0, 1, 2}  # micro-batches 2 + 2 + 1
+    assert store.manifest["config"]["trainer"]["loss"]["rules"] == ["micro-batch token mean / accumulation steps"]
+
+    def loss(model, example):
+        return torch.nn.functional.cross_entropy(model.net(example["x"][None]), torch.tensor([example["labels"]]))
+
+    got, want = reference_rows(trainer.model, store, recorder.states, {str(i): r for i, r in enumerate(rows)}, loss)
+    assert_rows_close(store, got, want)
+
+
+def test_bf16_autocast(tmp_path):
+    rows = lm_rows(8)
+    callback = GradtraceCallback(tmp_path / "store")
+    trainer, recorder = _train(tmp_path, tiny.llama(), callback, rows, bf16=True, max_steps=2)
+    store = callback.result()
+    assert store.manifest["config"]["trainer"]["loss"]["mixed_precision"] == "bf16"
+    got, want = reference_rows(trainer.model, store, recorder.states, {str(i): r for i, r in enumerate(rows)},
+                               causal_loss, autocast=torch.bfloat16)
+    rel = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert float(rel.max()) < 3e-2, rel
+
+
+def test_id_column_trajectory_every_and_epochs(tmp_path):
+    """ids from a column, every other step, two epochs, one row per (example, step) with DVEmb's fields."""
+    rows = lm_rows(8, seed=1)
+    projection = gradtrace.LoGra(rank=2, vector_rank=2)
+    callback = GradtraceCallback(tmp_path / "store", ids="id", every=2, trajectory=True, projection=projection)
+    trainer, recorder = _train(tmp_path, tiny.gpt2(), callback, rows, gradient_accumulation_steps=1, max_steps=-1,
+                               num_train_epochs=2)
+    store = callback.result()
+    steps, examples = store.field("step"), store.field("example")
+    assert set(steps) == {0, 2, 4, 6} and set(store.field("epoch")) == {0, 1}
+    assert store.ids == [f"{e}@{s}" for e, s in zip(examples, steps)]
+    assert all(e.startswith("doc-") for e in examples)  # ids are the column's
+    by_id = {r["id"]: r for r in rows}
+    shift = 1 if trainer._loss_shifts_labels else 0  # how this Trainer counts num_items_in_batch
+    for step in set(steps):  # weight = lr / num_items_in_batch (GA 1: the step's target tokens)
+        members = [i for i, s in enumerate(steps) if s == step]
+        targets = sum(len(by_id[examples[i]]["input_ids"]) - shift for i in members)
+        for i in members:
+            assert store.field("weight")[i] == pytest.approx(store.field("lr")[i] / targets, rel=1e-6)
+    got, want = reference_rows(trainer.model, store, recorder.states, by_id, causal_loss, projection)
+    assert_rows_close(store, got, want)
+    embeddings = gradtrace.data_value_embeddings(store)
+    assert len(embeddings) == len(set(examples))
+
+
+def test_checkpoints_are_recorded_in_the_store(tmp_path):
+    """Also: evaluation between steps (its batches carry no ids and run without capture)."""
+    callback = GradtraceCallback(tmp_path / "store", projection=gradtrace.LoGra(rank=2))
+    model = tiny.gpt2()
+    trainer = Trainer(model=model, args=training_args(str(tmp_path / "out"), save_strategy="steps", save_steps=1,
+                                                      lr_scheduler_type="constant", eval_strategy="steps",
+                                                      eval_steps=2, per_device_eval_batch_size=2),
+                      train_dataset=Dataset.from_list(lm_rows(12)), eval_dataset=Dataset.from_list(lm_rows(4, seed=5)),
+                      data_collator=pad_collate, callbacks=[callback])
+    trainer.train()
+    assert "eval_loss" in trainer.evaluate()  # after training: the model sees no ids either
+    store = callback.result()
+    assert len(store) == 12
+    from gradtrace.integrations.hf import checkpoints
+
+    saved = checkpoints(tmp_path / "store")
+    assert [c["step"] for c in saved] == [1, 2, 3]
+    for c in saved:
+        assert (tmp_path / "out" / f"checkpoint-{c['step']}").is_dir() and c["path"].endswith(f"checkpoint-{c['step']}")
+        assert c["lr"] == pytest.approx(5e-2) and c["mean_lr"] == pytest.approx(5e-2) and c["updates"] == 1
+
+    # what the records are for: TracIn over the saved checkpoints, LESS from a checkpoint's optimizer state
+    from transformers import GPT2LMHeadModel
+
+    from gradtrace.grad.sketch import DenseProjection
+    from gradtrace.methods.less import less_features
+
+    batch = {"id": [f"t{i}" for i in range(4)], **pad_collate(lm_rows(4, seed=9))}
+    logra = gradtrace.LoGra(rank=2)
+    train_sets, query_sets = [], []
+    for c in saved[1:]:
+        at = GPT2LMHeadModel.from_pretrained(c["path"])
+        train_sets.append(gradtrace.collect(at, [batch], projection=logra))
+        query_sets.append(gradtrace.collect(at, [{**batch, "id": ["q0", "q1", "q2", "q3"]}], projection=logra))
+    scores = gradtrace.Attributor("tracin", train_sets, weights=[c["mean_lr"] for c in saved[1:]]).score(
+        query_sets, matrix=True)
+    assert scores.matrix.shape == (4, 4)
+    last = saved[-1]
+    state = torch.load(f"{last['path']}/optimizer.pt", weights_only=True)
+    names = store.manifest["config"]["trainer"]["optimizer_parameters"]
+    features = less_features(GPT2LMHeadModel.from_pretrained(last["path"]), state, [batch],
+                             projection=DenseProjection(8), param_names=names, layers=["transformer.h.0.mlp.*"])
+    assert features.read(0, 4).shape == (4, 8)
+
+
+def test_custom_compute_loss_is_refused(tmp_path):
+    class Doubled(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return 2 * super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    model = tiny.gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    callback = GradtraceCallback(tmp_path / "store")
+    trainer = Doubled(model=model, args=training_args(str(tmp_path / "out")),
+                      train_dataset=Dataset.from_list(lm_rows(8)), data_collator=pad_collate, callbacks=[callback])
+    with pytest.raises(ValueError, match=r"loss is 2x what GradtraceCallback derived"):
+        trainer.train()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # refused before any update
+    assert not (tmp_path / "store" / "manifest.json").exists()
+    assert not model._forward_pre_hooks and "compute_loss" not in vars(trainer)
+    # stating the convention (here: the token mean of num_items_in_batch, doubled) makes it work
+    callback = GradtraceCallback(tmp_path / "store2", reduction="token_mean", loss_scale=2.0)
+    trainer = Doubled(model=tiny.gpt2(), args=training_args(str(tmp_path / "out")),
+                      train_dataset=Dataset.from_list(lm_rows(8)), data_collator=pad_collate, callbacks=[callback])
+    trainer.train()
+    assert len(callback.result()) == 8
+
+
+def test_model_it_cannot_capture_fails_at_train_begin(tmp_path):
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, labels=None):
+            out = self.attn(x, x, x)[0].mean(dim=(1, 2))
+            return {"loss": ((out - labels) ** 2).mean()}
+
+    rows = [{"x": torch.randn(3, 8), "labels": 0.5} for _ in range(4)]
+    callback = GradtraceCallback(tmp_path / "store")
+    recorder = WeightRecorder()
+    trainer = Trainer(model=Attention(), args=training_args(str(tmp_path / "out")), train_dataset=rows,
+                      callbacks=[recorder, callback])
+    with pytest.raises(ValueError, match=r"no capturable layer selected in Attention \(attn \(MultiheadAttention\)"):
+        trainer.train()
+    assert recorder.states == {}  # before the first step
+    assert not trainer.model._forward_pre_hooks and "compute_loss" not in vars(trainer)
+
+
+def test_store_another_run_is_writing_fails_at_train_begin(tmp_path):
+    import json
+    import socket
+    import subprocess
+
+    store = tmp_path / "store"
+    store.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        (store / "rank-00000.lock").write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
+        callback = GradtraceCallback(store, overwrite=True)
+        recorder = WeightRecorder()
+        trainer = Trainer(model=tiny.gpt2(), args=training_args(str(tmp_path / "out")),
+                          train_dataset=Dataset.from_list(lm_rows(8)), data_collator=pad_collate,
+                          callbacks=[recorder, callback])
+        with pytest.raises(gradtrace.store.StoreError, match=rf"being written by another run \(pid {other.pid}"):
+            trainer.train()
+        assert recorder.states == {}
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_error_during_training_closes_the_capture_and_the_store(tmp_path):
+    from transformers import TrainerCallback
+
+    class Boom(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("boom")
+
+    callback = GradtraceCallback(tmp_path / "store", projection=gradtrace.LoGra(rank=2))
+    trainer = Trainer(model=tiny.gpt2(), args=training_args(str(tmp_path / "out")),
+                      train_dataset=Dataset.from_list(lm_rows(12)), data_collator=pad_collate,
+                      callbacks=[callback, Boom()])
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    with pytest.raises(gradtrace.store.StoreError, match="interrupted"):
+        gradtrace.GradientStore.open(tmp_path / "store")
+    partial = gradtrace.GradientStore.open(tmp_path / "store", allow_incomplete=True)
+    assert len(partial) == 8 and set(partial.field("step")) == {0, 1}
+    assert not trainer.model._forward_pre_hooks and not trainer.model._forward_hooks
+    assert "compute_loss" not in vars(trainer) and "gradtrace_id" not in trainer.train_dataset.column_names
+    assert not (tmp_path / "store" / "rank-00000.lock").exists()
+
+
+def test_callback_added_after_construction_needs_attach(tmp_path):
+    trainer = Trainer(model=tiny.gpt2(), args=training_args(str(tmp_path / "out"), max_steps=1),
+                      train_dataset=Dataset.from_list(lm_rows(4)), data_collator=pad_collate)
+    callback = GradtraceCallback(tmp_path / "store")
+    trainer.add_callback(callback)
+    with pytest.raises(RuntimeError, match=r"not attached[\s\S]*callback.attach\(trainer\)"):
+        trainer.train()
+    callback.attach(trainer)
+    trainer.train()
+    assert len(callback.result()) == 4
+
+
+def test_content_hash_ids_across_epochs(tmp_path):
+    """ids=None: each example is identified by its tokens; a new epoch sees the same examples again."""
+    from gradtrace.capture.context import content_hash
+
+    rows = lm_rows(8, seed=2)
+    callback = GradtraceCallback(tmp_path / "store", ids=None, projection=gradtrace.LoGra(rank=2))
+    _train(tmp_path, tiny.gpt2(), callback, rows, gradient_accumulation_steps=1, max_steps=-1, num_train_epochs=2)
+    store = callback.result()
+    import numpy as np
+
+    assert sorted(store.ids) == sorted(content_hash(np.asarray(r["input_ids"], dtype=np.int64)) for r in rows)
+    assert set(store.field("epoch")) == {0}  # the second epoch's uses are the same examples: not stored again
+    assert store.manifest["config"]["trainer"]["ids"] == {"source": "content-hash"}
+
+
+def test_missing_id_column_is_reported_before_training(tmp_path):
+    trainer = Trainer(model=tiny.gpt2(), args=training_args(str(tmp_path / "out")),
+                      train_dataset=Dataset.from_list(lm_rows(4)), data_collator=pad_collate,
+                      callbacks=[GradtraceCallback(tmp_path / "store", ids="uid")])
+    with pytest.raises(ValueError, match=r"ids='uid': the training dataset has no such column \(columns: \['id', "):
+        trainer.train()
+    assert "compute_loss" not in vars(trainer) and "gradtrace_id" not in trainer.train_dataset.column_names
