@@ -292,8 +292,14 @@ def to(batch: GradBatch, device: torch.device | str | None = None, dtype: torch.
 
 def weighted_sum(pg: ParamGrad, weights: Tensor) -> Tensor:
     """``sum_e weights[e] * G_e`` of one parameter (shape ``pg.shape``), without forming per-example gradients:
-    one matrix product (or scatter) per term."""
+    one matrix product (or scatter) per term. Examples with weight zero cost nothing."""
     weights = weights.to(torch.float32)
+    nonzero = weights.nonzero().flatten()
+    if len(nonzero) == 0:
+        return torch.zeros(pg.shape, dtype=torch.float32, device=_term_device(pg.terms[0]) if pg.terms else None)
+    if len(nonzero) < len(weights):  # e.g. only the dropped examples of a selection step
+        pg = pg.map_examples(lambda t: t.index_select(0, nonzero.to(t.device)))
+        weights = weights[nonzero]
     total = None
     for term in pg.terms:
         w = weights.to(_term_device(term))

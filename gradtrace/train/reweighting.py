@@ -22,13 +22,18 @@ Usage (the loss line is the only change to a loop)::
         loss.backward()
         optimizer.step(); optimizer.zero_grad()     # the meta step runs in a pre-hook of optimizer.step()
     sama.weights                                    # {example id: weight}
+    sama.save("runs/sama-weights.json")             # weights, scores and the state to resume from
+    keep = sama.keep(fraction=0.7)                  # the ids to keep when pruning the dataset
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,13 +85,14 @@ class SAMAReweighting:
         loss_fn: ``loss_fn(model, batch) -> [B]`` per-example losses (training and meta batches).
         meta_lr: learning rate of the logits (Adam); alpha: finite-difference scale (``eps = alpha / |v|``).
         interval: run a meta step every ``interval`` optimizer steps.
+        start_step: optimizer steps to train before the first meta step (the weights stay at ``init_logit``).
         groups: ``{example id: source}`` to learn one weight per data source instead of per example.
         id_key: where a dict batch holds its ids (else ``ids=`` must be given to :meth:`loss`).
         normalize: divide the weighted loss by the mean weight of the batch (weights then only reallocate).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, meta_data: Iterable[Any], *,
-                 loss_fn: LossFn, meta_lr: float = 0.1, alpha: float = 0.01, interval: int = 1,
+                 loss_fn: LossFn, meta_lr: float = 0.1, alpha: float = 0.01, interval: int = 1, start_step: int = 0,
                  groups: dict[str, str] | None = None, id_key: str = "id", init_logit: float = 0.0,
                  normalize: bool = False) -> None:
         self.model = model
@@ -96,6 +102,9 @@ class SAMAReweighting:
         self.loss_fn = loss_fn
         self.alpha = alpha
         self.interval = interval
+        if not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
+        self.start_step = start_step
         self.groups = groups
         self.id_key = id_key
         self.init_logit = init_logit
@@ -132,6 +141,60 @@ class SAMAReweighting:
     def weights(self) -> dict[str, float]:
         """``{example id or source: weight}`` learned so far."""
         return {k: float(torch.sigmoid(v)) for k, v in self.logits.items()}
+
+    def keep(self, *, fraction: float | None = None, threshold: float | None = None) -> list[str]:
+        """Ids (or sources) to keep when pruning the data afterwards: the ``fraction`` with the highest weights,
+        or those with weight ``>= threshold`` (exactly one of the two)."""
+        if (fraction is None) == (threshold is None):
+            raise ValueError("pass exactly one of fraction= and threshold=")
+        weights = self.weights
+        if threshold is not None:
+            return [k for k, w in weights.items() if w >= threshold]
+        if not 0 <= fraction <= 1:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        ranked = sorted(weights, key=lambda k: (-weights[k], k))
+        return ranked[: round(fraction * len(ranked))]
+
+    # -- saving and resuming --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything learned so far (logits, their Adam moments, scores, the step count), JSON-serialisable."""
+        return {"logits": {k: float(v) for k, v in self.logits.items()},
+                "moments": {k: list(m) for k, m in self._moments.items()},
+                "scores": dict(self.scores), "steps": self._steps, "init_logit": self.init_logit,
+                "per": "source" if self.groups is not None else "example"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (e.g. when training resumes from a checkpoint)."""
+        per = "source" if self.groups is not None else "example"
+        if state.get("per", "example") != per:
+            raise ValueError(f"these SAMA weights are per {state.get('per')}, this callback learns them per {per}")
+        self.logits = {k: torch.tensor(float(v)) for k, v in state["logits"].items()}
+        self._moments = {k: (float(m[0]), float(m[1]), int(m[2])) for k, m in state.get("moments", {}).items()}
+        self.scores = {k: float(v) for k, v in state.get("scores", {}).items()}
+        self._steps = int(state.get("steps", 0))
+
+    def save(self, path: str | Path) -> Path:
+        """Write the weights and :meth:`state_dict` to a JSON file (atomically); returns its path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"format": "gradtrace-sama", "version": 1, "weights": self.weights, "state": self.state_dict()}
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+    @staticmethod
+    def load(path: str | Path) -> dict[str, Any]:
+        """Read a file written by :meth:`save`: ``{"weights": {...}, "state": {...}}`` (pass ``["state"]`` to
+        :meth:`load_state_dict` to resume)."""
+        with open(path) as f:
+            payload = json.load(f)
+        if payload.get("format") != "gradtrace-sama":
+            raise ValueError(f"{path} is not a SAMA weights file written by SAMAReweighting.save")
+        return payload
 
     def loss(self, batch: Any, ids: list[str] | None = None) -> Tensor:
         """The weighted training loss ``mean_i w_i l_i`` of ``batch`` (remembered for the next meta step)."""
@@ -171,7 +234,8 @@ class SAMAReweighting:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         remembered, self._remembered = self._remembered, []
         self._steps += 1
-        if not remembered or (self._steps - 1) % self.interval:
+        step = self._steps - 1
+        if not remembered or step < self.start_step or (step - self.start_step) % self.interval:
             return
         meta_loss = self.loss_fn(self.model, self._meta_batch()).mean()
         meta_grads = torch.autograd.grad(meta_loss, self._params, allow_unused=True)

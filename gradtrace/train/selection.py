@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..grad.batch import GradBatch
-from ..grad.ops import check_compatible, concat, dense_inner, weighted_sum
+from ..grad.ops import check_compatible, concat, dense_inner, sq_norms, weighted_sum
 
 __all__ = ["OnlineSelection", "SelectionRecord"]
 
@@ -59,19 +59,27 @@ class OnlineSelection:
         validation: batches for ``target="validation"`` (re-iterated when exhausted); ``loss_fn(model, batch)``
             returns their per-example losses (default: gradtrace's default loss for the batch's form).
         renormalize: rescale ``param.grad`` to the mean over kept examples (for a mean-reduced loop loss).
+        normalize: score by cosine similarity (``<g_e, target> / (|g_e| |target|)``) instead of the inner
+            product, so that examples with large gradients (high loss) do not dominate the ranking; the sign, and
+            so the ``"negative"`` rule, is unchanged.
         min_keep: examples always kept per step (across ranks under DDP).
+        start_step: optimizer steps to leave alone before selecting (early in training, while a model learns
+            token frequencies or class priors, even corrupted examples can point along the target).
         record_scores: keep every example's score in the log (``history``).
         ddp: all-reduce the dropped contributions (default: when a process group is initialised).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, target: Any = "batch", rule: Any = "negative",
                  validation: Iterable[Any] | None = None, loss_fn: Callable | None = None, renormalize: bool = False,
-                 min_keep: int = 1, record_scores: bool = False, ddp: bool | None = None) -> None:
+                 normalize: bool = False, min_keep: int = 1, start_step: int = 0, record_scores: bool = False,
+                 ddp: bool | None = None) -> None:
         if isinstance(target, str) and target not in ("batch", "validation"):
             raise ValueError(f"target must be 'batch', 'validation' or a gradient, got {target!r}")
         if target == "validation" and validation is None:
             raise ValueError("target='validation' needs validation=<batches>")
         self._check_rule(rule)
+        if not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
         self.optimizer = optimizer
         self.target = target
         self.rule = rule
@@ -79,7 +87,9 @@ class OnlineSelection:
         self._val_iter = None
         self.loss_fn = loss_fn
         self.renormalize = renormalize
+        self.normalize = normalize
         self.min_keep = min_keep
+        self.start_step = start_step
         self.record_scores = record_scores
         self.ddp = ddp
         self.history: list[SelectionRecord] = []
@@ -121,11 +131,14 @@ class OnlineSelection:
         batches, self._pending = self._pending, []
         step = self._steps
         self._steps += 1
-        if not batches:
+        if not batches or step < self.start_step:
             return
         train = concat(batches) if len(batches) > 1 else batches[0]
         target = self._target_vectors(train)
         scores = dense_inner(train, target)  # [E]: <g_e, target>
+        if self.normalize:
+            target_norm = sum(float(v.double().pow(2).sum()) for v in target.values()) ** 0.5
+            scores = scores / (sq_norms(train).clamp_min(1e-30).sqrt() * max(target_norm, 1e-30))
         drop = self._choose(scores)
         ready, world = self._ddp_state()
         kept_local = int((~drop).sum())

@@ -142,12 +142,15 @@ def test_cost_model_prefers_obvious_routes():
 def test_weighted_sum_and_dense_inner_equal_materialized(gpt2_batches):
     a, _ = gpt2_batches
     weights = torch.rand(len(a))
+    sparse = weights * (torch.arange(len(a)) % 2 == 0)  # zero weights skip their examples
     vectors = {}
     for name, pg in a.params.items():
         full = pg.materialize()
-        want = (full * weights.view(-1, *[1] * (full.dim() - 1))).sum(0)
-        got = ops.weighted_sum(pg, weights)
-        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max() + 1)), name
+        for w in (weights, sparse, torch.zeros(len(a))):
+            want = (full * w.view(-1, *[1] * (full.dim() - 1))).sum(0)
+            got = ops.weighted_sum(pg, w)
+            assert got.shape == want.shape
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-6 * float(want.abs().max() + 1)), name
         vectors[name] = torch.randn(pg.shape)
     want = sum(a.params[n].flat() @ v.reshape(-1) for n, v in vectors.items())
     _close(ops.dense_inner(a, vectors), want)

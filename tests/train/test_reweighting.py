@@ -1,6 +1,7 @@
 """SAMA reweighting: the finite-difference meta-gradient equals the exact mixed term, Adam's update Jacobian is
 exact, parameters are restored exactly after the probes, and weights separate corrupted from clean data."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -101,3 +102,100 @@ def test_weights_separate_corrupted_from_clean_examples():
     # AUC of "low weight = corrupted"
     auc = (weights[corrupted].unsqueeze(1) < weights[~corrupted].unsqueeze(0)).float().mean()
     assert auc >= 0.8, float(auc)
+
+
+def _train(sama, opt, x, y, ids, steps, batch=8):
+    for step in range(steps):
+        rows = torch.arange(step * batch, (step + 1) * batch) % len(ids)
+        sama.loss((x[rows], y[rows]), ids=[ids[i] for i in rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _setup(seed, optimizer=torch.optim.Adam, **kw):
+    torch.manual_seed(seed)
+    model = tiny.MLP()
+    opt = optimizer(model.parameters(), lr=0.01)
+    meta = [(torch.randn(6, 7), torch.randint(0, 4, (6,)))]
+    return model, opt, SAMAReweighting(model, opt, meta, loss_fn=per_example, **kw)
+
+
+def test_saved_state_resumes_training_exactly(tmp_path):
+    """Saving after 3 steps and resuming in a fresh callback gives the weights of an uninterrupted run."""
+    x, y = torch.randn(24, 7), torch.randint(0, 4, (24,))
+    ids = [f"e{i}" for i in range(24)]
+    model, opt, sama = _setup(5, meta_lr=0.2)
+    _train(sama, opt, x, y, ids, 6)
+    want = sama.weights
+
+    model, opt, sama = _setup(5, meta_lr=0.2)
+    _train(sama, opt, x, y, ids, 3)
+    path = sama.save(tmp_path / "w.json")
+    model_state, opt_state = model.state_dict(), opt.state_dict()
+    sama.close()
+    model, opt, resumed = _setup(5, meta_lr=0.2)
+    model.load_state_dict(model_state)
+    opt.load_state_dict(opt_state)
+    payload = SAMAReweighting.load(path)
+    assert payload["weights"] == pytest.approx(sama.weights)
+    resumed.load_state_dict(payload["state"])
+    for step in range(3, 6):  # the same batches as the uninterrupted run's steps 3..5
+        rows = torch.arange(step * 8, (step + 1) * 8) % 24
+        resumed.loss((x[rows], y[rows]), ids=[ids[i] for i in rows]).backward()
+        opt.step()
+        opt.zero_grad()
+    assert resumed.weights == pytest.approx(want, rel=1e-6, abs=1e-9)
+    with pytest.raises(ValueError, match="not a SAMA weights file"):
+        (tmp_path / "other.json").write_text('{"format": "x"}')
+        SAMAReweighting.load(tmp_path / "other.json")
+
+
+def test_keep_prunes_by_weight():
+    _, _, sama = _setup(6)
+    sama.logits = {"a": torch.tensor(2.0), "b": torch.tensor(-1.0), "c": torch.tensor(0.5), "d": torch.tensor(-3.0)}
+    assert sama.keep(fraction=0.5) == ["a", "c"]
+    assert sorted(sama.keep(threshold=0.5)) == ["a", "c"]
+    with pytest.raises(ValueError, match="exactly one"):
+        sama.keep()
+
+
+def test_per_source_weights_sum_their_examples_scores():
+    """groups={id: source}: one logit per source, whose gradient sums its examples' meta-gradients."""
+    x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
+    ids = [f"e{i}" for i in range(8)]
+    groups = {i: ("web" if n % 2 else "books") for n, i in enumerate(ids)}
+    _, opt, sama = _setup(7, optimizer=torch.optim.SGD, groups=groups, meta_lr=0.1)
+    sama.loss((x, y), ids=ids).backward()
+    opt.step()
+    assert set(sama.weights) == {"web", "books"}
+    web = sum(sama.scores[i] for i in ids if groups[i] == "web")
+    books = sum(sama.scores[i] for i in ids if groups[i] == "books")
+    # the first Adam step moves each logit by meta_lr in the direction of its summed score
+    assert (sama.weights["web"] > 0.5) == (web > 0) and (sama.weights["books"] > 0.5) == (books > 0)
+    with pytest.raises(KeyError, match="no group"):
+        sama.loss((x[:1], y[:1]), ids=["stranger"])
+    with pytest.raises(ValueError, match="per source"):
+        _, _, other = _setup(7)
+        other.load_state_dict(sama.state_dict())
+
+
+def test_unsupported_optimizer_and_exhausted_meta_data_are_clear():
+    x, y = torch.randn(4, 7), torch.randint(0, 4, (4,))
+    torch.manual_seed(8)
+    model = tiny.MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sama = SAMAReweighting(model, opt, [(x, y)], loss_fn=per_example)
+    sama.loss((x, y), ids=list("abcd")).backward()
+    with pytest.raises(TypeError, match="SGD \\(no momentum\\) and Adam"):
+        opt.step()
+    sama.close()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    one_shot = iter([(x, y)])
+    sama = SAMAReweighting(model, opt, one_shot, loss_fn=per_example)
+    for _ in range(2):
+        opt.zero_grad()
+        sama.loss((x, y), ids=list("abcd")).backward()
+        if _ == 0:
+            opt.step()
+    with pytest.raises(ValueError, match="ran out"):
+        opt.step()

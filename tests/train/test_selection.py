@@ -128,3 +128,56 @@ def test_validation_target_through_the_same_hooks():
     expected = _reference(model, x, y, keep, 8)
     for name, param in model.named_parameters():
         assert torch.allclose(param.grad, expected[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_normalized_scores_are_cosines():
+    """normalize=True scores by cosine similarity with the target (same drop signs as the inner product)."""
+    torch.manual_seed(5)
+    model = tiny.MLP()
+    x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
+    val = [(torch.randn(5, 7), torch.randint(0, 4, (5,)))]
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    selector = OnlineSelection(opt, target="validation", validation=val, normalize=True, record_scores=True)
+    with gradtrace.capture(model, callbacks=[selector]) as cap:
+        cap.annotate(ids=_ids(8))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    exact = gradtrace.collect(model, [(x, y)], ids=_ids(8)).vectors
+    val_grad = gradtrace.collect(model, val).vectors.mean(0)
+    want = F.cosine_similarity(exact, val_grad.unsqueeze(0), dim=1)
+    got = torch.tensor([selector.history[-1].scores[i] for i in _ids(8)])
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    assert set(selector.history[-1].dropped) == {i for i, s in zip(_ids(8), want.tolist()) if s < 0}
+
+
+def test_start_step_and_a_validation_iterator_that_runs_out():
+    """start_step leaves the first steps' param.grad untouched; a list of validation batches is re-iterated, a
+    one-shot iterator that runs out is a clear error."""
+    torch.manual_seed(6)
+    model = tiny.MLP()
+    x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
+    val = (torch.randn(5, 7), torch.randint(0, 4, (5,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    for validation, fails in (([val], False), (iter([val]), True)):
+        selector = OnlineSelection(opt, target="validation", validation=validation, start_step=1,
+                                   rule=("bottom", 0.5))
+        with gradtrace.capture(model, callbacks=[selector]) as cap:
+            cap.annotate(ids=_ids(8))
+            F.cross_entropy(model(x), y).backward()
+            plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+            opt.step()  # step 0: left alone
+            assert not selector.history
+            assert all(torch.equal(p.grad, plain[n]) for n, p in model.named_parameters())
+            for step in (1, 2):
+                opt.zero_grad()
+                cap.annotate(ids=_ids(8))
+                F.cross_entropy(model(x), y).backward()
+                if fails and step == 2:
+                    with pytest.raises(ValueError, match="ran out"):
+                        opt.step()
+                else:
+                    opt.step()
+                    assert len(selector.history[-1].dropped) == 4
+        opt.zero_grad()
+    with pytest.raises(ValueError, match="start_step"):
+        OnlineSelection(opt, start_step=-1)
