@@ -23,6 +23,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import gradtrace
 from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.demo.report import report_planted
 from gradtrace.integrations.hf import GradtraceCallback
 
 
@@ -75,20 +76,11 @@ def main(out_dir: str | Path = "runs/hf_trainer", *, docs: int = 64, epochs: int
     batch["id"] = [i for i, _ in questions]
     queries = gradtrace.collect(trainer.model, [batch], projection=logra)
     scores = gradtrace.Attributor("grad_cos", store).score(queries, topk=3)
-    top = scores.topk(3)
-    texts = dict(corpus)
-    hits = 0
     say(f"\n{len(store)} documents x {store.dim} dims captured in the last epoch "
         f"({'LoRA adapters' if peft else 'all parameters'}; loss rule: "
         f"{store.manifest['config']['trainer']['loss']['rules']})")
     say(f"checkpoints recorded: {[c['step'] for c in gradtrace.integrations.hf.checkpoints(store)]}")
-    for q, (qid, text) in enumerate(questions):
-        planted = f"planted-{qid.removeprefix('query-')}"
-        hits += top.ids[q][0] == planted
-        if q < 3:
-            say(f"\n{qid}: {text}")
-            for r, (tid, value) in enumerate(zip(top.ids[q], top.values[q].tolist()), start=1):
-                say(f"  {r}. {value:+.3f}  {tid:<24} {texts[tid][:50]}{'  <- planted' if tid == planted else ''}")
+    hits = report_planted(scores, dict(corpus), say)
     seconds = time.perf_counter() - started
     say(f"\nrecall@1: {hits}/{len(questions)}; time {seconds:.1f} s (training with capture {train_seconds:.1f} s)")
     return {"store": store, "scores": scores, "recall_at_1": hits / len(questions), "seconds": seconds,

@@ -28,6 +28,7 @@ import torch
 
 import gradtrace
 from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.demo.report import report_planted
 
 # run as a script, this file's directory comes first on sys.path and the file would shadow the olmo_core package
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -166,13 +167,7 @@ def main(out_dir: str | Path = "runs/olmo_core", *, docs: int = 48, steps: int =
                    "labels": labels}
     queries = gradtrace.collect(model, [query_batch], loss_fn, projection=logra, exclude=["*norm"])
     scores = gradtrace.Attributor("grad_cos", store).score(queries, topk=3)
-    top = scores.topk(3)
-    texts = dict(corpus)
-    for q in range(2):
-        say(f"\n{scores.query_ids[q]}: {PLANTED[q].query}")
-        for r, (tid, value) in enumerate(zip(top.ids[q], top.values[q].tolist()), start=1):
-            mark = "  <- planted" if tid == PLANTED[q].id else ""
-            say(f"  {r}. {value:+.3f}  {tid:<24} {texts[tid][:50]}{mark}")
+    report_planted(scores, dict(corpus), say, show=2)
     seconds = time.perf_counter() - started
     say(f"\ntime {seconds:.1f} s")
     return {"store": store, "scores": scores, "model": model, "corpus": corpus, "tokens": tokens,

@@ -24,6 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import gradtrace
 from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.demo.report import report_planted
 
 
 def main(out_dir: str | Path = "runs/plain_loop", *, docs: int = 64, epochs: int = 3, batch_size: int = 8,
@@ -80,16 +81,7 @@ def main(out_dir: str | Path = "runs/plain_loop", *, docs: int = 64, epochs: int
     questions = [(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED]
     queries = gradtrace.collect(model, [batch_of(questions)], projection=logra)
     scores = gradtrace.Attributor("grad_cos", store).score(queries, topk=3)
-    top = scores.topk(3)
-    texts = dict(corpus)
-    hits = 0
-    for q, (qid, text) in enumerate(questions):
-        planted = f"planted-{qid.removeprefix('query-')}"
-        hits += top.ids[q][0] == planted
-        if q < 2:
-            say(f"\n{qid}: {text}")
-            for r, (tid, value) in enumerate(zip(top.ids[q], top.values[q].tolist()), start=1):
-                say(f"  {r}. {value:+.3f}  {tid:<24} {texts[tid][:50]}{'  <- planted' if tid == planted else ''}")
+    hits = report_planted(scores, dict(corpus), say, show=2)
     seconds = time.perf_counter() - started
     say(f"\nstore: {len(store)} documents x {store.dim} dims ({store.spec.dtype}); recall@1: {hits}/{len(questions)}; "
         f"time {seconds:.1f} s")

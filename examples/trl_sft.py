@@ -25,6 +25,7 @@ from trl import SFTConfig, SFTTrainer
 
 import gradtrace
 from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.demo.report import report_planted
 from gradtrace.integrations.hf import GradtraceCallback
 
 
@@ -89,20 +90,12 @@ def main(out_dir: str | Path = "runs/trl_sft", *, docs: int = 64, epochs: int = 
              "labels": torch.tensor([lab + [-100] * (width_q - len(lab)) for _, _, lab in rows])}
     queries = gradtrace.collect(trainer.model, [batch], projection=logra)
     scores = gradtrace.Attributor("grad_cos", store).score(queries, topk=3)
-    top = scores.topk(3)
     texts = {i: p + c for i, p, c in pairs}
     config = store.manifest["config"]["trainer"]
     say(f"\n{len(store)} prompt/completion pairs x {store.dim} dims captured in the last epoch "
         f"({'LoRA adapters' if peft else 'all parameters'}; fused LM head: {config.get('fused_lm_head', 'kept')}; "
         f"loss check: {config['check']})")
-    hits = 0
-    for q, planted in enumerate(PLANTED):
-        hits += top.ids[q][0] == planted.id
-        if q < 3:
-            say(f"\n{scores.query_ids[q]}: {planted.query}")
-            for r, (tid, value) in enumerate(zip(top.ids[q], top.values[q].tolist()), start=1):
-                text = texts[tid].replace("\n", " ")[:50]
-                say(f"  {r}. {value:+.3f}  {tid:<24} {text}{'  <- planted' if tid == planted.id else ''}")
+    hits = report_planted(scores, texts, say)
     seconds = time.perf_counter() - started
     say(f"\nrecall@1: {hits}/{len(PLANTED)}; time {seconds:.1f} s (training with capture {train_seconds:.1f} s)")
     return {"store": store, "scores": scores, "recall_at_1": hits / len(PLANTED), "seconds": seconds,
