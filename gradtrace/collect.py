@@ -174,7 +174,7 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
                         raise ValueError(f"{what}(): a batch has sequences of {length} tokens but the model's "
                                          f"context is {limit}; truncate or split them")
                 batch = _to_device(batch, device)
-                fn = loss_fn or default_loss(batch)
+                fn = loss_fn or default_loss(batch, single_backward=True)
                 if batch_ids is not None:
                     cap.annotate(ids=batch_ids)
                 losses = fn(model, batch)

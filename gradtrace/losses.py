@@ -18,11 +18,12 @@ class _TokenCrossEntropy(torch.autograd.Function):
 
     Forward reads the logits once (a log-sum-exp per row); backward writes ``softmax - onehot`` once.
     ``F.cross_entropy`` instead materializes ``log_softmax`` (an extra ``[N, V]`` write and read each way),
-    which for a large vocabulary costs as much as the model's smaller layers.
+    which for a large vocabulary costs as much as the model's smaller layers. With ``consume``, backward writes
+    the gradient into the logits' own memory (float32 contiguous logits only) instead of a new ``[N, V]`` buffer.
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, chunk: int) -> Tensor:
+    def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, chunk: int, consume: bool) -> Tensor:
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         for start in range(0, logits.shape[0], chunk):
             lse[start:start + chunk] = torch.logsumexp(logits[start:start + chunk].float(), dim=1)
@@ -31,30 +32,37 @@ class _TokenCrossEntropy(torch.autograd.Function):
         picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits, lse, safe, valid)
         ctx.chunk = chunk
+        ctx.consume = consume and logits.dtype == torch.float32 and logits.is_contiguous()
         return torch.where(valid, lse - picked, torch.zeros_like(lse))
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, lse, safe, valid = ctx.saved_tensors
         weight = torch.where(valid, grad.float(), torch.zeros_like(lse))
-        out = torch.empty_like(logits, dtype=torch.float32)
+        # consumed: the logits are read row block by row block just before the block is overwritten
+        out = logits.detach() if ctx.consume else torch.empty_like(logits, dtype=torch.float32)
         for start in range(0, logits.shape[0], ctx.chunk):
             stop = start + ctx.chunk
             block = out[start:stop]  # written in place: softmax * weight, minus weight at the target
             torch.sub(logits[start:stop], lse[start:stop, None], out=block)
             block.exp_().mul_(weight[start:stop, None])
             block.scatter_add_(1, safe[start:stop, None], -weight[start:stop, None])
-        return out.to(logits.dtype), None, None, None
+        return out.to(logits.dtype), None, None, None, None
 
 
-def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, *,
+                        consume_logits: bool = False) -> Tensor:
     """``[N]`` cross-entropy of ``[N, V]`` logits against ``[N]`` targets (0 where ``ignore_index``).
 
     Equal to ``F.cross_entropy(..., reduction="none")`` with half its memory traffic (see
     :class:`_TokenCrossEntropy`); accumulates in float32.
+
+    ``consume_logits=True`` lets the backward pass overwrite the logits with their gradient (float32 logits):
+    one ``[N, V]`` buffer less, and its first-touch page faults. Only for logits nobody reads after the backward
+    pass, in a graph differentiated once (a second backward through it raises autograd's in-place error).
     """
     chunk = max(1, (1 << 21) // max(1, logits.shape[1]))
-    return _TokenCrossEntropy.apply(logits, targets, ignore_index, chunk)
+    return _TokenCrossEntropy.apply(logits, targets, ignore_index, chunk, consume_logits)
 
 
 def lm_labels(batch: dict[str, Tensor], ignore_index: int = -100) -> Tensor:
@@ -68,11 +76,12 @@ def lm_labels(batch: dict[str, Tensor], ignore_index: int = -100) -> Tensor:
 
 
 def causal_lm_loss(model: nn.Module, batch: dict[str, Any], *, mean: bool = False,
-                   ignore_index: int = -100) -> Tensor:
+                   ignore_index: int = -100, consume_logits: bool = False) -> Tensor:
     """Per-row next-token loss of a causal LM: the sum over target tokens (``mean=True``: their mean).
 
     ``batch`` holds ``input_ids`` and optionally ``attention_mask``, ``position_ids``, ``labels``
-    (``ignore_index`` = not a target; default: every non-padding token after the first).
+    (``ignore_index`` = not a target; default: every non-padding token after the first). ``consume_logits``:
+    see :func:`token_cross_entropy` (the logits here never leave this function).
     """
     labels = lm_labels(batch, ignore_index)
     kwargs = {k: batch[k] for k in _MODEL_KEYS if batch.get(k) is not None}
@@ -80,7 +89,8 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, Any], *, mean: bool = Fals
     labels = labels.to(logits.device)
     # logits at t predict labels[t + 1]; shifting the labels (not the logits) avoids copying [B, T, V]
     shift_labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
-    per_token = token_cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), ignore_index).view(labels.shape)
+    per_token = token_cross_entropy(logits.flatten(0, 1), shift_labels.flatten(), ignore_index,
+                                    consume_logits=consume_logits).view(labels.shape)
     total = per_token.sum(1)
     if mean:
         total = total / (shift_labels != ignore_index).sum(1).clamp(min=1)
@@ -112,11 +122,17 @@ def regression_loss(model: nn.Module, batch: Any) -> Tensor:
     return 0.5 * diff.pow(2).sum(1)
 
 
-def default_loss(batch: Any):
+def _causal_lm_loss_once(model: nn.Module, batch: dict[str, Any]) -> Tensor:
+    return causal_lm_loss(model, batch, consume_logits=True)
+
+
+def default_loss(batch: Any, *, single_backward: bool = False):
     """The loss :func:`gradtrace.collect` uses when none is given, judged from the batch's form: causal LM
-    for dicts with ``input_ids`` (and token-level or no ``labels``), classification otherwise."""
+    for dicts with ``input_ids`` (and token-level or no ``labels``), classification otherwise.
+    ``single_backward``: the caller differentiates each loss once (the causal LM loss may then reuse the logits'
+    memory for their gradient)."""
     if isinstance(batch, dict) and "input_ids" in batch:
         labels = batch.get("labels")
         if labels is None or labels.dim() == 2:
-            return causal_lm_loss
+            return _causal_lm_loss_once if single_backward else causal_lm_loss
     return classification_loss

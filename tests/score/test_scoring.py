@@ -191,3 +191,27 @@ def test_token_cross_entropy_matches_torch():
     ref = F.cross_entropy(logits, targets, reduction="none")
     (ref * weights).sum().backward()
     assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(mine, logits.grad, atol=1e-7)
+
+
+def test_token_cross_entropy_consuming_the_logits():
+    """consume_logits=True: the same loss and gradient, written into the logits' memory (no new [N, V] buffer);
+    a second backward through the graph is refused by autograd rather than computed from overwritten logits."""
+    import torch.nn.functional as F
+
+    from gradtrace.losses import token_cross_entropy
+
+    weight = torch.randn(64, 1000, requires_grad=True)
+    hidden = torch.randn(37, 64)
+    targets = torch.randint(0, 1000, (37,))
+    targets[::5] = -100
+    ref = F.cross_entropy(hidden @ weight, targets, reduction="none")
+    want_grad, = torch.autograd.grad(ref.sum(), weight)
+    logits = hidden @ weight
+    seen = []
+    logits.register_hook(lambda g: seen.append(g.data_ptr() == logits.data_ptr()))
+    ours = token_cross_entropy(logits, targets, consume_logits=True)
+    got_grad, = torch.autograd.grad(ours.sum(), weight, retain_graph=True)
+    assert torch.allclose(ours, ref, atol=1e-5) and torch.allclose(got_grad, want_grad, atol=1e-5)
+    assert seen == [True], "the gradient reuses the logits' memory"
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(ours.sum(), weight)
