@@ -9,12 +9,13 @@ correlate positively.
 from .benchmark import INHERIT, RANDOM, MethodSpec, Row, evaluate, format_table, unsupported
 from .groundtruth import GroundTruth, StaleGroundTruth, build_lds_ground_truth, build_loo_ground_truth, subset_masks
 from .metrics import LDSResult, QueryMetric, lds, loo_correlation, pearson, recall_at_k, summarize
-from .tasks import TASKS, DigitsTask, Task, TinyLMTask, get_task
+from .tasks import TASKS, DigitsMLPTask, DigitsTask, Task, TinyLMTask, get_task
 
 __all__ = [
     "INHERIT",
     "RANDOM",
     "TASKS",
+    "DigitsMLPTask",
     "DigitsTask",
     "GroundTruth",
     "LDSResult",

@@ -6,16 +6,17 @@ from typing import Any
 
 from .base import Task, tensor_digest
 from .digits import DigitsConfig, DigitsMLP, DigitsTask
+from .digits_mlp import DigitsMLPConfig, DigitsMLPTask, DigitsReLUMLP
 from .tinylm import TinyLMConfig, TinyLMTask
 
-__all__ = ["TASKS", "DigitsConfig", "DigitsMLP", "DigitsTask", "Task", "TinyLMConfig", "TinyLMTask", "get_task",
-           "tensor_digest"]
+__all__ = ["TASKS", "DigitsConfig", "DigitsMLP", "DigitsMLPConfig", "DigitsMLPTask", "DigitsReLUMLP", "DigitsTask",
+           "Task", "TinyLMConfig", "TinyLMTask", "get_task", "tensor_digest"]
 
-TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "tinylm": TinyLMTask}
+TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "digits_mlp": DigitsMLPTask, "tinylm": TinyLMTask}
 
 
 def get_task(name: str, **overrides: Any) -> Task:
-    """A task by name (``"digits"``, ``"tinylm"``), with settings overridden by keyword."""
+    """A task by name (``"digits"``, ``"digits_mlp"``, ``"tinylm"``), with settings overridden by keyword."""
     try:
         cls = TASKS[name]
     except KeyError:

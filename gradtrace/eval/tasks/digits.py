@@ -12,7 +12,7 @@ the query outcome) is the per-example cross-entropy, without the penalty.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +55,10 @@ class DigitsTask(Task):
 
     name = "digits"
     version = 1
+    settings_class: ClassVar[type] = DigitsConfig  # the default settings (a subclass with another recipe swaps it)
 
-    def __init__(self, settings: DigitsConfig | None = None, **overrides: Any) -> None:
-        super().__init__(replace(settings or DigitsConfig(), **overrides))
+    def __init__(self, settings: Any = None, **overrides: Any) -> None:
+        super().__init__(replace(settings or self.settings_class(), **overrides))
         from sklearn.datasets import load_digits
 
         cfg = self.settings

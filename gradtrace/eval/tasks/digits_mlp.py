@@ -1,0 +1,103 @@
+"""``digits_mlp``: a two-hidden-layer ReLU MLP trained to near convergence on scikit-learn's digits.
+
+The literature-style companion of ``digits`` (the setups of MLP-on-MNIST LDS benchmarks): the same images,
+split and standardisation (:class:`~gradtrace.eval.tasks.digits.DigitsTask`), but a deeper, wider model,
+``64 -> width (ReLU) -> width (ReLU) -> 10``, trained with mini-batch Adam for enough epochs that the training loss
+is close to zero, and only a small L2 penalty ``(weight_decay / 2) |theta|^2`` on the mean cross-entropy of
+each batch (its gradient added by Adam's coupled ``weight_decay``). The seed sets the initialisation and the
+order of the mini-batches (one permutation of the subset per epoch), so a training run is a deterministic
+function of (subset, seed). The attributed loss (and the query outcome) is the per-example cross-entropy,
+without the penalty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .digits import DigitsTask
+
+__all__ = ["DigitsMLPConfig", "DigitsMLPTask", "DigitsReLUMLP"]
+
+
+@dataclass(frozen=True)
+class DigitsMLPConfig:
+    """Settings of the digits_mlp task."""
+
+    num_train: int = 1000  # training images (the first of the same fixed shuffle as ``digits``)
+    num_queries: int = 100  # query images, held out (the next ones)
+    width: int = 64  # width of each ReLU hidden layer
+    depth: int = 2  # number of hidden layers
+    epochs: int = 100  # passes over the training subset
+    batch_size: int = 32  # images per Adam step
+    lr: float = 1e-3  # Adam learning rate
+    weight_decay: float = 1e-4  # L2 penalty (weight_decay / 2) |theta|^2 added to each batch's mean loss
+    split_seed: int = 0  # the shuffle that splits train / queries / test
+    seed: int = 0  # training seed of the model trained on all the training images
+
+
+class DigitsReLUMLP(nn.Module):
+    """``64 -> width (ReLU) -> ... -> 10`` with ``depth`` hidden layers; ``forward(inputs [B, 64]) -> [B, 10]``."""
+
+    def __init__(self, width: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        dims = [64] + [width] * depth
+        self.hidden = nn.ModuleList(nn.Linear(d_in, d_out) for d_in, d_out in pairwise(dims))
+        self.out = nn.Linear(width, 10)
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        acts = inputs
+        for layer in self.hidden:
+            acts = torch.relu(layer(acts))
+        return self.out(acts)
+
+
+class DigitsMLPTask(DigitsTask):
+    """The digits_mlp task (see the module docstring); ``DigitsMLPTask(epochs=50, ...)`` overrides settings."""
+
+    name = "digits_mlp"
+    version = 1
+    settings_class = DigitsMLPConfig
+
+    @torch.enable_grad()
+    def train(self, indices: Tensor, seed: int) -> DigitsReLUMLP:
+        cfg = self.settings
+        indices = torch.as_tensor(indices, dtype=torch.long)
+        if indices.numel() == 0:
+            raise ValueError("cannot train on an empty subset")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = DigitsReLUMLP(cfg.width, cfg.depth)
+        generator = torch.Generator().manual_seed(seed)
+        # Adam's (coupled) weight_decay adds weight_decay * theta to the gradient: the L2 penalty's gradient.
+        # fused: one kernel per step (same update; 1.6x faster training of this small model on CPU)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+        model.train()
+        for _ in range(cfg.epochs):
+            order = indices[torch.randperm(indices.numel(), generator=generator)]
+            for start in range(0, order.numel(), cfg.batch_size):
+                rows = order[start:start + cfg.batch_size]
+                loss = F.cross_entropy(model(self.x_train[rows]), self.y_train[rows])
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+        return model.eval()
+
+    @torch.no_grad()
+    def train_loss(self, model: nn.Module | None = None) -> float:
+        """Mean cross-entropy over all the training images (how close to convergence the model is)."""
+        model = model if model is not None else self.model
+        return float(F.cross_entropy(model(self.x_train), self.y_train))
+
+    def describe(self) -> str:
+        cfg = self.settings
+        dims = "-".join(["64"] + [str(cfg.width)] * cfg.depth + ["10"])
+        return (f"digits_mlp: MLP {dims} (ReLU) on {self.num_train} sklearn 8x8 digit images, {self.num_queries} "
+                f"held-out queries; Adam lr {cfg.lr}, {cfg.epochs} epochs of batches of {cfg.batch_size}, "
+                f"L2 {cfg.weight_decay}")
