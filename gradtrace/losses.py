@@ -13,13 +13,33 @@ __all__ = ["causal_lm_loss", "classification_loss", "regression_loss", "lm_label
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 
 
+# autograd nodes that keep neither their output nor a view of it for their own backward: logits made by one of
+# these (seen through views) can be overwritten by their gradient without breaking the rest of the backward pass
+_KEEPS_NO_OUTPUT = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "ToCopyBackward0", "MulBackward0",
+                              "DivBackward0", "AddBackward0", "SubBackward0"})
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "SliceBackward0",
+                    "TBackward0", "TransposeBackward0", "PermuteBackward0"})
+
+
+def _overwritable(logits: Tensor) -> bool:
+    """Whether ``logits`` (float32, contiguous) come from an op whose backward does not read them."""
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        return False
+    node = logits.grad_fn
+    while node is not None and node.name() in _VIEWS:
+        node = node.next_functions[0][0]
+    return node is not None and node.name() in _KEEPS_NO_OUTPUT
+
+
 class _TokenCrossEntropy(torch.autograd.Function):
     """Cross-entropy per row of ``[N, V]`` logits, computed in row chunks that stay in cache.
 
     Forward reads the logits once (a log-sum-exp per row); backward writes ``softmax - onehot`` once.
     ``F.cross_entropy`` instead materializes ``log_softmax`` (an extra ``[N, V]`` write and read each way),
     which for a large vocabulary costs as much as the model's smaller layers. With ``consume``, backward writes
-    the gradient into the logits' own memory (float32 contiguous logits only) instead of a new ``[N, V]`` buffer.
+    the gradient into the logits' own memory instead of a new ``[N, V]`` buffer -- when :func:`_overwritable`
+    says no other backward step reads the logits (float32 output of a matrix product, as a language model's head
+    makes them); otherwise it quietly uses a new buffer (same result).
     """
 
     @staticmethod
@@ -32,7 +52,7 @@ class _TokenCrossEntropy(torch.autograd.Function):
         picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
         ctx.save_for_backward(logits, lse, safe, valid)
         ctx.chunk = chunk
-        ctx.consume = consume and logits.dtype == torch.float32 and logits.is_contiguous()
+        ctx.consume = consume and _overwritable(logits)
         return torch.where(valid, lse - picked, torch.zeros_like(lse))
 
     @staticmethod
@@ -57,9 +77,10 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -10
     Equal to ``F.cross_entropy(..., reduction="none")`` with half its memory traffic (see
     :class:`_TokenCrossEntropy`); accumulates in float32.
 
-    ``consume_logits=True`` lets the backward pass overwrite the logits with their gradient (float32 logits):
-    one ``[N, V]`` buffer less, and its first-touch page faults. Only for logits nobody reads after the backward
-    pass, in a graph differentiated once (a second backward through it raises autograd's in-place error).
+    ``consume_logits=True`` lets the backward pass overwrite the logits with their gradient (float32 logits made
+    by a matrix product; others get a new buffer): one ``[N, V]`` buffer less, and its first-touch page faults.
+    Only for logits nobody reads after the backward pass, in a graph differentiated once (a second backward
+    through it raises autograd's in-place error).
     """
     chunk = max(1, (1 << 21) // max(1, logits.shape[1]))
     return _TokenCrossEntropy.apply(logits, targets, ignore_index, chunk, consume_logits)

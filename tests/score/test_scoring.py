@@ -215,3 +215,23 @@ def test_token_cross_entropy_consuming_the_logits():
     assert seen == [True], "the gradient reuses the logits' memory"
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         torch.autograd.grad(ours.sum(), weight)
+
+
+def test_token_cross_entropy_keeps_logits_another_backward_step_reads():
+    """consume_logits=True never overwrites logits that their producer's backward reads (tanh keeps its output):
+    those get a new buffer; soft-capped logits (tanh, then a product) are consumed. Gradients exact either way."""
+    import torch.nn.functional as F
+
+    from gradtrace.losses import token_cross_entropy
+
+    weight = torch.randn(64, 300, requires_grad=True)
+    hidden = torch.randn(11, 64)
+    targets = torch.randint(0, 300, (11,))
+    for make in (lambda: (hidden @ weight).tanh(), lambda: (hidden @ weight).tanh() * 3):
+        want, = torch.autograd.grad(F.cross_entropy(make(), targets, reduction="none").sum(), weight)
+        logits = make()
+        before = logits.detach().clone()
+        got, = torch.autograd.grad(token_cross_entropy(logits, targets, consume_logits=True).sum(), weight)
+        assert torch.allclose(got, want, atol=1e-5)
+        overwritten = not torch.equal(logits.detach(), before)
+        assert overwritten == (logits.grad_fn.name() == "MulBackward0")
