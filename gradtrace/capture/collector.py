@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..grad.batch import GradBatch, LossConvention, ParamGrad
-from ..grad.projection import LoGra, Projector
+from ..grad.projection import LoGra, Projector, unmatched_ranks
 from .assemble import SiteResult, join_terms, nonfinite_examples, term_tensors
 from .context import BatchInfo, ContextSettings, ForwardContext
 from .layers import LayerHandler
@@ -167,6 +167,12 @@ class Capture:
 
         self.selection = select_layers(model, layers, exclude, include_frozen)
         self.handlers: list[LayerHandler] = self.selection.handlers
+        if projection is not None and projection.ranks:
+            names = [n for h in self.handlers for n in h.params.values()]
+            unmatched = unmatched_ranks(projection, names)
+            if unmatched:
+                raise ValueError(f"LoGra ranks= globs {unmatched} match no captured parameter (captured: "
+                                 f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
         self.batches: list[GradBatch] = []
         self.num_backward = 0
         self._ids = iter(ids) if ids is not None else None

@@ -152,6 +152,7 @@ def projection_label(spec: dict | None) -> str:
     if not spec:
         return "none (exact gradients)"
     if spec.get("kind") == "logra":
-        return (f"LoGra rank {spec.get('rank_rows')}x{spec.get('rank_cols')} (vectors {spec.get('vector_rank')}), "
-                f"seed {spec.get('seed')}")
+        overrides = "".join(f", {glob} {rows}x{cols}" for glob, rows, cols in spec.get("ranks", ()))
+        return (f"LoGra rank {spec.get('rank_rows')}x{spec.get('rank_cols')} (vectors {spec.get('vector_rank')}"
+                f"{overrides}), seed {spec.get('seed')}")
     return json.dumps(spec)

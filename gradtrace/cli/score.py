@@ -291,7 +291,8 @@ def projection_from_spec(spec: dict[str, Any] | None, root: Path) -> Any:
                        "LoGra projections only (compute the query gradients in Python with the same projection)")
     try:
         projection = LoGra(rank=int(spec["rank_rows"]), seed=int(spec["seed"]), rank_rows=int(spec["rank_rows"]),
-                           rank_cols=int(spec["rank_cols"]), vector_rank=int(spec["vector_rank"]))
+                           rank_cols=int(spec["rank_cols"]), vector_rank=int(spec["vector_rank"]),
+                           ranks=tuple(tuple(r) for r in spec.get("ranks", ())))
     except (KeyError, TypeError, ValueError) as err:
         raise CliError(f"store {root} records an incomplete LoGra projection ({err!r})") from None
     if projection.to_dict() != spec:

@@ -17,6 +17,7 @@ import contextlib
 import hashlib
 import math
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ class LoGra:
 
     rank: projected size of each factor of a matrix parameter (so ``rank**2`` per matrix) and of
         vector parameters; ``rank_rows`` / ``rank_cols`` / ``vector_rank`` override it per axis.
+    ranks: per-parameter ranks of matrix parameters, ``{name glob: rank | (rows, cols)}`` (the first matching
+        glob wins; e.g. ``{"*wte.weight": (512, 32)}`` keeps a 512-token vocabulary axis whole). Every glob must
+        match a captured parameter. Vector parameters keep ``vector_rank``.
     seed: projection seed; stores and queries must use the same seed to be comparable.
     keep_tokens: keep the per-token projected factors (needed for token-level attribution)
         instead of summing each example over its tokens right away.
@@ -51,12 +55,14 @@ class LoGra:
     keep_tokens: bool = False
     init: str = "random"
     basis: Any = field(default=None, compare=False, repr=False)
+    ranks: Any = ()
 
     def __post_init__(self) -> None:
         for name in ("rank", "rank_rows", "rank_cols", "vector_rank"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"LoGra.{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "ranks", _normalize_ranks(self.ranks))
         if self.init not in ("random", "pca"):
             raise ValueError(f"LoGra.init must be 'random' or 'pca', got {self.init!r}")
         if self.init == "pca":
@@ -69,13 +75,22 @@ class LoGra:
 
     @classmethod
     def pca(cls, model: Any, data: Any, loss_fn: Any = None, *, rank: int = 16, fisher: str = "empirical",
-            layers: Any = None, exclude: Any = None, **options: Any) -> LoGra:
+            layers: Any = None, exclude: Any = None, ranks: Any = (), **options: Any) -> LoGra:
         """Fit K-FAC factors on exact gradients of ``data`` and return a PCA-initialised LoGra spec."""
         from ..curvature import fit_curvature
 
         basis = fit_curvature(model, data, loss_fn, kind="kfac", fisher=fisher, layers=layers, exclude=exclude,
                               join_bias=False, **options)
-        return cls(rank=rank, init="pca", basis=basis, **{k: v for k, v in options.items() if k == "seed"})
+        return cls(rank=rank, init="pca", basis=basis, ranks=ranks,
+                   **{k: v for k, v in options.items() if k == "seed"})
+
+    def k_for(self, param: str, axis: str) -> int:
+        """Projected size of axis ``axis`` (``"rows"``, ``"cols"``, ``"vector"``) of parameter ``param``."""
+        if axis != "vector":
+            for pattern, rows, cols in self.ranks:
+                if fnmatchcase(param, pattern):
+                    return rows if axis == "rows" else cols
+        return {"rows": self.k_rows, "cols": self.k_cols, "vector": self.k_vector}[axis]
 
     @property
     def k_rows(self) -> int:
@@ -95,15 +110,38 @@ class LoGra:
         if spec.get("kind") != "logra" or spec.get("scheme") != _SCHEME:
             raise ValueError(f"not a LoGra spec of this gradtrace version: {spec}")
         return cls(rank=spec["rank_rows"], rank_cols=spec["rank_cols"], vector_rank=spec["vector_rank"],
-                   seed=spec["seed"])
+                   seed=spec["seed"], ranks=tuple(tuple(r) for r in spec.get("ranks", ())))
 
     def to_dict(self) -> dict:
         """The spec as stored in manifests: everything that determines the projected numbers."""
         out = {"kind": "logra", "scheme": _SCHEME, "distribution": "gaussian", "seed": self.seed,
                "rank_rows": self.k_rows, "rank_cols": self.k_cols, "vector_rank": self.k_vector}
+        if self.ranks:  # absent when unused, so specs without overrides stay as they were
+            out["ranks"] = [list(r) for r in self.ranks]
         if self.init == "pca":
             out.update(distribution="pca", init="pca", basis=basis_fingerprint(self.basis))
         return out
+
+
+def _normalize_ranks(ranks: Any) -> tuple[tuple[str, int, int], ...]:
+    """``{glob: rank | (rows, cols)}`` or ``[(glob, rows, cols), ...]`` -> a tuple of ``(glob, rows, cols)``."""
+    items = ranks.items() if isinstance(ranks, dict) else [(r[0], tuple(r[1:])) for r in (ranks or ())]
+    out = []
+    for pattern, value in items:
+        pair = (value, value) if isinstance(value, int) else tuple(value)
+        if len(pair) == 1:
+            pair = (pair[0], pair[0])
+        if not isinstance(pattern, str) or len(pair) != 2 or not all(isinstance(v, int) and v >= 1 for v in pair):
+            raise ValueError(f"LoGra.ranks entries are {{name glob: rank or (rows, cols)}} with positive integer "
+                             f"ranks, got {pattern!r}: {value!r}")
+        out.append((pattern, int(pair[0]), int(pair[1])))
+    return tuple(out)
+
+
+def unmatched_ranks(spec: LoGra, names: Any) -> list[str]:
+    """The globs of ``spec.ranks`` that match none of the parameter ``names``."""
+    names = list(names)
+    return [pattern for pattern, _, _ in spec.ranks if not any(fnmatchcase(n, pattern) for n in names)]
 
 
 def basis_fingerprint(basis: Any) -> str:
@@ -169,8 +207,8 @@ class Projector:
         self.spec = spec
         self._cache: dict[tuple, Tensor] = {}
 
-    def k(self, axis: str) -> int:
-        return {"rows": self.spec.k_rows, "cols": self.spec.k_cols, "vector": self.spec.k_vector}[axis]
+    def k(self, param: str, axis: str) -> int:
+        return self.spec.k_for(param, axis)
 
     def matrix(self, param: str, axis: str, n: int, device: torch.device | str = "cpu") -> Tensor:
         """The ``[k, n]`` matrix projecting axis ``axis`` ("rows", "cols" or "vector") of ``param``."""
@@ -178,7 +216,7 @@ class Projector:
         key = (param, axis, n, device)
         mat = self._cache.get(key)
         if mat is None:
-            k = self.k(axis)
+            k = self.k(param, axis)
             if self.spec.init == "pca":
                 mat = pca_matrix(self.spec.basis, param, axis, n, k).to(device)
             else:

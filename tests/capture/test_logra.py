@@ -52,6 +52,35 @@ def test_logra_equals_kronecker_projection_of_exact_gradient(make):
         proj.per_example_grads()
 
 
+def test_per_parameter_ranks():
+    """LoGra(ranks={glob: (rows, cols)}): the matched matrix parameters get their own projected sizes, still equal
+    to the Kronecker projection of the exact gradient; the spec round-trips; a glob matching nothing is refused."""
+    model = tiny.gpt2(tied=True)
+    _, ids, mask, labels, pos = _lm_batch([5, 8, 3])
+    spec = gradtrace.LoGra(rank=3, seed=2, ranks={"*wte.weight": (40, 6), "*c_fc.weight": 2})
+
+    def run():
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
+
+    exact, proj = _exact_and_projected(model, spec, run)
+    projector = Projector(spec)
+    sizes = {}
+    for name, full in exact.per_example_grads().items():
+        want = _kron_project(projector, name, full)
+        got = proj.params[name].flat()
+        sizes[name] = got.shape[1]
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())), name
+    assert sizes["transformer.wte.weight"] == 40 * 6
+    assert all(size == 4 for name, size in sizes.items() if name.endswith("c_fc.weight"))
+    assert sizes["transformer.h.0.attn.c_attn.weight"] == 9 and sizes["transformer.h.0.ln_1.weight"] == 3
+    assert gradtrace.LoGra.from_dict(spec.to_dict()).to_dict() == spec.to_dict()
+    assert "ranks" not in gradtrace.LoGra(rank=3).to_dict(), "specs without overrides are unchanged"
+    with pytest.raises(ValueError, match=r"\['\*lm_head\.bias'\] match no captured parameter"):
+        gradtrace.capture(model, projection=gradtrace.LoGra(rank=3, ranks={"*lm_head.bias": 4}))
+    with pytest.raises(ValueError, match="positive integer ranks"):
+        gradtrace.LoGra(rank=3, ranks={"*wte*": (0, 3)})
+
+
 def test_logra_conv_and_keep_tokens():
     model = tiny.ConvNet()
     x, y = torch.randn(4, 2, 8, 8), torch.randint(0, 3, (4,))
