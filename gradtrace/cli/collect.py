@@ -75,7 +75,8 @@ def run(opts: CollectOptions) -> None:
         batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
     phases.note("tokenize", f"{sum(map(len, tokens)):,} tokens" + (f", {truncated} truncated" if truncated else ""))
     proj = opts.projection_options
-    projection = gradtrace.LoGra(rank=proj.rank, seed=proj.seed) if proj.projection == "logra" else None
+    projection = (gradtrace.LoGra(rank=proj.rank, seed=proj.seed, ranks=proj.logra_ranks())
+                  if proj.projection == "logra" else None)
     if already:
         _check_resume(store_opts, projection, model)
     final = replace(opts, model=opts.model.absolute(), data=opts.data.absolute(),

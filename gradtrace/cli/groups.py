@@ -47,3 +47,20 @@ class ProjectionOptions(Group):
     rank: int = field(default=16, metadata=cli(
         "LoGra rank per factor (a matrix parameter stores rank x rank numbers).", min=1))
     seed: int = field(default=0, metadata=cli("LoGra projection seed (queries are projected with the store's seed)."))
+    ranks: str = field(default="", metadata=cli(
+        "Per-parameter LoGra ranks, comma-separated GLOB=ROWSxCOLS or GLOB=RANK (e.g. '*wte.weight=512x32': keep "
+        "an embedding's vocabulary axis).", metavar="SPEC"))
+
+    def logra_ranks(self) -> dict[str, tuple[int, int]]:
+        """``--ranks`` parsed into ``LoGra(ranks=...)``'s form."""
+        out: dict[str, tuple[int, int]] = {}
+        for part in filter(None, (p.strip() for p in self.ranks.split(","))):
+            glob, sep, size = part.rpartition("=")
+            rows, _, cols = size.partition("x")
+            try:
+                if not sep or not glob:
+                    raise ValueError
+                out[glob] = (int(rows), int(cols or rows))
+            except ValueError:
+                raise ValueError(f"--ranks: expected GLOB=ROWSxCOLS or GLOB=RANK, got {part!r}") from None
+        return out

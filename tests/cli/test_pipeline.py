@@ -189,3 +189,21 @@ def test_truncate(ws, runner, fresh):
 def test_progress_bar_and_profile(ws, runner, fresh):
     out = invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "s", "--rank", 2).output
     assert "collect" in out and "batch/s" in out and "Where the time went" in out and "examples/s" in out
+
+
+def test_per_parameter_ranks_collect_and_score(ws, runner, fresh):
+    """--ranks GLOB=ROWSxCOLS reaches the store's projection spec; score rebuilds it for the queries."""
+    invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "s", "--rank", 2, "--ranks", "*wte.weight=320x3",
+           "--no-progress")
+    records = [json.loads(line) for line in ws.train.read_text().splitlines()]
+    batches = _api_batches(ws, [r["text"] for r in records], [r["id"] for r in records], 3)
+    logra = gradtrace.LoGra(rank=2, seed=0, ranks={"*wte.weight": (320, 3)})
+    expected = gradtrace.collect(_model(ws.model), batches, projection=logra)
+    stored = gradtrace.GradientStore.open(fresh / "s")
+    assert stored.spec.projection == logra.to_dict() and dict(stored.spec.params)["transformer.wte.weight"] == 960
+    torch.testing.assert_close(stored.read(0, len(stored)), expected.vectors, rtol=1e-4, atol=1e-6)
+    invoke(runner, "score", fresh / "s", ws.queries, "--out", fresh / "sc", "--no-progress")
+    assert len(gradtrace.Scores.load(fresh / "sc").query_ids) == 3
+    message = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "t", "--ranks", "*wte=big",
+                                "--no-progress", code=2))
+    assert "--ranks: expected GLOB=ROWSxCOLS or GLOB=RANK, got '*wte=big'" in message
