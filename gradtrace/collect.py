@@ -64,7 +64,8 @@ def _to_device(batch: Any, device: torch.device | None) -> Any:
     return batch
 
 
-def _context_limit(model: nn.Module) -> int | None:
+def context_limit(model: nn.Module) -> int | None:
+    """The model's context length from its config (None when it does not say)."""
     config = getattr(model, "config", None)
     for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         value = getattr(config, name, None)
@@ -143,7 +144,7 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
         model.eval()
     id_list = list(ids) if ids is not None else None
     consumed = seen = 0
-    limit = _context_limit(model)
+    limit = context_limit(model)
     cap.track_outputs = not weight_grads
     saved_grads = {n: p.grad for n, p in model.named_parameters()} if weight_grads else None
     bar = _progress(data, progress, total, what)

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..collect import context_limit
 from .errors import CliError
 
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]
@@ -103,16 +104,6 @@ def resolve_device(device: str) -> str:
     if parsed.type == "cuda" and not torch.cuda.is_available():
         raise CliError(f"--device {device}: CUDA is not available on this machine")
     return device
-
-
-def context_limit(model: torch.nn.Module) -> int | None:
-    """The model's context length from its config (None when it does not say)."""
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def resolve_max_length(requested: int | None, model: torch.nn.Module) -> int | None:

@@ -110,6 +110,18 @@ class Attributor:
             return [as_source(q) for q in queries]
         return [as_source(queries)]
 
+    def _keep_matrix(self, num_queries: int, num_train: int, topk: int | None, matrix: bool | str) -> bool:
+        """Whether to keep the full ``[Q, N]`` matrix (``matrix="auto"``: when it fits ``matrix_bytes``); refuses
+        empty inputs and a request that would keep nothing."""
+        if num_train == 0:
+            raise ValueError("the training gradients are empty")
+        if num_queries == 0:
+            raise ValueError("no query gradients")
+        keep = (num_queries * num_train * 4 <= self.matrix_bytes) if matrix == "auto" else bool(matrix)
+        if not keep and not topk:
+            raise ValueError("neither the matrix nor a top-k would be kept: pass topk=k or matrix=True")
+        return keep
+
     def score(self, queries: Any, *, topk: int | None = 100, matrix: bool | str = "auto",
               progress: bool = False) -> Scores:
         """Score every query against every training example.
@@ -135,13 +147,7 @@ class Attributor:
             prepared.append(self.method.prepare_queries(q.read(0, len(q), self.device).to(torch.float32), c))
         self.profile["prepare_queries_s"] = time.perf_counter() - start
         num_q, num_train = len(query_sets[0]), len(self.train[0])
-        if num_train == 0:
-            raise ValueError("the training gradients are empty")
-        if num_q == 0:
-            raise ValueError("no query gradients")
-        keep_matrix = (num_q * num_train * 4 <= self.matrix_bytes) if matrix == "auto" else bool(matrix)
-        if not keep_matrix and not topk:
-            raise ValueError("neither the matrix nor a top-k would be kept: pass topk=k or matrix=True")
+        keep_matrix = self._keep_matrix(num_q, num_train, topk, matrix)
         full = torch.empty(num_q, num_train, dtype=torch.float32, device=self.device) if keep_matrix else None
         top = bottom = None
         blocks = range(0, num_train, self.block_rows)

@@ -187,13 +187,7 @@ def score_sharded(attributor: Attributor, queries: Any, *, topk: int | None = 10
         method.check_ready()
         query_sets = attributor._query_sets(queries)
         num_q, num_rows = len(query_sets[0]), len(train[0])
-        if num_rows == 0:
-            raise ValueError("the training gradients are empty")
-        if num_q == 0:
-            raise ValueError("no query gradients")
-        keep_matrix = (num_q * num_rows * 4 <= attributor.matrix_bytes) if matrix == "auto" else bool(matrix)
-        if not keep_matrix and not topk:
-            raise ValueError("neither the matrix nor a top-k would be kept: pass topk=k or matrix=True")
+        keep_matrix = attributor._keep_matrix(num_q, num_rows, topk, matrix)
         ranges = rank_rows(train[0], world, split)
         inputs = {
             "method": method.name, "options": repr(method.options()), "topk": topk, "matrix": keep_matrix,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from ..store.layout import atomic_write_json
+from .cycle import Cycle
 
 __all__ = ["SAMAReweighting", "adam_update_jacobian"]
 
@@ -98,7 +100,7 @@ class SAMAReweighting:
         self.model = model
         self.optimizer = optimizer
         self.meta_data = meta_data
-        self._meta_iter = None
+        self._meta = Cycle(meta_data, "meta batches")
         self.loss_fn = loss_fn
         self.alpha = alpha
         self.interval = interval
@@ -177,13 +179,8 @@ class SAMAReweighting:
         """Write the weights and :meth:`state_dict` to a JSON file (atomically); returns its path."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"format": "gradtrace-sama", "version": 1, "weights": self.weights, "state": self.state_dict()}
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic_write_json(path, {"format": "gradtrace-sama", "version": 1, "weights": self.weights,
+                                 "state": self.state_dict()})
         return path
 
     @staticmethod
@@ -221,15 +218,7 @@ class SAMAReweighting:
 
     # -- the meta step -------------------------------------------------------------------------------
     def _meta_batch(self) -> Any:
-        if self._meta_iter is None:
-            self._meta_iter = iter(self.meta_data)
-        batch = next(self._meta_iter, None)
-        if batch is None:
-            self._meta_iter = iter(self.meta_data)
-            batch = next(self._meta_iter, None)
-            if batch is None:
-                raise ValueError("the meta batches ran out and cannot be re-iterated: pass a list or a DataLoader")
-        return self._strip(batch)
+        return self._strip(self._meta.next())
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         remembered, self._remembered = self._remembered, []

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ..grad.batch import GradBatch
 from ..grad.ops import check_compatible, concat, dense_inner, sq_norms, weighted_sum
+from .cycle import Cycle
 
 __all__ = ["OnlineSelection", "SelectionRecord"]
 
@@ -84,7 +85,7 @@ class OnlineSelection:
         self.target = target
         self.rule = rule
         self.validation = validation
-        self._val_iter = None
+        self._validation = Cycle(validation if validation is not None else (), "validation batches")
         self.loss_fn = loss_fn
         self.renormalize = renormalize
         self.normalize = normalize
@@ -217,15 +218,7 @@ class OnlineSelection:
         from ..collect import _to_device
         from ..losses import default_loss
 
-        if self._val_iter is None:
-            self._val_iter = iter(self.validation)
-        batch = next(self._val_iter, None)
-        if batch is None:  # exhausted: start over (a one-shot iterator cannot)
-            self._val_iter = iter(self.validation)
-            batch = next(self._val_iter, None)
-            if batch is None:
-                raise ValueError("the validation batches ran out and cannot be re-iterated: pass a list or a "
-                                 "DataLoader")
+        batch = self._validation.next()
         model = self.capture.model
         device = next(model.parameters()).device
         batch = _to_device(batch, device)
