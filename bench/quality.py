@@ -2,9 +2,11 @@
 
 Tasks (``gradtrace.eval.tasks``):
 
-* ``digits`` -- an MLP 64-32(tanh)-10 on 1,000 scikit-learn 8x8 digit images, 100 held-out query images;
-* ``digits_mlp`` -- the same images and queries, an MLP 64-64-64-10 (ReLU) trained to near convergence with
-  mini-batch Adam (100 epochs, L2 1e-4), the literature's MLP-on-MNIST setup at digits scale;
+* ``digits`` -- an MLP 64-32(tanh)-10 on 1,000 scikit-learn 8x8 digit images (each pixel standardised), 100
+  held-out query images;
+* ``digits_mlp`` -- the same images (pixels scaled to [0, 1]) and queries, an MLP 64-64-64-10 (ReLU) trained to
+  near convergence with mini-batch Adam (100 epochs, L2 1e-4), the literature's MLP-on-MNIST setup at digits
+  scale;
 * ``tinylm`` -- a one-layer GPT-2 (width 64) on 200 Shakespeare documents of 20 words, 20 held-out documents.
 
 For each task the LDS ground truth (random half-size subsets, one retraining each, outcome = -query loss)

@@ -130,7 +130,9 @@ class _Gradients:
 
     def get(self, projection: LoGra | None) -> tuple[Any, Any, float]:
         for known, train, queries, seconds in self.held:
-            if known is projection or (known is not None and projection is not None and known == projection):
+            # to_dict(): LoGra's equality ignores a PCA basis, its spec carries the basis's fingerprint
+            if known is projection or (known is not None and projection is not None
+                                       and known.to_dict() == projection.to_dict()):
                 return train, queries, seconds
         task, model = self.task, self.task.model
         began = time.perf_counter()

@@ -88,3 +88,17 @@ def test_evaluate_runs_on_tinylm():
     assert [row.method for row in rows] == ["grad_dot", "random"]
     assert rows[0].lds.per_query.shape == (3,)
     assert rows[0].dim == sum(p.numel() for p in task.model.parameters())  # exact gradients of every parameter
+
+
+def test_pca_projections_with_different_bases_get_their_own_gradients(digits_task, digits_ground_truth):
+    """LoGra's equality ignores a PCA basis: the harness must not reuse one basis's gradients for another."""
+    task = digits_task
+    batches = task.train_batches(250)
+    first = gradtrace.LoGra.pca(task.model, batches, task.loss_fn, rank=4)
+    second = gradtrace.LoGra.pca(task.model, batches[:1], task.loss_fn, rank=4)  # another basis
+    assert first == second and first.to_dict() != second.to_dict()
+    rows = evaluate(task, [MethodSpec("grad_dot", projection=p, label=str(i)) for i, p in enumerate((first, second))]
+                    + [MethodSpec("grad_dot", projection=first, label="again")], digits_ground_truth)
+    want = [evaluate(task, ["grad_dot"], digits_ground_truth, projection=p)[0].lds_mean for p in (first, second)]
+    assert [r.lds_mean for r in rows] == pytest.approx([want[0], want[1], want[0]])
+    assert rows[0].lds_mean != rows[1].lds_mean

@@ -1,5 +1,6 @@
 """Tasks train deterministically, reach their accuracy, and describe themselves for cache fingerprints."""
 
+import pytest
 import torch
 
 from gradtrace.eval import DigitsTask, TinyLMTask
@@ -35,6 +36,26 @@ def test_digits_batches_outcome_and_config(digits_task):
     assert task.config == DigitsTask().config
     assert task.config != DigitsTask(steps=299).config
     assert task.config["data"] != DigitsTask(split_seed=1).config["data"]
+
+
+def test_digits_pixel_scalings(digits_task):
+    from sklearn.datasets import load_digits
+
+    raw = torch.tensor(load_digits().data, dtype=torch.float32)
+    order = torch.randperm(len(raw), generator=torch.Generator().manual_seed(0))
+    train_raw = raw[order[:1000]]
+    standard = digits_task.x_train  # default: every pixel has the training set's zero mean and unit std
+    varying = train_raw.std(0) > 0
+    assert torch.allclose(standard.mean(0), torch.zeros(64), atol=1e-5)
+    assert torch.allclose(standard.std(0)[varying], torch.ones(int(varying.sum())), atol=1e-4)
+    unit = DigitsTask(pixels="unit")
+    assert torch.equal(unit.x_train, train_raw / 16) and torch.equal(unit.x_query, raw[order[1000:1100]] / 16)
+    glob = DigitsTask(pixels="global")  # one mean / std over all the training pixels
+    assert torch.allclose(glob.x_train, (train_raw / 16 - (train_raw / 16).mean()) / (train_raw / 16).std())
+    assert abs(float(glob.x_train.mean())) < 1e-5 and abs(float(glob.x_train.std()) - 1) < 1e-5
+    assert len({t.config["data"] for t in (digits_task, unit, glob)}) == 3
+    with pytest.raises(ValueError, match="unknown pixel scaling 'minmax'"):
+        DigitsTask(pixels="minmax")
 
 
 def test_tinylm_trains_deterministically():

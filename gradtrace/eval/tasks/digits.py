@@ -1,8 +1,11 @@
 """``digits``: an MLP classifying scikit-learn's 8x8 handwritten digits (1,797 images, no download).
 
 The images are shuffled once (``split_seed``); the first ``num_train`` are the training set, the next
-``num_queries`` the queries and the rest the test set for :meth:`DigitsTask.accuracy`. Pixels are
-standardised with the training set's mean and standard deviation. The model is ``64 -> hidden (tanh) ->
+``num_queries`` the queries and the rest the test set for :meth:`DigitsTask.accuracy`. Pixels (0..16) are
+scaled as ``settings.pixels`` says: ``"standardize"`` (this task's default) gives every pixel the training
+set's zero mean and unit standard deviation; ``"unit"`` divides by 16, to ``[0, 1]`` (what torchvision's
+``ToTensor`` does to 8-bit images); ``"global"`` is ``"unit"`` followed by one mean and standard deviation over
+all the training set's pixels (MNIST's usual ``Normalize((0.1307,), (0.3081,))``). The model is ``64 -> hidden (tanh) ->
 10``, trained full-batch with Adam for a fixed number of steps on the mean cross-entropy plus the L2
 penalty ``(weight_decay / 2) |theta|^2``; the seed sets the initialisation, and there is no other
 randomness, so a training run is a deterministic function of (subset, seed). The attributed loss (and
@@ -34,8 +37,27 @@ class DigitsConfig:
     steps: int = 300  # full-batch Adam steps
     lr: float = 0.02  # Adam learning rate
     weight_decay: float = 1e-3  # L2 penalty (weight_decay / 2) |theta|^2 added to the mean training loss
+    pixels: str = "standardize"  # pixel scaling: "standardize" (per pixel), "unit" ([0, 1]) or "global"
     split_seed: int = 0  # the shuffle that splits train / queries / test
     seed: int = 0  # training seed of the model trained on all the training images
+
+
+PIXEL_SCALINGS = ("standardize", "unit", "global")
+
+
+def scale_pixels(images: Tensor, train: Tensor, how: str) -> Tensor:
+    """``images [n, 64]`` (values 0..16) scaled as ``how`` says (see the module docstring), with statistics
+    from the rows ``train`` only."""
+    if how == "standardize":
+        mean, std = images[train].mean(0), images[train].std(0)
+        std = torch.where(std > 0, std, torch.ones_like(std))  # pixels that are always blank
+        return (images - mean) / std
+    if how == "unit":
+        return images / 16
+    if how == "global":
+        unit = images / 16
+        return (unit - unit[train].mean()) / unit[train].std()
+    raise ValueError(f"unknown pixel scaling {how!r}; choose one of {', '.join(PIXEL_SCALINGS)}")
 
 
 class DigitsMLP(nn.Module):
@@ -71,9 +93,7 @@ class DigitsTask(Task):
         order = torch.randperm(len(images), generator=torch.Generator().manual_seed(cfg.split_seed))
         train, queries = order[:cfg.num_train], order[cfg.num_train:cfg.num_train + cfg.num_queries]
         test = order[cfg.num_train + cfg.num_queries:]
-        mean, std = images[train].mean(0), images[train].std(0)
-        std = torch.where(std > 0, std, torch.ones_like(std))  # pixels that are always blank
-        images = (images - mean) / std
+        images = scale_pixels(images, train, cfg.pixels)
         self.x_train, self.y_train = images[train], labels[train]  # [N, 64], [N]
         self.x_query, self.y_query = images[queries], labels[queries]  # [Q, 64], [Q]
         self.x_test, self.y_test = images[test], labels[test]
@@ -134,4 +154,4 @@ class DigitsTask(Task):
         cfg = self.settings
         return (f"digits: MLP 64-{cfg.hidden}(tanh)-10 on {self.num_train} sklearn 8x8 digit images, "
                 f"{self.num_queries} held-out queries; full-batch Adam, {cfg.steps} steps, lr {cfg.lr}, "
-                f"L2 {cfg.weight_decay}")
+                f"L2 {cfg.weight_decay}, pixels {cfg.pixels}")

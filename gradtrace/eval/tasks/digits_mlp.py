@@ -1,7 +1,9 @@
 """``digits_mlp``: a two-hidden-layer ReLU MLP trained to near convergence on scikit-learn's digits.
 
-The literature-style companion of ``digits`` (the setups of MLP-on-MNIST LDS benchmarks): the same images,
-split and standardisation (:class:`~gradtrace.eval.tasks.digits.DigitsTask`), but a deeper, wider model,
+The literature-style companion of ``digits`` (the setups of MLP-on-MNIST LDS benchmarks): the same images and
+split (:class:`~gradtrace.eval.tasks.digits.DigitsTask`), but pixels scaled to ``[0, 1]`` as image pipelines
+do (``pixels="unit"``, torchvision's ``ToTensor``; ``digits`` standardises every pixel, which acts as a diagonal
+preconditioner of the first layer and flatters plain gradient similarity), a deeper, wider model,
 ``64 -> width (ReLU) -> width (ReLU) -> 10``, trained with mini-batch Adam for enough epochs that the training loss
 is close to zero, and only a small L2 penalty ``(weight_decay / 2) |theta|^2`` on the mean cross-entropy of
 each batch (its gradient added by Adam's coupled ``weight_decay``). The seed sets the initialisation and the
@@ -36,6 +38,7 @@ class DigitsMLPConfig:
     batch_size: int = 32  # images per Adam step
     lr: float = 1e-3  # Adam learning rate
     weight_decay: float = 1e-4  # L2 penalty (weight_decay / 2) |theta|^2 added to each batch's mean loss
+    pixels: str = "unit"  # pixel scaling: "unit" ([0, 1]), "global" or "standardize" (per pixel), see digits
     split_seed: int = 0  # the shuffle that splits train / queries / test
     seed: int = 0  # training seed of the model trained on all the training images
 
@@ -100,4 +103,4 @@ class DigitsMLPTask(DigitsTask):
         dims = "-".join(["64"] + [str(cfg.width)] * cfg.depth + ["10"])
         return (f"digits_mlp: MLP {dims} (ReLU) on {self.num_train} sklearn 8x8 digit images, {self.num_queries} "
                 f"held-out queries; Adam lr {cfg.lr}, {cfg.epochs} epochs of batches of {cfg.batch_size}, "
-                f"L2 {cfg.weight_decay}")
+                f"L2 {cfg.weight_decay}, pixels {cfg.pixels}")
