@@ -34,8 +34,9 @@ class CurvatureOptions(Group):
     method: Literal["kfac", "ekfac", "ggn", "logra"] = field(default="ekfac", metadata=cli(
         "kfac / ekfac: Kronecker-factored (EK-FAC corrects the eigenvalues with a second pass); ggn: dense per "
         "parameter (small models); logra: dense Fisher of the stored projected gradients (no model pass)."))
-    fisher: Literal["true", "empirical"] = field(default="true", metadata=cli(
-        "Labels of the Fisher: sampled from the model (true) or the observed ones (empirical)."))
+    fisher: Literal["auto", "true", "empirical"] = field(default="auto", metadata=cli(
+        "Labels of the Fisher: sampled from the model (true), the observed ones (empirical), or auto (the Python "
+        "API's default: true for language models; the saved curvature records the choice)."))
     samples: int = field(default=1, metadata=cli("Label samples per example for --fisher true.", min=1))
     seed: int = field(default=0, metadata=cli("Seed of the label sampling."))
     damping: float = field(default=0.1, metadata=cli(

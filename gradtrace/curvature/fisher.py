@@ -1,5 +1,10 @@
 """Which labels the Fisher is taken over: observed ("empirical"), sampled from the model ("true"), or every
 label weighted by its probability ("exact", classification only: equal to the Gauss-Newton matrix).
+``"auto"`` (:func:`resolve_fisher`) picks ``"exact"`` for gradtrace's classification and regression losses with
+at most :data:`EXACT_MAX_OUTPUTS` outputs, ``"true"`` for LMs and wider outputs and ``"empirical"`` for custom
+losses: one sampled label per output is a noisy
+estimate when an example has a single output (a sequence averages it over its tokens), and the exact
+expectation costs one pass per class.
 
 Each returns the per-example loss functions of the fitting passes; their gradients' second moments, summed
 over passes, estimate the chosen Fisher.
@@ -24,9 +29,10 @@ from ..losses import (
     token_cross_entropy,
 )
 
-__all__ = ["fisher_passes", "FISHERS", "num_classes_of"]
+__all__ = ["fisher_passes", "FISHERS", "EXACT_MAX_OUTPUTS", "num_classes_of", "resolve_fisher"]
 
 FISHERS = ("empirical", "true", "exact")
+EXACT_MAX_OUTPUTS = 32  # fisher="auto" enumerates labels (one fitting pass each) up to this many outputs
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
@@ -114,7 +120,7 @@ def fisher_passes(loss_fn: LossFn | None, fisher: str, sample_batch: Any, *, sam
                   num_classes: int | None = None) -> list[LossFn]:
     """The per-pass loss functions estimating the ``fisher`` of ``loss_fn`` (see module docstring)."""
     if fisher not in FISHERS:
-        raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
+        raise ValueError(f"fisher must be one of {(*FISHERS, 'auto')}, got {fisher!r}")
     fn = loss_fn or default_loss(sample_batch)
     if fisher == "empirical":
         return [fn]
@@ -139,6 +145,25 @@ def fisher_passes(loss_fn: LossFn | None, fisher: str, sample_batch: Any, *, sam
     weight = 1.0 / samples ** 0.5
     make = {"lm": _sampled_lm, "cls": _sampled_cls, "reg": _sampled_reg}[kind]
     return [make(generator, weight) for _ in range(samples)]
+
+
+def resolve_fisher(fisher: str, loss_fn: LossFn | None, model: nn.Module, sample_batch: Any) -> str:
+    """The Fisher ``"auto"`` stands for with this loss and model (any other choice is returned as is).
+
+    ``"exact"`` for :func:`~gradtrace.losses.classification_loss` / ``regression_loss`` with at most
+    :data:`EXACT_MAX_OUTPUTS` outputs (one pass per output), ``"true"`` (sampled labels) for larger ones and
+    for :func:`~gradtrace.losses.causal_lm_loss`, ``"empirical"`` for a custom loss (gradtrace knows no
+    likelihood to sample its labels from). The fitted curvature's ``fisher`` records the choice.
+    """
+    if fisher != "auto":
+        return fisher
+    kind = _kind(loss_fn or default_loss(sample_batch))
+    if kind == "custom":
+        return "empirical"
+    if kind == "lm":
+        return "true"
+    batch = {k: v for k, v in sample_batch.items() if k != "id"} if isinstance(sample_batch, dict) else sample_batch
+    return "exact" if num_classes_of(model, batch) <= EXACT_MAX_OUTPUTS else "true"
 
 
 def num_classes_of(model: nn.Module, batch: Any) -> int:

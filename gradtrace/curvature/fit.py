@@ -5,7 +5,8 @@ accumulates the Kronecker factors and dense Fisher blocks (:mod:`covariance`); t
 in float64. For EK-FAC, pass 2 accumulates the second moments of the per-example gradients in that
 eigenbasis (the eigenvalue correction of George et al. 2018). Passes run without weight gradients, like
 :func:`gradtrace.collect`. With ``fisher="true"`` the labels are sampled from the model (``samples``
-draws), with ``"exact"`` (classifiers) every label is weighted by its probability.
+draws), with ``"exact"`` (classifiers) every label is weighted by its probability; ``"auto"`` chooses between
+them (:func:`gradtrace.curvature.fisher.resolve_fisher`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..store.spec import GradientSpec, model_fingerprint
 from .blocks import DenseBlock, KronBlock, blocks_for
 from .covariance import CovarianceCallback, DenseStats, EigenCorrectionCallback, KronStats
 from .curvature import Curvature, CurvatureError, DenseEigen, KronEigen, eigh
-from .fisher import fisher_passes, num_classes_of
+from .fisher import fisher_passes, num_classes_of, resolve_fisher
 
 __all__ = ["fit_curvature", "modules_of"]
 
@@ -86,7 +87,9 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
     Args:
         kind: ``"kfac"``, ``"ekfac"`` (eigenvalue-corrected) or ``"fisher"`` (a dense Fisher per parameter;
             exact but quadratic in the parameter size -- the reference for small models).
-        fisher: ``"empirical"``, ``"true"`` (``samples`` label draws per example) or ``"exact"``.
+        fisher: ``"empirical"``, ``"true"`` (``samples`` label draws per example), ``"exact"`` or ``"auto"``
+            (exact for classifiers / regressors with few outputs, else true: see :func:`resolve_fisher`); the
+            choice made is the returned curvature's ``fisher``.
         projection: fit in a LoGra-projected space (a spec or its dict); ``spec``: the gradients the curvature
             will be used with (a store's spec): its projection and parameters are used unless given.
         max_dense: dense blocks larger than this are kept diagonal.
@@ -115,6 +118,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
         projection = LoGra.from_dict(projection)
     if projection is not None:
         projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
+    fisher = resolve_fisher(fisher, loss_fn, model, first)
     classes = None
     if fisher == "exact":
         batch = {k: v for k, v in first.items() if k != "id"} if isinstance(first, dict) else first

@@ -31,7 +31,7 @@ __all__ = ["KFAC", "EKFAC", "GGN", "LoGraInfluence"]
 class _CurvatureMethod(Method):
     needs = ("curvature",)
     curvature_kind: ClassVar[str] = ""
-    default_fisher: ClassVar[str] = "true"
+    default_fisher: ClassVar[str] = "auto"  # exact for classifiers with few classes, sampled labels for LMs
 
     def __init__(self, curvature: Curvature | str | Path | None = None, damping: float | None = None,
                  damping_mode: str | None = None, fisher: str | None = None, samples: int = 1, seed: int = 0,
@@ -86,7 +86,8 @@ class _CurvatureMethod(Method):
 
     def options(self) -> dict[str, Any]:
         curvature = self.active() if self.curvature is not None else None
-        return {"fisher": self.fisher, "damping": None if curvature is None else curvature.damping,
+        return {"fisher": self.fisher if curvature is None else curvature.fisher,
+                "damping": None if curvature is None else curvature.damping,
                 "damping_mode": None if curvature is None else curvature.damping_mode,
                 "kind": self.curvature_kind}
 
@@ -125,11 +126,13 @@ class LoGraInfluence(_CurvatureMethod):
         estimated); ``"ekfac"`` / ``"kfac"`` -- Kronecker factors of the projected activations and output-gradients
         (fitted with a model pass over the data: ``k x k`` factors estimated from every token). ``"auto"``
         (default): ``"ekfac"`` when ``fit`` gets a model and data, else ``"dense"``.
+    fisher: in the model-pass modes as for kfac/ekfac (default ``"auto"``); ``"dense"`` is the empirical Fisher of
+        the stored gradients, and refuses any other choice.
     """
 
     name = "logra"
     curvature_kind = "fisher"
-    default_fisher = "empirical"
+    default_fisher = "auto"  # the model-pass modes, as kfac/ekfac; "dense" is the stored gradients' empirical Fisher
     description = "LoGra influence: curvature of the projected gradients (EK-FAC in the projected space, or dense)"
 
     def __init__(self, *args: Any, mode: str = "auto", **kwargs: Any) -> None:
@@ -156,6 +159,10 @@ class LoGraInfluence(_CurvatureMethod):
             self.curvature = fit_curvature(model, data, loss_fn, kind=mode, fisher=self.fisher, spec=spec,
                                            **{**self.fit_options, **options})
             return
+        if self.fisher not in ("auto", "empirical"):
+            raise ValueError(f"logra mode 'dense' takes the Fisher of the stored gradients (the empirical Fisher); "
+                             f"fisher={self.fisher!r} needs mode='ekfac' or 'kfac' with fit(model, train_data, "
+                             "loss_fn)")
         self._fit_dense(attributor, spec, options)
 
     def _fit_dense(self, attributor: Any, spec: GradientSpec, options: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gradtrace
@@ -97,6 +98,55 @@ def test_true_fisher_needs_a_known_loss():
         fit_curvature(model, batches, lambda m, b: m(b[0]).sum(1), kind="kfac", fisher="true")
     with pytest.raises(ValueError, match="fisher must be"):
         fit_curvature(model, batches, kind="kfac", fisher="bogus")
+
+
+def test_auto_fisher_is_exact_for_small_classifiers_and_sampled_for_lms():
+    """kfac/ekfac default to fisher="auto": the exact expectation over labels for a classifier with few classes
+    (one pass per class), sampled labels for LMs and wide outputs, the observed labels for a custom loss; the
+    curvature records the choice."""
+    from gradtrace.curvature.fisher import EXACT_MAX_OUTPUTS
+
+    model = tiny.MLP()  # 4 classes
+    x, y = torch.randn(16, 7), torch.randint(0, 4, (16,))
+    batches = [(x[:8], y[:8]), (x[8:], y[8:])]
+    train = gradtrace.collect(model, batches)
+    for method in ("kfac", "ekfac"):
+        auto = gradtrace.Attributor(method, train)
+        assert auto.method.options()["fisher"] == "auto"
+        auto.fit(model, batches)
+        assert auto.method.curvature.fisher == "exact" and auto.method.options()["fisher"] == "exact"
+        exact = gradtrace.Attributor(method, train, fisher="exact").fit(model, batches)
+        assert torch.equal(auto.score(train).matrix, exact.score(train).matrix)
+    wide = nn.Sequential(nn.Linear(7, EXACT_MAX_OUTPUTS + 1))
+    labels = torch.randint(0, EXACT_MAX_OUTPUTS + 1, (16,))
+    assert fit_curvature(wide, [(x, labels)], kind="kfac", fisher="auto").fisher == "true"
+    narrow = nn.Sequential(nn.Linear(7, EXACT_MAX_OUTPUTS))
+    assert fit_curvature(narrow, [(x, labels % EXACT_MAX_OUTPUTS)], kind="kfac", fisher="auto").fisher == "exact"
+    lm = tiny.gpt2()
+    lm_batches, _ = _lm_data(3)
+    sampled = fit_curvature(lm, lm_batches, kind="kfac", fisher="auto", seed=5)
+    assert sampled.fisher == "true"
+    want = fit_curvature(lm, lm_batches, kind="kfac", fisher="true", seed=5)
+    for name, eig in sampled.blocks.items():
+        assert torch.equal(eig.eigenvalues, want.blocks[name].eigenvalues), name
+    custom = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none") * 2  # gradtrace knows no likelihood
+    auto = gradtrace.Attributor("kfac", train).fit(model, batches, custom)
+    assert auto.method.curvature.fisher == "empirical"
+    empirical = gradtrace.Attributor("kfac", train, fisher="empirical").fit(model, batches, custom)
+    assert torch.equal(auto.score(train).matrix, empirical.score(train).matrix)
+
+
+def test_logra_fisher_follows_its_mode():
+    model = tiny.MLP()
+    x, y = torch.randn(16, 7), torch.randint(0, 4, (16,))
+    batches = [(x[:8], y[:8]), (x[8:], y[8:])]
+    train = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=2))
+    fitted = gradtrace.Attributor("logra", train).fit(model, batches)  # EK-FAC in the projected space
+    assert fitted.method.curvature.fisher == "exact" and fitted.method.curvature.kind == "ekfac"
+    dense = gradtrace.Attributor("logra", train).fit()  # from the store alone: the empirical Fisher
+    assert dense.method.curvature.fisher == "empirical"
+    with pytest.raises(ValueError, match=r"mode 'dense'.*empirical"):
+        gradtrace.Attributor("logra", train, fisher="true").fit()
 
 
 def test_pca_logra_keeps_top_kronecker_directions():
