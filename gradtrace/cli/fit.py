@@ -89,8 +89,11 @@ def run(opts: FitOptions) -> None:
     device = resolve_device(model_opts.device)
     if cv.method == "logra":
         with phases("fit"):
-            attributor = gradtrace.Attributor("logra", store, device=device)
-            attributor.fit()
+            attributor = gradtrace.Attributor("logra", store, device=device, fisher=cv.fisher)
+            try:
+                attributor.fit()
+            except ValueError as err:  # e.g. --fisher true: the stored gradients give the empirical Fisher
+                raise CliError(str(err)) from None
             curvature = attributor.method.curvature
     else:
         if opts.data is None:

@@ -50,6 +50,14 @@ def test_fit_and_score_errors(ws, store, runner, tmp_path):
     result = invoke(runner, "score", store, ws.queries, "--method", "kfac", "--curvature", tmp_path, "--out",
                     tmp_path / "s", code=2)
     assert "curvature.json missing" in error_line(result)
+    result = invoke(runner, "fit", store, "--method", "logra", "--fisher", "true", "--out", tmp_path / "c", code=2)
+    assert "mode 'dense'" in error_line(result) and not (tmp_path / "c" / "curvature.json").exists()
+
+
+def test_cli_fit_records_the_fisher_auto_chose(ws, store, runner, tmp_path):
+    invoke(runner, "fit", store, ws.train, "--method", "kfac", "--out", tmp_path / "c", "--batch-size", 5,
+           "--no-progress")
+    assert Curvature.load(tmp_path / "c").fisher == "true"  # a language model: labels sampled from it
 
 
 def test_fit_curvature_python_matches_cli_fit(ws, store, runner, tmp_path):
