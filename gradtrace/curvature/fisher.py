@@ -147,27 +147,27 @@ def fisher_passes(loss_fn: LossFn | None, fisher: str, sample_batch: Any, *, sam
     return [make(generator, weight) for _ in range(samples)]
 
 
-def resolve_fisher(fisher: str, loss_fn: LossFn | None, model: nn.Module, sample_batch: Any) -> str:
-    """The Fisher ``"auto"`` stands for with this loss and model (any other choice is returned as is).
+def resolve_fisher(fisher: str, loss_fn: LossFn | None, model: nn.Module,
+                   sample_batch: Any) -> tuple[str, int | None]:
+    """The Fisher to fit (``"auto"`` resolved) and, when it is ``"exact"``, the number of outputs it enumerates
+    (one no-grad forward pass on ``sample_batch``; None otherwise).
 
-    ``"exact"`` for :func:`~gradtrace.losses.classification_loss` / ``regression_loss`` with at most
+    ``"auto"`` is ``"exact"`` for :func:`~gradtrace.losses.classification_loss` / ``regression_loss`` with at most
     :data:`EXACT_MAX_OUTPUTS` outputs (one pass per output), ``"true"`` (sampled labels) for larger ones and
     for :func:`~gradtrace.losses.causal_lm_loss`, ``"empirical"`` for a custom loss (gradtrace knows no
     likelihood to sample its labels from). The fitted curvature's ``fisher`` records the choice.
     """
-    if fisher != "auto":
-        return fisher
-    kind = _kind(loss_fn or default_loss(sample_batch))
-    if kind == "custom":
-        return "empirical"
-    if kind == "lm":
-        return "true"
-    batch = {k: v for k, v in sample_batch.items() if k != "id"} if isinstance(sample_batch, dict) else sample_batch
-    return "exact" if num_classes_of(model, batch) <= EXACT_MAX_OUTPUTS else "true"
+    if fisher == "auto":
+        kind = _kind(loss_fn or default_loss(sample_batch))
+        if kind in ("custom", "lm"):
+            return ("empirical" if kind == "custom" else "true"), None
+        outputs = num_classes_of(model, sample_batch)
+        return ("exact", outputs) if outputs <= EXACT_MAX_OUTPUTS else ("true", None)
+    return fisher, num_classes_of(model, sample_batch) if fisher == "exact" else None
 
 
 def num_classes_of(model: nn.Module, batch: Any) -> int:
-    """Width of a classifier's logits, from one no-grad forward pass on ``batch``."""
+    """Width of a classifier's logits, from one no-grad forward pass on ``batch`` (its labels and ids unused)."""
     inputs, _ = _split(batch)
     with torch.no_grad():
         out = _logits(model, inputs)

@@ -24,7 +24,7 @@ from ..store.spec import GradientSpec, model_fingerprint
 from .blocks import DenseBlock, KronBlock, blocks_for
 from .covariance import CovarianceCallback, DenseStats, EigenCorrectionCallback, KronStats
 from .curvature import Curvature, CurvatureError, DenseEigen, KronEigen, eigh
-from .fisher import fisher_passes, num_classes_of, resolve_fisher
+from .fisher import fisher_passes, resolve_fisher
 
 __all__ = ["fit_curvature", "modules_of"]
 
@@ -118,11 +118,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
         projection = LoGra.from_dict(projection)
     if projection is not None:
         projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
-    fisher = resolve_fisher(fisher, loss_fn, model, first)
-    classes = None
-    if fisher == "exact":
-        batch = {k: v for k, v in first.items() if k != "id"} if isinstance(first, dict) else first
-        classes = num_classes_of(model, batch)
+    fisher, classes = resolve_fisher(fisher, loss_fn, model, first)
     passes = fisher_passes(loss_fn, fisher, first, samples=samples, seed=seed, num_classes=classes)
 
     def run(callback, label: str) -> None:

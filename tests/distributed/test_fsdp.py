@@ -10,22 +10,15 @@ numbers as one process. FSDP1 is refused with a clear error.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 from gradtrace.store import GradientStore, model_fingerprint
 from tests.distributed import jobs
 from tests.distributed.launch import run_ranks
-from tests.distributed.test_ddp import _assert_equal_by_id
+from tests.distributed.test_ddp import _assert_equal_by_id, _reference  # one cached single-process reference
 
 MODES = ("before", "after")
-
-
-@functools.cache
-def _reference(kind: str, logra: bool):
-    return jobs.single_process(kind, logra)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Task", "tensor_digest"]
+__all__ = ["Task", "fresh_model", "tensor_digest"]
 
 
 def tensor_digest(*tensors: Tensor) -> str:
@@ -28,6 +28,17 @@ def tensor_digest(*tensors: Tensor) -> str:
         digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
         digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return digest.hexdigest()[:16]
+
+
+def fresh_model(indices: Tensor, seed: int, build: Callable[[], nn.Module]) -> tuple[Tensor, nn.Module]:
+    """The start of :meth:`Task.train`: ``indices`` as a long tensor (an empty subset is refused) and ``build()``'s
+    model, initialised under ``seed`` without disturbing the global random state."""
+    indices = torch.as_tensor(indices, dtype=torch.long)
+    if indices.numel() == 0:
+        raise ValueError("cannot train on an empty subset")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return indices, build()
 
 
 class Task(abc.ABC):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...losses import classification_loss
-from .base import Task, tensor_digest
+from .base import Task, fresh_model, tensor_digest
 
 __all__ = ["DigitsConfig", "DigitsMLP", "DigitsTask"]
 
@@ -126,12 +126,7 @@ class DigitsTask(Task):
     @torch.enable_grad()
     def train(self, indices: Tensor, seed: int) -> DigitsMLP:
         cfg = self.settings
-        indices = torch.as_tensor(indices, dtype=torch.long)
-        if indices.numel() == 0:
-            raise ValueError("cannot train on an empty subset")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = DigitsMLP(cfg.hidden)
+        indices, model = fresh_model(indices, seed, lambda: DigitsMLP(cfg.hidden))
         inputs, labels = self.x_train[indices], self.y_train[indices]
         params = list(model.parameters())
         optimizer = torch.optim.Adam(params, lr=cfg.lr)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ...losses import causal_lm_loss
-from .base import Task, tensor_digest
+from .base import Task, fresh_model, tensor_digest
 
 __all__ = ["TinyLMConfig", "TinyLMTask"]
 
@@ -113,12 +113,7 @@ class TinyLMTask(Task):
     @torch.enable_grad()
     def train(self, indices: Tensor, seed: int) -> nn.Module:
         cfg = self.settings
-        indices = torch.as_tensor(indices, dtype=torch.long)
-        if indices.numel() == 0:
-            raise ValueError("cannot train on an empty subset")
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = self.new_model()
+        indices, model = fresh_model(indices, seed, lambda: self.new_model())
         generator = torch.Generator().manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         model.train()
