@@ -36,9 +36,14 @@ class CurvatureError(ValueError):
 
 
 def eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, computed in float64."""
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, computed in float64.
+
+    Both come back C-contiguous: LAPACK returns column-major eigenvectors, and a saved-then-loaded copy is
+    row-major, so without this the products that use them take other BLAS paths in memory and after a load,
+    and their results differ in the last bits.
+    """
     values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
-    return values.clamp(min=0).to(torch.float32), vectors.to(torch.float32)
+    return values.clamp(min=0).to(torch.float32).contiguous(), vectors.to(torch.float32).contiguous()
 
 
 @dataclass
