@@ -4,8 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` (0: in this process)
+PYTEST_WORKERS ?= 2
 
-.PHONY: install test test-olmo lint demo bench clean
+.PHONY: install test test-kernels test-olmo lint demo bench clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,7 +21,14 @@ $(STAMP): pyproject.toml requirements-dev.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# The suite as other machines run it: one thread, and the kernels of older CPUs (PyTorch's and MKL's dispatch
+# forced down to AVX2 and to no vectorization). Tolerances must hold under all of them. Not run by CI (3x the time).
+test-kernels: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider $(PYTEST_ARGS)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -p no:cacheprovider $(PYTEST_ARGS)
 
 # OLMo-core's pins (rich<14, huggingface-hub<2, filelock<4) conflict with the dev environment: its example is
 # checked in an environment of its own.

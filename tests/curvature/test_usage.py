@@ -48,13 +48,23 @@ def test_save_load_and_redamp_without_refit(tmp_path):
     attr.method.curvature.save(tmp_path / "curv")
     loaded = Curvature.load(tmp_path / "curv")
     assert loaded.kind == "kfac" and loaded.spec.params == train.spec.params
+    for name, eig in attr.method.curvature.blocks.items():  # the same numbers in the same memory layout
+        for key in ("q_rows", "q_cols", "q", "eigenvalues", "rows_eig", "cols_eig"):
+            made, read = getattr(eig, key, None), getattr(loaded.blocks[name], key, None)
+            assert (made is None) == (read is None), (name, key)
+            if made is not None:
+                assert made.is_contiguous() and torch.equal(made, read), (name, key)
     again = gradtrace.Attributor("kfac", train, curvature=tmp_path / "curv").score(queries).matrix
-    assert torch.allclose(again, attr.score(queries).matrix)
+    # identical inputs take the same kernels; the tolerance only covers BLAS choosing by memory alignment
+    # (float32 products over a few hundred terms: ~1e-6 relative)
+    before = attr.score(queries).matrix
+    torch.testing.assert_close(again, before, rtol=1e-5, atol=1e-5 * float(before.abs().max()))
     heavy = gradtrace.Attributor("kfac", train, curvature=tmp_path / "curv", damping=10.0).score(queries).matrix
     assert not torch.allclose(heavy, again)
     refit = gradtrace.Attributor("kfac", train, fisher="empirical", damping=10.0)
     refit.fit(model, train_batches)
-    assert torch.allclose(refit.score(queries).matrix, heavy, rtol=1e-4, atol=1e-6)
+    refit_scores = refit.score(queries).matrix  # another fit: other summation orders, float32 round-off
+    torch.testing.assert_close(refit_scores, heavy, rtol=1e-4, atol=1e-4 * float(heavy.abs().max()))
     assert "damping" in loaded.report()
 
 

@@ -75,7 +75,9 @@ def test_streaming_topk_equals_dense_topk(tmp_path):
     assert streamed.matrix is None
     for largest in (True, False):
         a, b = dense.topk(4, largest), streamed.topk(4, largest)
-        assert torch.allclose(a.values, b.values) and a.ids == b.ids
+        # blocks of 3 and 100 rows: other GEMM shapes, so float32 round-off may differ (~1e-6 relative)
+        torch.testing.assert_close(a.values, b.values, rtol=1e-5, atol=1e-5 * float(a.values.abs().max()))
+        assert a.ids == b.ids
     with pytest.raises(ValueError, match="only the top 4"):
         streamed.topk(5)
 
@@ -136,8 +138,10 @@ def test_self_scores():
     model = tiny.gpt2()
     _, batches = _data([5, 8, 3])
     train = gradtrace.collect(model, batches)
-    assert torch.allclose(gradtrace.Attributor("grad_dot", train).self_scores(), train.vectors.pow(2).sum(1))
-    assert torch.allclose(gradtrace.Attributor("grad_cos", train).self_scores(), torch.ones(3))
+    # two summation orders of a few thousand positive float32 terms: relative error well under 1e-4
+    torch.testing.assert_close(gradtrace.Attributor("grad_dot", train).self_scores(), train.vectors.pow(2).sum(1),
+                               rtol=1e-4, atol=0)
+    torch.testing.assert_close(gradtrace.Attributor("grad_cos", train).self_scores(), torch.ones(3), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_input(tmp_path):
