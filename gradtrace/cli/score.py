@@ -181,10 +181,15 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     written = None
     with agreed("saving the scores"), phases("save"):
         if rank == 0:  # every rank holds the same scores; one writes them
-            scores.save(sc.out)
-            written = write_resolved(sc.out, "score", values)
-            if sc.export:
-                scores.export(sc.export, k=sc.topk or None)
+            try:
+                scores.save(sc.out)
+                written = write_resolved(sc.out, "score", values)
+                if sc.export:
+                    scores.export(sc.export, k=sc.topk or None)
+            except OSError as err:  # a full disk, a read-only directory: scores saved before stay intact
+                raise CliError(f"could not save the scores in {sc.out}: {err.strerror or err} ("
+                               f"{err.filename or sc.out}); scores saved there before are kept; free space or "
+                               "choose another --out", exit_code=1) from None
     if rank != 0:
         return
     out = console()

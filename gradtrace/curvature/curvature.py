@@ -14,7 +14,6 @@ computed in float64 and kept in float32.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,13 +21,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..store.artifact import read_artifact, write_artifact
 from ..store.spec import GradientSpec
 from .blocks import Block, DenseBlock, KronBlock, block_from_dict
 
 __all__ = ["Curvature", "KronEigen", "DenseEigen", "CurvatureError", "eigh"]
 
 FORMAT = "gradtrace-curvature"
-VERSION = 1
+VERSION = 2
+"""2: manifest and eigendata checksummed (version 1, without checksums, still loads with a warning)."""
 
 
 class CurvatureError(ValueError):
@@ -98,8 +99,36 @@ class Curvature:
             return self.damping
         return self.damping * float(eig.eigenvalues.mean())
 
+    def check_covers(self, spec: GradientSpec, what: str = "the curvature") -> None:
+        """Refuse blocks that do not cover the parameters of ``spec`` exactly once each, with their dimensions: a
+        parameter without a block would be left silently unpreconditioned."""
+        dims = dict(spec.params)
+        covered: dict[str, int] = {}
+        for eig in self.blocks.values():
+            block = eig.block
+            if isinstance(block, KronBlock):
+                covered[block.name] = block.n_rows * block.n_cols
+                if block.bias is not None:
+                    covered[block.bias] = block.n_rows if block.act_side == "cols" else block.n_cols
+            else:
+                covered[block.name] = block.dim
+        count = sum(len(eig.block.params) for eig in self.blocks.values())
+        missing = [name for name in dims if name not in covered]
+        extra = [name for name in covered if name not in dims]
+        if missing or extra or count != len(covered):
+            raise CurvatureError(f"{what}: the curvature blocks do not cover the gradients' parameters exactly "
+                                 f"(no block for {missing[:5]}; blocks of unknown parameters {extra[:5]}"
+                                 f"{'; a parameter in two blocks' if count != len(covered) else ''}); fit the "
+                                 "curvature for these gradients")
+        wrong = [(name, covered[name], dim) for name, dim in dims.items() if covered[name] != dim]
+        if wrong:
+            raise CurvatureError(f"{what}: curvature blocks of other sizes than the gradients' parameters "
+                                 f"(name, block, gradient: {wrong[:3]}); fit the curvature for these gradients")
+
     def check(self) -> None:
-        """Refuse blocks that would make the inverse meaningless (no data, or singular and undamped)."""
+        """Refuse blocks that would make the inverse meaningless (not covering the spec, no data, or singular and
+        undamped)."""
+        self.check_covers(self.spec)
         for name, eig in self.blocks.items():
             values = eig.eigenvalues
             if not torch.isfinite(values).all():
@@ -182,45 +211,74 @@ class Curvature:
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """``path/curvature.safetensors`` (eigendata) + ``path/curvature.json`` (spec, blocks, settings)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        """``path/curvature.json`` (spec, blocks, settings, checksums) + ``path/curvature-<hash>.safetensors``
+        (eigendata), written atomically: a failed save leaves a previous fit in ``path`` intact."""
         tensors: dict[str, Tensor] = {}
         for name, eig in self.blocks.items():
-            fields = ({"q_rows": eig.q_rows, "q_cols": eig.q_cols, "eigenvalues": eig.eigenvalues,
-                       "rows_eig": eig.rows_eig, "cols_eig": eig.cols_eig} if isinstance(eig, KronEigen)
-                      else {"q": eig.q, "eigenvalues": eig.eigenvalues})
-            for key, value in fields.items():
+            for key, value in _eigen_tensors(eig).items():
                 if value is not None:
-                    tensors[f"{name}::{key}"] = value.contiguous().cpu()
-        save_file(tensors, str(path / "curvature.safetensors"))
-        info = {"format": FORMAT, "version": VERSION, "kind": self.kind, "fisher": self.fisher,
-                "damping": self.damping, "damping_mode": self.damping_mode, "spec": self.spec.to_dict(),
-                "blocks": [eig.block.to_dict() for eig in self.blocks.values()], "meta": self.meta}
-        (path / "curvature.json").write_text(json.dumps(info, indent=1))
-        return path
+                    tensors[f"{name}::{key}"] = value
+        info = {"kind": self.kind, "fisher": self.fisher, "damping": self.damping, "damping_mode": self.damping_mode,
+                "spec": self.spec.to_dict(), "blocks": [eig.block.to_dict() for eig in self.blocks.values()],
+                "meta": self.meta}
+        write_artifact(path, "curvature", FORMAT, VERSION, info, tensors)
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> Curvature:
-        from safetensors.torch import load_file
-
+        """Load a saved fit, verified: checksums of the manifest and eigendata, every tensor of the right shape
+        and finite, blocks covering the spec's parameters exactly. Raises :class:`CurvatureError` naming the
+        file or block (version-1 fits, saved without checksums, load with an ``UncheckedArtifactWarning``)."""
         path = Path(path)
-        if not (path / "curvature.json").exists():
-            raise FileNotFoundError(f"{path} holds no fitted curvature (curvature.json missing)")
-        info = json.loads((path / "curvature.json").read_text())
-        if info.get("format") != FORMAT or info.get("version") != VERSION:
-            raise CurvatureError(f"{path} is not a gradtrace curvature file of version {VERSION}")
-        tensors = load_file(str(path / "curvature.safetensors"))
-        blocks: dict[str, KronEigen | DenseEigen] = {}
-        for data in info["blocks"]:
-            block: Block = block_from_dict(data)
-            get = lambda key, name=block.name: tensors.get(f"{name}::{key}")
-            if isinstance(block, KronBlock):
-                blocks[block.name] = KronEigen(block, get("q_rows"), get("q_cols"), get("eigenvalues"),
-                                               get("rows_eig"), get("cols_eig"))
-            else:
-                blocks[block.name] = DenseEigen(block, get("q"), get("eigenvalues"))
-        return cls(info["kind"], GradientSpec.from_dict(info["spec"]), blocks, info["fisher"], info["damping"],
-                   info["damping_mode"], info.get("meta", {}))
+        info, tensors = read_artifact(path, "curvature", FORMAT, VERSION, what="curvature", error=CurvatureError)
+        try:
+            spec = GradientSpec.from_dict(info["spec"])
+            block_list: list[Block] = [block_from_dict(data) for data in info["blocks"]]
+            kind, fisher = str(info["kind"]), str(info["fisher"])
+            damping, damping_mode = float(info["damping"]), str(info["damping_mode"])
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CurvatureError(f"{path / 'curvature.json'} is malformed ({err!r}); fit the curvature again") from None
+        blocks = {block.name: _eigen_from(block, tensors, path) for block in block_list}
+        unused = sorted(set(tensors) - {f"{b}::{k}" for b, eig in blocks.items() for k in _eigen_tensors(eig)})
+        if unused:
+            raise CurvatureError(f"{path}: the eigendata holds tensors of no block listed in curvature.json "
+                                 f"({unused[:3]}); the block list was edited, fit the curvature again")
+        curvature = cls(kind, spec, blocks, fisher, damping, damping_mode, info.get("meta", {}))
+        curvature.check_covers(spec, f"{path}")
+        return curvature
+
+
+def _eigen_tensors(eig: KronEigen | DenseEigen) -> dict[str, Tensor | None]:
+    """The tensors of one block's eigendata by their saved key."""
+    if isinstance(eig, KronEigen):
+        return {"q_rows": eig.q_rows, "q_cols": eig.q_cols, "eigenvalues": eig.eigenvalues, "rows_eig": eig.rows_eig,
+                "cols_eig": eig.cols_eig}
+    return {"q": eig.q, "eigenvalues": eig.eigenvalues}
+
+
+def _eigen_from(block: Block, tensors: dict[str, Tensor], path: Path) -> KronEigen | DenseEigen:
+    """One block's eigendata from the loaded tensors; refuses a missing eigenvalue grid, a tensor of the wrong
+    shape or dtype, and NaN/inf (a corrupted file would otherwise give NaN scores)."""
+    if isinstance(block, KronBlock):
+        rows, cols = block.shape
+        shapes = {"q_rows": (rows, rows), "q_cols": (cols, cols), "eigenvalues": (rows, cols), "rows_eig": (rows,),
+                  "cols_eig": (cols,)}
+    else:
+        shapes = {"q": (block.dim, block.dim), "eigenvalues": (block.dim,)}
+    found: dict[str, Tensor | None] = {}
+    for key, shape in shapes.items():
+        value = tensors.get(f"{block.name}::{key}")
+        if value is not None:
+            if tuple(value.shape) != shape or value.dtype != torch.float32:
+                raise CurvatureError(f"{path}: {key} of block {block.name} is {value.dtype} "
+                                     f"{tuple(value.shape)}, expected float32 {shape}; fit the curvature again")
+            if not torch.isfinite(value).all():
+                raise CurvatureError(f"{path}: {key} of block {block.name} holds NaN/inf (a corrupted file); fit "
+                                     "the curvature again")
+        found[key] = value
+    if found["eigenvalues"] is None:
+        raise CurvatureError(f"{path}: the eigenvalues of block {block.name} are missing; fit the curvature again")
+    if isinstance(block, KronBlock):
+        return KronEigen(block, found["q_rows"], found["q_cols"], found["eigenvalues"], found["rows_eig"],
+                         found["cols_eig"])
+    return DenseEigen(block, found["q"], found["eigenvalues"])

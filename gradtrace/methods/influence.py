@@ -13,6 +13,7 @@ The inverse is applied to the query side once; training gradients stay raw. Posi
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -21,16 +22,23 @@ from torch import Tensor
 
 from ..curvature import Curvature, fit_curvature
 from ..curvature.blocks import DenseBlock
-from ..curvature.curvature import DenseEigen, eigh
+from ..curvature.curvature import CurvatureError, DenseEigen, eigh
 from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, register_method
 
-__all__ = ["KFAC", "EKFAC", "GGN", "LoGraInfluence"]
+__all__ = ["KFAC", "EKFAC", "GGN", "LoGraInfluence", "CurvatureWeightsWarning"]
+
+_METHOD_OF_KIND = {"kfac": "kfac", "ekfac": "ekfac", "fisher": "ggn"}
+
+
+class CurvatureWeightsWarning(UserWarning):
+    """Curvature fitted at other model weights than the training gradients were taken at."""
 
 
 class _CurvatureMethod(Method):
     needs = ("curvature",)
-    curvature_kind: ClassVar[str] = ""
+    curvature_kind: ClassVar[str] = ""  # the kind fit() makes
+    curvature_kinds: ClassVar[tuple[str, ...]] = ()  # the kinds a loaded or given curvature may be
     default_fisher: ClassVar[str] = "auto"  # exact for classifiers with few classes, sampled labels for LMs
 
     def __init__(self, curvature: Curvature | str | Path | None = None, damping: float | None = None,
@@ -38,6 +46,8 @@ class _CurvatureMethod(Method):
                  max_dense: int = 4096) -> None:
         if isinstance(curvature, (str, Path)):
             curvature = Curvature.load(curvature)
+        if curvature is not None:
+            self._check_kind(curvature)
         self.curvature = curvature
         self.damping = damping
         self.damping_mode = damping_mode
@@ -61,8 +71,10 @@ class _CurvatureMethod(Method):
                                f"Attributor('{self.name}', train, curvature=<saved curvature directory>)")
 
     def bind(self, spec: GradientSpec) -> None:
-        """Refuse curvature fitted for other gradients (another model, projection or parameter set)."""
+        """Refuse curvature fitted for other gradients (another model, projection or parameter set, a block
+        list that does not cover them exactly) or of another kind; warn when it was fitted at other weights."""
         self.check_ready()
+        self._check_kind(self.curvature)
         mine = self.curvature.spec
         if mine.model.get("arch") and spec.model.get("arch") and mine.model["arch"] != spec.model["arch"]:
             raise SpecMismatch(f"{self.name}: the curvature was fitted on another model ({mine.model.get('class')})")
@@ -70,8 +82,23 @@ class _CurvatureMethod(Method):
             raise SpecMismatch(f"{self.name}: the curvature was fitted with projection {mine.projection}, the "
                                f"gradients use {spec.projection}")
         if mine.params != spec.params:
+            names = {n for n, _ in mine.params}
+            theirs = {n for n, _ in spec.params}
             raise SpecMismatch(f"{self.name}: the curvature covers other parameters than the gradients "
-                               f"({len(mine.params)} vs {len(spec.params)}); fit it with the same layers")
+                               f"({len(mine.params)} vs {len(spec.params)}; only the curvature's: "
+                               f"{sorted(names - theirs)[:5]}, only the gradients': {sorted(theirs - names)[:5]}); "
+                               "fit it with the same layers")
+        self.curvature.check_covers(spec, self.name)
+        if mine.model.get("weights") and spec.model.get("weights") and mine.model["weights"] != spec.model["weights"]:
+            warnings.warn(f"{self.name}: the curvature was fitted at other weights ({mine.model['weights']}) than the "
+                          f"training gradients' model ({spec.model['weights']}); fit it at the weights the gradients "
+                          "were taken at", CurvatureWeightsWarning, stacklevel=3)
+
+    def _check_kind(self, curvature: Curvature) -> None:
+        if curvature.kind not in self.curvature_kinds:
+            raise CurvatureError(f"{self.name}: the curvature is a {curvature.kind!r} fit; {self.name} uses "
+                                 f"{' or '.join(repr(k) for k in self.curvature_kinds)} curvature: use it with method "
+                                 f"{_METHOD_OF_KIND.get(curvature.kind, '?')!r}, or fit {self.name} curvature")
 
     def active(self) -> Curvature:
         curvature = self.curvature
@@ -96,6 +123,7 @@ class _CurvatureMethod(Method):
 class KFAC(_CurvatureMethod):
     name = "kfac"
     curvature_kind = "kfac"
+    curvature_kinds = ("kfac",)
     description = "K-FAC influence: Kronecker-factored Fisher, damped inverse on the query side"
 
 
@@ -103,6 +131,7 @@ class KFAC(_CurvatureMethod):
 class EKFAC(_CurvatureMethod):
     name = "ekfac"
     curvature_kind = "ekfac"
+    curvature_kinds = ("ekfac",)
     description = "EK-FAC influence: K-FAC eigenbasis with corrected eigenvalues"
 
 
@@ -110,6 +139,7 @@ class EKFAC(_CurvatureMethod):
 class GGN(_CurvatureMethod):
     name = "ggn"
     curvature_kind = "fisher"
+    curvature_kinds = ("fisher",)
     default_fisher = "exact"
     description = "dense per-parameter Gauss-Newton / Fisher influence (reference; small models)"
 
@@ -132,6 +162,7 @@ class LoGraInfluence(_CurvatureMethod):
 
     name = "logra"
     curvature_kind = "fisher"
+    curvature_kinds = ("fisher", "kfac", "ekfac")  # mode dense, kfac, ekfac
     default_fisher = "auto"  # the model-pass modes, as kfac/ekfac; "dense" is the stored gradients' empirical Fisher
     description = "LoGra influence: curvature of the projected gradients (EK-FAC in the projected space, or dense)"
 

@@ -22,7 +22,11 @@ from ..methods import Method, get_method
 from ..store.spec import GradientSpec
 from .scores import Scores
 
-__all__ = ["Attributor", "vectors_to_batch"]
+__all__ = ["Attributor", "ScoringError", "vectors_to_batch"]
+
+
+class ScoringError(ValueError):
+    """Scoring produced values that cannot be trusted (NaN/inf), with the queries and training rows named."""
 
 
 def vectors_to_batch(vectors: Tensor, like: Any) -> Any:
@@ -75,9 +79,9 @@ class Attributor:
             raise ValueError("Attributor needs training gradients: train=store, path, GradientSet or batches")
         sources = list(train) if isinstance(train, (list, tuple)) and self.method.multi_checkpoint else [train]
         self.train = [as_source(s) for s in sources]
-        self.block_rows = block_rows
+        self.block_rows = _positive_int(block_rows, "block_rows", minimum=1)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.matrix_bytes = matrix_bytes
+        self.matrix_bytes = _positive_int(matrix_bytes, "matrix_bytes", minimum=0)
         first = self.train[0]
         for c, other in enumerate(self.train[1:], start=1):
             if list(other.ids) != list(first.ids):
@@ -117,6 +121,10 @@ class Attributor:
             raise ValueError("the training gradients are empty")
         if num_queries == 0:
             raise ValueError("no query gradients")
+        if topk is not None:
+            _positive_int(topk, "topk", minimum=0)
+        if matrix not in (True, False, "auto"):
+            raise ValueError(f"matrix must be True, False or 'auto', got {matrix!r}")
         keep = (num_queries * num_train * 4 <= self.matrix_bytes) if matrix == "auto" else bool(matrix)
         if not keep and not topk:
             raise ValueError("neither the matrix nor a top-k would be kept: pass topk=k or matrix=True")
@@ -145,6 +153,7 @@ class Attributor:
             if list(q.ids) != list(query_sets[0].ids):
                 raise ValueError(f"checkpoint {c}'s queries differ from checkpoint 0's")
             prepared.append(self.method.prepare_queries(q.read(0, len(q), self.device).to(torch.float32), c))
+            _check_prepared(prepared[-1], q.ids, self.method.name, c)
         self.profile["prepare_queries_s"] = time.perf_counter() - start
         num_q, num_train = len(query_sets[0]), len(self.train[0])
         keep_matrix = self._keep_matrix(num_q, num_train, topk, matrix)
@@ -160,6 +169,7 @@ class Attributor:
                 block = self.method.prepare_train(source.read(offset, stop, self.device).to(torch.float32), c)
                 part = prepared[c] @ block.t()
                 scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
+            _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
             if full is not None:
                 full[:, offset:stop] = scores
             if topk:
@@ -225,6 +235,44 @@ class Attributor:
                 right = self.method.prepare_train(rows, c)
                 out[offset:stop] += weights[c] * (left * right).sum(1).cpu()
         return out
+
+
+def _positive_int(value: Any, name: str, minimum: int) -> int:
+    """``value`` if it is an integer ``>= minimum``, else a ValueError naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _names(ids: Sequence[str], rows: Tensor, limit: int = 5) -> str:
+    """The ids of the first ``limit`` of ``rows`` (a bool mask), for error messages."""
+    index = rows.nonzero().flatten()
+    names = [str(ids[i]) for i in index[:limit].tolist()]
+    return f"{names}{' and ' + str(len(index) - limit) + ' more' if len(index) > limit else ''}"
+
+
+def _check_prepared(prepared: Tensor, query_ids: Sequence[str], method: str, checkpoint: int) -> None:
+    """Refuse preconditioned queries with NaN/inf (a NaN query gradient, or a curvature that breaks it)."""
+    bad = ~torch.isfinite(prepared).all(dim=1)
+    if bool(bad.any()):
+        names = _names(query_ids, bad.cpu())
+        raise ScoringError(f"{method}: the prepared (preconditioned) gradients of queries {names} hold NaN/inf at "
+                           f"checkpoint {checkpoint}; check those queries' gradients and the method's curvature")
+
+
+def _check_block(scores: Tensor, query_ids: Sequence[str], train_ids: Sequence[str], offset: int,
+                 method: str) -> None:
+    """Refuse a ``[Q, n]`` block of scores holding NaN/inf, naming the queries and training rows involved."""
+    finite = torch.isfinite(scores)
+    if bool(finite.all()):
+        return
+    finite = finite.cpu()
+    bad_queries, bad_rows = ~finite.all(dim=1), ~finite.all(dim=0)
+    rows = bad_rows.nonzero().flatten()
+    raise ScoringError(f"{method}: NaN/inf scores for queries {_names(query_ids, bad_queries)} against training rows "
+                       f"{offset + int(rows[0])}..{offset + int(rows[-1])} (ids "
+                       f"{_names(train_ids[offset:offset + scores.shape[1]], bad_rows)}) of the block starting at "
+                       f"row {offset}; those training gradients hold NaN/inf or the scores overflow float32")
 
 
 def _bar(blocks: Sequence[int], enabled: bool, total: int):

@@ -16,9 +16,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Scores", "TopK"]
+from ..store.artifact import ArtifactError, read_artifact, write_artifact
+
+__all__ = ["Scores", "ScoresError", "TopK"]
+
+FORMAT = "gradtrace-scores"
+VERSION = 2
+"""2: manifest and tensors checksummed (version 1, without checksums, still loads with a warning)."""
+_TENSORS = ("matrix", "top_values", "top_indices", "bottom_values", "bottom_indices")
 
 SIGN_CONVENTION = "positive = the training example helps the query (lowers its loss)"
+
+
+class ScoresError(ArtifactError):
+    """Scores that cannot be trusted: non-finite values, inconsistent shapes or indices, a corrupted save."""
 
 
 @dataclass
@@ -50,10 +61,32 @@ class Scores:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.matrix is not None and tuple(self.matrix.shape) != (len(self.query_ids), len(self.train_ids)):
-            raise ValueError(f"matrix of shape {tuple(self.matrix.shape)} for {len(self.query_ids)} queries and "
-                             f"{len(self.train_ids)} training examples")
         self.meta.setdefault("sign", SIGN_CONVENTION)
+        num_q, num_train = len(self.query_ids), len(self.train_ids)
+        if self.matrix is not None:
+            if tuple(self.matrix.shape) != (num_q, num_train):
+                raise ScoresError(f"matrix of shape {tuple(self.matrix.shape)} for {num_q} queries and {num_train} "
+                                  "training examples")
+            self._check_finite(self.matrix, "scores")
+        for name, kept in (("top", self.top), ("bottom", self.bottom)):
+            if kept is None:
+                continue
+            values, indices = kept
+            if values.dim() != 2 or values.shape != indices.shape or values.shape[0] != num_q:
+                raise ScoresError(f"{name} values {tuple(values.shape)} and indices {tuple(indices.shape)}: both must "
+                                  f"be [{num_q} queries, k]")
+            if indices.dtype != torch.int64 or (indices.numel() and (int(indices.min()) < 0
+                                                                     or int(indices.max()) >= num_train)):
+                raise ScoresError(f"{name} indices must be int64 rows of the {num_train} training examples")
+            self._check_finite(values, f"{name} scores")
+
+    def _check_finite(self, values: Tensor, what: str) -> None:
+        """Refuse NaN/inf (they would rank first in a top-k, or poison any mean), naming the queries."""
+        bad = ~torch.isfinite(values).all(dim=1)
+        if bool(bad.any()):
+            names = [self.query_ids[i] for i in bad.nonzero().flatten()[:5].tolist()]
+            raise ScoresError(f"{what} of {int(bad.sum())} queries hold NaN/inf (query ids {names}"
+                              f"{', ...' if int(bad.sum()) > 5 else ''})")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -61,6 +94,8 @@ class Scores:
 
     def topk(self, k: int = 10, largest: bool = True) -> TopK:
         """The ``k`` most helpful (``largest=True``) or most harmful training examples of each query."""
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"k must be a non-negative integer, got {k!r}")
         k = min(k, len(self.train_ids))
         if self.matrix is not None:
             values, indices = torch.topk(self.matrix, k, dim=1, largest=largest)
@@ -133,39 +168,48 @@ class Scores:
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        """Write ``path/scores.json`` (ids, method, meta) and ``path/scores.safetensors`` (tensors)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
+        """Write ``path/scores.json`` (ids, method, meta, checksums) and ``path/scores-<hash>.safetensors``
+        (tensors), atomically: a failed save (a full disk raises :class:`OSError`) leaves previous scores in
+        ``path`` intact."""
         tensors = {}
         if self.matrix is not None:
-            tensors["matrix"] = self.matrix.contiguous().cpu()
+            tensors["matrix"] = self.matrix
         for name, kept in (("top", self.top), ("bottom", self.bottom)):
             if kept is not None:
-                tensors[f"{name}_values"] = kept[0].contiguous().cpu()
-                tensors[f"{name}_indices"] = kept[1].contiguous().cpu()
-        save_file(tensors, str(path / "scores.safetensors"))
-        info = {"format": "gradtrace-scores", "version": 1, "method": self.method, "meta": self.meta,
-                "query_ids": self.query_ids, "train_ids": self.train_ids}
-        (path / "scores.json").write_text(json.dumps(info, indent=1))
-        return path
+                tensors[f"{name}_values"] = kept[0]
+                tensors[f"{name}_indices"] = kept[1]
+        info = {"method": self.method, "meta": self.meta, "query_ids": self.query_ids, "train_ids": self.train_ids}
+        write_artifact(path, "scores", FORMAT, VERSION, info, tensors)
+        return Path(path)
 
     @classmethod
     def load(cls, path: str | Path) -> Scores:
-        from safetensors.torch import load_file
-
+        """Load saved scores, verified (checksums of the manifest and tensors, shapes, finite values); raises
+        :class:`ScoresError` naming the file (version-1 scores, saved without checksums, load with an
+        ``UncheckedArtifactWarning``)."""
         path = Path(path)
-        if not (path / "scores.json").exists():
-            raise FileNotFoundError(f"{path} holds no saved scores (scores.json missing)")
-        info = json.loads((path / "scores.json").read_text())
-        if info.get("format") != "gradtrace-scores":
-            raise ValueError(f"{path} is not a gradtrace score file")
-        tensors = load_file(str(path / "scores.safetensors"))
+        info, tensors = read_artifact(path, "scores", FORMAT, VERSION, what="scores", noun="score", error=ScoresError)
+        unknown = sorted(set(tensors) - set(_TENSORS))
+        if unknown:
+            raise ScoresError(f"{path}: unknown tensors {unknown[:3]} in the saved scores")
+        for name in ("top", "bottom"):
+            if (f"{name}_values" in tensors) != (f"{name}_indices" in tensors):
+                raise ScoresError(f"{path}: the saved {name}-k has values or indices missing; score again")
+        try:
+            ids = {key: info[key] for key in ("train_ids", "query_ids")}
+            method, meta = str(info["method"]), dict(info.get("meta") or {})
+        except (KeyError, TypeError, ValueError) as err:
+            raise ScoresError(f"{path / 'scores.json'} is malformed ({err!r}); score again") from None
+        if not all(isinstance(value, list) for value in ids.values()):
+            raise ScoresError(f"{path / 'scores.json'} is malformed (train_ids and query_ids must be lists); score "
+                              "again")
         kept = {name: (tensors[f"{name}_values"], tensors[f"{name}_indices"]) for name in ("top", "bottom")
                 if f"{name}_values" in tensors}
-        return cls(train_ids=info["train_ids"], query_ids=info["query_ids"], method=info["method"],
-                   matrix=tensors.get("matrix"), top=kept.get("top"), bottom=kept.get("bottom"), meta=info["meta"])
+        try:
+            return cls(train_ids=ids["train_ids"], query_ids=ids["query_ids"], method=method,
+                       matrix=tensors.get("matrix"), top=kept.get("top"), bottom=kept.get("bottom"), meta=meta)
+        except ScoresError as err:
+            raise ScoresError(f"{path}: {err}; score again") from None
 
     def __repr__(self) -> str:
         kept = "matrix" if self.matrix is not None else f"top {self.top[0].shape[1] if self.top else 0}"

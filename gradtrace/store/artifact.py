@@ -1,0 +1,184 @@
+"""Directory artifacts (fitted curvature, saved scores): a JSON manifest beside one safetensors file, written
+atomically and verified on load.
+
+::
+
+    DIR/
+      NAME.json                         manifest: format, version, the artifact's own fields, and
+                                        "tensors": {file, bytes, blake2b, index: {tensor: {dtype, shape}}},
+                                        "manifest_blake2b": checksum of everything above (canonical JSON)
+      NAME-<16 hex>.safetensors         the tensors (safe format: no pickles), named by their checksum
+
+A save writes the tensor file under its new name (temporary file, fsync, rename), then replaces the
+manifest the same way, then removes the tensor file of the previous save. A save that fails at any point
+(a full disk) leaves the previous artifact as it was, readable. A load checks, in order: the manifest
+parses and is of the expected format and version; its own checksum (so an edited id list, shape or
+block list is refused); the tensor file's name stays inside DIR, its size (truncation) and checksum
+(a flipped bit, a replaced file); and that it holds exactly the tensors the manifest lists, with their
+dtypes and shapes. Each failure is one line naming the file and what to do.
+
+Version-1 artifacts (gradtrace before checksums: ``NAME.json`` + ``NAME.safetensors``) still load, with an
+:class:`UncheckedArtifactWarning`; the structural checks each artifact makes on its tensors still apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .layout import atomic_write_bytes, checksum, file_checksum
+
+__all__ = ["ArtifactError", "UncheckedArtifactWarning", "read_artifact", "write_artifact"]
+
+LEGACY_VERSION = 1
+"""The version that carried no checksums (read with a warning)."""
+
+
+class ArtifactError(ValueError):
+    """A saved artifact is missing a file, truncated, corrupted, edited or of another format."""
+
+
+class UncheckedArtifactWarning(UserWarning):
+    """An artifact saved before gradtrace recorded checksums was loaded: its contents could not be verified."""
+
+
+def canonical_json(data: Any) -> bytes:
+    """The bytes a checksum of JSON data is taken over: sorted keys, no whitespace, ASCII."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_file_pattern(stem: str) -> re.Pattern[str]:
+    return re.compile(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.safetensors")
+
+
+def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fields: dict[str, Any],
+                   tensors: dict[str, Tensor]) -> Path:
+    """Save ``tensors`` and the JSON-able ``fields`` as the artifact ``directory/stem.json``; returns its path.
+
+    The save holds one serialized copy of the tensors in memory while it writes. I/O errors (a full disk)
+    propagate as :class:`OSError` after the previous artifact, if any, was left intact.
+    """
+    from safetensors.torch import save
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    data = save(tensors)
+    digest = checksum(data)
+    tensor_file = directory / f"{stem}-{digest[:16]}.safetensors"
+    created = not tensor_file.exists()  # a re-save of equal tensors reuses the file the old manifest names
+    if created:
+        atomic_write_bytes(tensor_file, data)
+    del data
+    index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in sorted(tensors.items())}
+    try:
+        manifest = json.loads(json.dumps({"format": fmt, "version": version, **fields}))  # keys as they read back
+        manifest["tensors"] = {"file": tensor_file.name, "bytes": tensor_file.stat().st_size, "blake2b": digest,
+                               "index": index}
+        manifest["manifest_blake2b"] = checksum(canonical_json(manifest))
+        atomic_write_bytes(directory / f"{stem}.json", json.dumps(manifest, indent=1).encode())
+    except BaseException:
+        if created:
+            tensor_file.unlink(missing_ok=True)
+        raise
+    _remove_stale(directory, stem, keep=tensor_file.name)
+    return directory / f"{stem}.json"
+
+
+def _remove_stale(directory: Path, stem: str, keep: str) -> None:
+    """Remove tensor files of earlier saves (best effort: a leftover file is harmless, never read)."""
+    pattern = _tensor_file_pattern(stem)
+    for path in directory.iterdir():
+        if path.name != keep and (pattern.fullmatch(path.name) or path.name == f"{stem}.safetensors"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def read_artifact(directory: str | Path, stem: str, fmt: str, version: int, *, what: str, noun: str | None = None,
+                  error: type[Exception] = ArtifactError) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """The manifest and tensors of the artifact ``directory/stem.json``, verified (see the module docstring).
+
+    what: how messages name the artifact (``"scores"``), noun: as an adjective (``"score"``, default ``what``);
+    error: the exception type raised for a corrupted artifact. A missing manifest raises
+    :class:`FileNotFoundError`.
+    """
+    directory = Path(directory)
+    manifest_path = directory / f"{stem}.json"
+    if not manifest_path.exists():
+        raise FileNotFoundError(f"{directory} holds no saved {what} ({manifest_path.name} missing)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise error(f"{manifest_path} is not readable JSON ({err}); the {what} must be saved again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise error(f"{directory} is not a gradtrace {noun or what} file ({manifest_path.name} has no format {fmt!r})")
+    found = manifest.get("version")
+    if found == LEGACY_VERSION:
+        warnings.warn(f"{directory}: {what} saved by an older gradtrace (version {LEGACY_VERSION}) carry no "
+                      "checksums, so corruption cannot be detected; save them again to add checksums",
+                      UncheckedArtifactWarning, stacklevel=3)
+        return manifest, _load_tensors(directory / f"{stem}.safetensors", what, error)
+    if found != version:
+        raise error(f"{manifest_path}: {what} of version {found!r}; this gradtrace reads versions "
+                    f"{LEGACY_VERSION} and {version} (use the gradtrace that saved them)")
+    _check_manifest(manifest_path, manifest, what, error)
+    entry = manifest["tensors"]
+    tensor_path = directory / entry["file"]
+    _check_tensor_file(tensor_path, entry, what, error)
+    tensors = _load_tensors(tensor_path, what, error)
+    index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in tensors.items()}
+    if index != entry["index"]:  # the checksums matched: only a writer bug gets here
+        raise error(f"{tensor_path} holds tensors {sorted(index)}, {manifest_path.name} lists {sorted(entry['index'])}")
+    return manifest, tensors
+
+
+def _check_manifest(path: Path, manifest: dict[str, Any], what: str, error: type[Exception]) -> None:
+    """The manifest's own checksum, and a tensor entry whose file name stays inside the artifact directory."""
+    recorded = manifest.get("manifest_blake2b")
+    body = {key: value for key, value in manifest.items() if key != "manifest_blake2b"}
+    if not isinstance(recorded, str) or checksum(canonical_json(body)) != recorded:
+        raise error(f"{path} was edited or corrupted (its checksum does not match its contents); the {what} "
+                    "cannot be trusted: save them again")
+    entry = manifest.get("tensors")
+    if not isinstance(entry, dict) or not {"file", "bytes", "blake2b", "index"} <= set(entry):
+        raise error(f"{path} lists no tensor file; the {what} must be saved again")
+    name = entry["file"]
+    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+        raise error(f"{path} names the tensor file {name!r}, which is not a file of {path.parent}; refused")
+
+
+def _check_tensor_file(path: Path, entry: dict[str, Any], what: str, error: type[Exception]) -> None:
+    """The tensor file exists, has the recorded size (not truncated) and checksum (not corrupted or replaced)."""
+    if not path.is_file():
+        raise error(f"{path} is missing (the {what} manifest names it); the {what} must be saved again")
+    size = path.stat().st_size
+    if size != entry["bytes"]:
+        raise error(f"{path} has {size} bytes, the manifest records {entry['bytes']} (truncated or replaced); "
+                    f"the {what} must be saved again")
+    if file_checksum(path) != entry["blake2b"]:
+        raise error(f"{path} is corrupted or was replaced (blake2b checksum mismatch); the {what} must be saved "
+                    "again")
+
+
+def _load_tensors(path: Path, what: str, error: type[Exception]) -> dict[str, Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise error(f"{path} is missing; the {what} must be saved again")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise error(f"{path} is not a readable safetensors file ({' '.join(str(err).split())}); the {what} must "
+                    "be saved again") from None
