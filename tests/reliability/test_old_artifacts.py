@@ -6,10 +6,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 import gradtrace
 from gradtrace.curvature import Curvature
+from gradtrace.store.artifact import UncheckedArtifactWarning
 
 V1 = Path(__file__).parent.parent / "fixtures" / "v1"
 
@@ -32,9 +34,11 @@ def test_v1_store_opens_verified_with_its_rows(tmp_path):
 def test_v1_curvature_and_scores_load_and_rescore_the_same(tmp_path):
     root = _copy(tmp_path)
     store = gradtrace.GradientStore.open(root / "store")
-    curvature = Curvature.load(root / "curvature")
+    with pytest.warns(UncheckedArtifactWarning, match="no checksums"):  # version 1 recorded none
+        curvature = Curvature.load(root / "curvature")
     assert curvature.kind == "kfac" and curvature.spec.params == store.spec.params
-    saved = gradtrace.Scores.load(root / "scores")
+    with pytest.warns(UncheckedArtifactWarning, match="no checksums"):
+        saved = gradtrace.Scores.load(root / "scores")
     assert saved.method == "kfac" and saved.train_ids == store.ids and saved.query_ids == store.ids[:3]
     queries = gradtrace.GradientSet(store.read(0, 3), store.ids[:3], store.spec)
     again = gradtrace.Attributor("kfac", store, curvature=curvature).score(queries, topk=4, matrix=True)
