@@ -152,22 +152,23 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
         with cap:
             for batch in bar:
                 size = _batch_size(batch)
-                batch_ids = None
+                raw_ids = None  # as given: the capture refuses ids of two types (1 and "1") before str()
                 if isinstance(batch, dict) and id_key in batch:
-                    batch_ids = [str(i) for i in (batch[id_key].tolist() if isinstance(batch[id_key], Tensor)
-                                                  else batch[id_key])]
+                    raw_ids = list(batch[id_key].tolist() if isinstance(batch[id_key], Tensor) else batch[id_key])
                     batch = {k: v for k, v in batch.items() if k != id_key}
                 elif id_list is not None:
-                    batch_ids = [str(i) for i in id_list[consumed:consumed + size]]
-                    if len(batch_ids) < size:
+                    raw_ids = id_list[consumed:consumed + size]
+                    if len(raw_ids) < size:
                         raise ValueError(f"{what}(): {len(id_list)} ids given but the data has more examples")
                     consumed += size
+                batch_ids = None if raw_ids is None else [str(i) for i in raw_ids]
                 if skip and batch_ids is not None:  # resume: skip examples already done
                     keep = [i for i, ident in enumerate(batch_ids) if ident not in skip]
                     if not keep:
                         continue
                     if len(keep) < size:
                         batch, batch_ids = _select_rows(batch, keep, size), [batch_ids[i] for i in keep]
+                        raw_ids = [raw_ids[i] for i in keep]
                         size = len(keep)
                 if limit is not None and isinstance(batch, dict) and isinstance(batch.get("input_ids"), Tensor):
                     length = batch["input_ids"].shape[-1]
@@ -176,8 +177,8 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
                                          f"context is {limit}; truncate or split them")
                 batch = _to_device(batch, device)
                 fn = loss_fn or default_loss(batch, single_backward=True)
-                if batch_ids is not None:
-                    cap.annotate(ids=batch_ids)
+                if raw_ids is not None:
+                    cap.annotate(ids=raw_ids)
                 losses = fn(model, batch)
                 if losses.dim() != 1 or losses.shape[0] != size:
                     raise ValueError(f"loss_fn must return one loss per example ([{size}]), got "

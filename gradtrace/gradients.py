@@ -17,7 +17,8 @@ from torch import Tensor
 
 from .grad.batch import GradBatch
 from .grad.ops import concat
-from .store.spec import GradientSpec
+from .store.spec import GradientSpec, IdCollision
+from .store.writer import batch_digests
 
 __all__ = ["GradientSet", "GradientSource", "as_source"]
 
@@ -43,6 +44,7 @@ class GradientSet:
     vectors: ``[N, dim]`` float32; ids: one per row; spec: their :class:`GradientSpec`.
     batches: the :class:`GradBatch` es they came from, when kept (per-token scores need them).
     fields: per-row metadata (e.g. ``step``).
+    skipped: what :meth:`from_batches` left out: ``{"nonfinite": [ids], "duplicate": count}``.
     """
 
     vectors: Tensor
@@ -60,28 +62,55 @@ class GradientSet:
     @classmethod
     def from_batches(cls, batches: Sequence[GradBatch], model_fingerprint: dict[str, str] | None = None,
                      keep_batches: bool = False) -> GradientSet:
-        """Flatten captured batches (examples flagged NaN/inf are dropped with their ids in ``fields``)."""
+        """Flatten captured batches, as a store would hold them.
+
+        Examples flagged NaN/inf are dropped (their ids in ``dropped`` and ``skipped["nonfinite"]``). An id
+        seen before is kept once, as :class:`gradtrace.store.ShardWriter` does: a repeat of the same example
+        (same content digest, e.g. a later epoch; or no digest on either side) is skipped and counted in
+        ``skipped["duplicate"]``; the same id with another content digest raises
+        :class:`gradtrace.store.IdCollision` naming it.
+        """
         if not batches:
             raise ValueError("no gradients: the data was empty or no backward pass was captured")
         first = batches[0]
         spec = GradientSpec(params=list(first.dims.items()), projection=first.projection,
                             convention=first.convention.to_dict(), model=model_fingerprint or {})
-        vectors, ids, steps, dropped = [], [], [], []
+        vectors, ids, steps, dropped, kept_digests = [], [], [], [], []
+        seen: dict[str, str | None] = {}  # id -> content digest of the row kept for it
+        repeats = 0
         for batch in batches:
-            keep = torch.ones(len(batch), dtype=torch.bool)
+            finite = torch.ones(len(batch), dtype=torch.bool)
             if batch.nonfinite is not None:
-                keep = ~batch.nonfinite.cpu()
+                finite = ~batch.nonfinite.cpu()
+            digests = batch_digests(batch)
+            index = []
+            for i in finite.nonzero().flatten().tolist():
+                ident, digest = batch.ids[i], None if digests is None else digests[i]
+                if ident not in seen:
+                    seen[ident] = digest
+                    index.append(i)
+                    continue
+                known = seen[ident]
+                if digest is not None and known is not None and digest != known:
+                    raise IdCollision(f"id {ident!r} names two different examples (content digests {known} and "
+                                      f"{digest}, the second in backward pass {batch.step}): give every example "
+                                      "its own id")
+                repeats += 1
             flat = batch.flat()
-            index = keep.nonzero().flatten()
-            vectors.append(flat[index.to(flat.device)].cpu())
-            ids += [batch.ids[i] for i in index.tolist()]
+            vectors.append(flat[torch.tensor(index, dtype=torch.long, device=flat.device)].cpu())
+            ids += [batch.ids[i] for i in index]
             steps += [batch.step] * len(index)
-            dropped += [batch.ids[i] for i in (~keep).nonzero().flatten().tolist()]
+            kept_digests += [None if digests is None else digests[i] for i in index]
+            dropped += [batch.ids[i] for i in (~finite).nonzero().flatten().tolist()]
         kept = None
         if keep_batches:
             kept = list(batches)
-        out = cls(torch.cat(vectors), ids, spec, kept, {"step": steps})
+        fields: dict[str, list[Any]] = {"step": steps}
+        if any(d is not None for d in kept_digests):
+            fields["digest"] = kept_digests  # saved with the rows by save(): a store compares with them too
+        out = cls(torch.cat(vectors), ids, spec, kept, fields)
         out.dropped = dropped
+        out.skipped = {"nonfinite": list(dropped), "duplicate": repeats}
         return out
 
     def __len__(self) -> int:

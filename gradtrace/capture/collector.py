@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 
 from ..grad.batch import GradBatch, LossConvention, ParamGrad
 from ..grad.projection import LoGra, Projector, unmatched_ranks
+from ..store.spec import IdCollision
 from .assemble import SiteResult, join_terms, nonfinite_examples, term_tensors
 from .context import BatchInfo, ContextSettings, ForwardContext
 from .layers import LayerHandler
@@ -178,6 +180,7 @@ class Capture:
         self._ids = iter(ids) if ids is not None else None
         self._ids_given = ids is not None
         self._hash_counts: dict[str, int] = {}
+        self._id_kind: tuple[str, Any] | None = None  # type of the first user id and that id (see _id_strings)
         self._handles: list[Any] = []
         self._hooked: dict[int, Tensor] = {}  # parameters with a gradient hook (kept alive: ids stay unique)
         self._active = False
@@ -532,7 +535,9 @@ class Capture:
                 grad = grad.reduced()
             params[name] = grad
         used = contexts[:1] if sum_contexts else contexts
-        ids = [i for c in used for i in self._resolve_ids(c)]
+        resolved = [self._resolve_ids(c) for c in used]
+        ids = [i for call_ids, _ in resolved for i in call_ids]
+        digests = None if any(d is None for _, d in resolved) else [x for _, d in resolved for x in d]
         first = next(iter(params.values())).terms[0]
         device = next(iter(term_tensors(first).values())).device
         scale = torch.cat([c.example_scale.to(device) for c in used])
@@ -543,7 +548,8 @@ class Capture:
         batch = GradBatch(ids=ids, params=params, scale=scale, convention=self.convention, step=step,
                           nonfinite=bad, num_targets=num_targets,
                           projection=self.projection.to_dict() if self.projection is not None else None,
-                          meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)]},
+                          meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)],
+                                **({"digest": digests} if digests is not None else {})},
                           num_tokens=_token_axis(contexts))
         if bool(bad.any()):
             names = [ids[i] for i in bad.nonzero().flatten().tolist()]
@@ -554,22 +560,52 @@ class Capture:
             warnings.warn(message, stacklevel=2)
         return batch
 
-    def _resolve_ids(self, context: ForwardContext) -> list[str]:
+    def _resolve_ids(self, context: ForwardContext) -> tuple[list[str], list[str] | None]:
+        """The ids of one forward call's examples and their content digests (a hash of each example's
+        unpadded inputs; None when the inputs cannot be hashed). Stores and ``GradientSet`` use the digests to
+        tell a repeat of an example (same id, same digest: skipped) from two examples sharing an id (an error)."""
         count = context.num_examples
+        try:
+            digests = context.content_ids()
+        except (ValueError, TypeError, RuntimeError):  # no input tensor, or one numpy cannot hold (bf16)
+            digests = None
         if context.user_ids is not None:
-            return [str(i) for i in context.user_ids]
+            return self._id_strings(context.user_ids), digests
         if self._ids is not None:
             taken = list(itertools.islice(self._ids, count))
             if len(taken) < count:
                 raise ValueError(f"gradtrace: the ids list ran out: {count} examples in this batch but only "
                                  f"{len(taken)} ids left")
-            return [str(i) for i in taken]
+            return self._id_strings(taken), digests
         ids = []
-        for digest in context.content_ids():
+        for digest in context.content_ids() if digests is None else digests:  # raises when nothing can be hashed
             seen = self._hash_counts.get(digest, 0)
             self._hash_counts[digest] = seen + 1
             ids.append(digest if seen == 0 else f"{digest}#{seen}")
-        return ids
+        return ids, digests
+
+    def _id_strings(self, ids: Sequence[Any]) -> list[str]:
+        """User ids as strings; ids of two types in one run (``1`` and ``"1"``) would become the same string
+        and are refused (:class:`~gradtrace.store.IdCollision` naming both)."""
+        for ident in ids:
+            kind = _id_kind(ident)
+            if self._id_kind is None:
+                self._id_kind = (kind, ident)
+            elif kind != self._id_kind[0]:
+                first_kind, first = self._id_kind
+                raise IdCollision(f"gradtrace: ids of two types in one run: {first!r} ({first_kind}) and {ident!r} "
+                                  f"({kind}); stored as strings they can collide (1 and '1' are the same id). Give "
+                                  "every id the same type")
+        return [str(i) for i in ids]
+
+
+def _id_kind(ident: Any) -> str:
+    """``"int"`` for Python and numpy integers, ``"str"`` for strings, else the type's name."""
+    if isinstance(ident, str):
+        return "str"
+    if isinstance(ident, numbers.Integral) and not isinstance(ident, bool):
+        return "int"
+    return type(ident).__name__
 
 
 def _token_axis(contexts: list[ForwardContext]) -> int | None:

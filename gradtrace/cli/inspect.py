@@ -16,7 +16,7 @@ from .errors import CliError
 from .options import cli
 from .report import console, human_bytes
 
-__all__ = ["OPTIONS", "InspectOptions", "describe", "run"]
+__all__ = ["OPTIONS", "InspectOptions", "describe", "run", "store_checks"]
 
 
 @dataclass(kw_only=True)
@@ -26,7 +26,8 @@ class InspectOptions:
     path: Path = field(metadata=cli("A gradient store or a score directory.", argument=True, metavar="PATH"))
     json: bool = field(default=False, metadata=cli("Print machine-readable JSON instead of a table.", "--json"))
     verify: bool = field(default=False, metadata=cli(
-        "Also check every shard's checksum (reads the whole store).", "--verify"))
+        "Also check every shard's data checksum (reads the whole store); the manifest, the shard lists and the "
+        "records are always checked.", "--verify"))
 
 
 OPTIONS = InspectOptions
@@ -61,7 +62,7 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
         info = store.info()
         info["ranks"] = {str(rank): status for rank, status in info["ranks"].items()}
         return {"kind": "gradient store", **info, "complete": store.complete, "checksums_verified": verify,
-                "param_dims": dict(store.spec.params)}
+                "checked": store_checks(info["schema_version"], verify), "param_dims": dict(store.spec.params)}
     if (path / "scores.json").exists():
         from ..score import Scores
 
@@ -72,6 +73,15 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
                 "bottom_k": int(scores.bottom[0].shape[1]) if scores.bottom is not None else None,
                 "meta": scores.meta}
     raise CliError(f"{path} is neither a gradient store (no manifest.json) nor a score directory (no scores.json)")
+
+
+def store_checks(schema_version: int, verify: bool) -> list[str]:
+    """What opening a store of ``schema_version`` checked (see docs/store.md)."""
+    checks = ["manifest checksum"] if schema_version >= 2 else []
+    checks += ["shard list of every rank" if schema_version >= 2 else "shard and row counts of finished ranks",
+               "record checksums" if schema_version >= 2 else "record consistency (schema 1: no record checksums)",
+               "unique ids", "file names and sizes"]
+    return checks + (["data checksums"] if verify else [])
 
 
 def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
@@ -101,7 +111,10 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
             ("shards", f"{info['shards']:,}"), ("ranks", ranks),
             ("complete", "yes" if info["complete"] else "no (resume the run to finish it)"),
             ("size", human_bytes(info["bytes"])), ("created", str(info["created"])),
-            ("checksums", "verified" if info["checksums_verified"] else "not checked (--verify)")]
+            ("checked", ", ".join(info["checked"])),
+            ("checksums", "verified" if info["checksums_verified"] else "data not checked (--verify)")]
+    if info.get("repeated_ids"):
+        rows.append(("repeated ids", f"{info['repeated_ids']:,} stored by two ranks (same content; first row used)"))
     return rows + _config_rows(info.get("config") or {})
 
 

@@ -2,12 +2,13 @@
 
 from .layout import StoreError
 from .reader import GradientStore
-from .spec import GradientSpec, SpecMismatch, model_fingerprint
+from .spec import GradientSpec, IdCollision, SpecMismatch, model_fingerprint
 from .writer import ShardWriter, StoreWriteError, StoreWriter
 
 __all__ = [
     "GradientSpec",
     "GradientStore",
+    "IdCollision",
     "ShardWriter",
     "SpecMismatch",
     "StoreError",

@@ -3,8 +3,11 @@
 ::
 
     store/
-      manifest.json              format, schema version, GradientSpec, shard size, world size, config
-      rank-00000.json            one per writing rank: status ("writing" | "complete"), rows, skipped ids
+      manifest.json              format, schema version, GradientSpec, shard size, world size, config,
+                                 and (schema 2) the blake2b checksum of all of that but the config
+      rank-00000.json            one per writing rank: status ("writing" | "complete" | ...), rows, skipped ids,
+                                 and (schema 2) ``committed``: every shard of the rank in order, with its rows
+                                 and the blake2b checksum of its record
       rank-00000.lock            held while a run writes rank 0 (pid and host inside)
       shards/
         r00000-000000.data       rows x dim in the storage dtype, C order (memory-mapped when read)
@@ -12,10 +15,16 @@
         r00000-000000.json       commit record: ids, per-row fields, file sizes and blake2b checksums
 
 A shard exists once its ``.json`` commit record exists: data files are written to temporary names,
-fsynced and renamed first, the record last. A killed writer leaves at most temporary files and data
-files without a record, which the next writer of that rank removes; every committed shard stays
-readable. The manifest and lock files are created whole (written aside, then hard-linked into place).
-A lock names its holder's pid and host; a lock whose process is gone (same host) is taken over.
+fsynced and renamed first, the record next, and the rank file listing it last. A killed writer leaves at
+most temporary files, data files without a record (removed by the next writer of that rank) and one
+record not yet listed in its rank file (the next one in sequence: adopted by readers of an unfinished
+rank and by the resuming writer). Every committed shard stays readable. The manifest and lock files are
+created whole (written aside, then hard-linked into place). A lock names its holder's pid and host; a
+lock whose process is gone (same host) is taken over.
+
+Schema versions: 2 is written. 1 (no manifest checksum, no shard list in the rank file) is still read,
+with the checks its files allow (contiguous shards, row and shard counts of finished ranks, unique ids,
+data checksums); it cannot be resumed.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import threading
 from contextlib import contextmanager
@@ -33,7 +43,10 @@ __all__ = [
     "DTYPES",
     "FORMAT",
     "MANIFEST",
+    "MANIFEST_UNSEALED",
+    "READABLE_VERSIONS",
     "SCHEMA_VERSION",
+    "SHARD_FILE",
     "StoreError",
     "acquire_lock",
     "atomic_write_bytes",
@@ -41,8 +54,10 @@ __all__ = [
     "checksum",
     "create_exclusive",
     "file_checksum",
+    "json_bytes",
     "lock_file",
     "lock_is_stale",
+    "manifest_checksum",
     "rank_file",
     "read_lock",
     "release_lock",
@@ -50,7 +65,12 @@ __all__ = [
 ]
 
 FORMAT = "gradtrace-store"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The schema version this gradtrace writes."""
+READABLE_VERSIONS = (1, 2)
+"""Schema versions this gradtrace reads (see the module docstring for what version 1 lacks)."""
+SHARD_FILE = re.compile(r"r(\d{5})-(\d{6})\.(json|data|scale)")
+"""File names a store's ``shards/`` directory may hold (besides ``.tmp-`` files of a running writer)."""
 MANIFEST = "manifest.json"
 DTYPES = {"float32": ("float32", 4), "bfloat16": ("int16", 2), "int8": ("int8", 1)}
 """storage dtype -> (numpy dtype of the raw file, bytes per value); bf16 is kept as raw 16-bit words."""
@@ -77,6 +97,23 @@ def checksum(*chunks: bytes) -> str:
     for chunk in chunks:
         h.update(chunk)
     return h.hexdigest()
+
+
+def json_bytes(data: Any) -> bytes:
+    """The bytes a store writes for a JSON document (records, status files, manifest)."""
+    return json.dumps(data, indent=1, sort_keys=False).encode()
+
+
+MANIFEST_UNSEALED = ("checksum", "config")
+"""Manifest keys its checksum does not cover: itself, and the free-form ``config`` (provenance that tools
+such as the Trainer integration update after the store is created; it does not change how rows are read)."""
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """Checksum of what a manifest says about its rows: every key but :data:`MANIFEST_UNSEALED` (format,
+    schema version, spec, shard size, world size, creation time); key order and formatting do not matter."""
+    body = {k: v for k, v in manifest.items() if k not in MANIFEST_UNSEALED}
+    return checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
 
 
 def file_checksum(path: Path, block: int = 16 * 2**20) -> str:
@@ -116,7 +153,7 @@ def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
 
 
 def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_bytes(path, json.dumps(data, indent=1, sort_keys=False).encode())
+    atomic_write_bytes(path, json_bytes(data))
 
 
 def create_exclusive(path: Path, data: bytes) -> bool:

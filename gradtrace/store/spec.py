@@ -15,11 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GradientSpec", "SpecMismatch", "model_fingerprint"]
+__all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "model_fingerprint"]
 
 
 class SpecMismatch(ValueError):
     """Two gradient sets (stores, query sets, curvature) come from different models, layers or projections."""
+
+
+class IdCollision(ValueError):
+    """Two different examples (different content digests) were given the same id, or ids of different types
+    (``1`` and ``"1"``) that would become the same string."""
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, str]:

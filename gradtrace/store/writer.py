@@ -30,21 +30,25 @@ from .layout import (
     FORMAT,
     MANIFEST,
     SCHEMA_VERSION,
+    SHARD_FILE,
     StoreError,
     acquire_lock,
     atomic_write_bytes,
     atomic_write_json,
     checksum,
     create_exclusive,
+    json_bytes,
     lock_is_stale,
+    manifest_checksum,
     rank_file,
     read_lock,
     release_lock,
     shard_name,
 )
-from .spec import GradientSpec, SpecMismatch, model_fingerprint
+from .reader import scan_shards
+from .spec import GradientSpec, IdCollision, SpecMismatch, model_fingerprint
 
-__all__ = ["ShardWriter", "StoreWriteError", "StoreWriter", "dist_rank"]
+__all__ = ["ShardWriter", "StoreWriteError", "StoreWriter", "batch_digests", "dist_rank"]
 
 
 class StoreWriteError(StoreError):
@@ -56,6 +60,15 @@ def dist_rank() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def batch_digests(batch: GradBatch) -> list[str | None] | None:
+    """The content digest of each example of ``batch`` (``batch.meta["digest"]``, set by the capture from the
+    example's unpadded inputs), or None when the batch carries none."""
+    digests = batch.meta.get("digest")
+    if not isinstance(digests, list) or len(digests) != len(batch.ids):
+        return None
+    return digests
 
 
 def _now() -> str:
@@ -91,7 +104,11 @@ class ShardWriter:
 
     Rows whose id the store already holds (stored by an earlier run, by another rank before this writer
     opened, or put earlier by this writer) and rows with NaN/inf values are not written; they are counted
-    (ids of non-finite rows listed) under ``skipped`` in this rank's status file.
+    (ids of non-finite rows listed) under ``skipped`` in this rank's status file. When rows come with
+    content digests (``put(..., digests=)``, stored as the per-row field ``"digest"``), an id that comes
+    back with another digest than the one stored is two different examples sharing an id:
+    :class:`~gradtrace.store.IdCollision`. Without a digest on either side a repeated id is taken to be
+    the same example (skipped and counted).
 
     Args:
         root: store directory (created if missing).
@@ -129,7 +146,10 @@ class ShardWriter:
                 self._remove_old()
             self._prepare(resume, overwrite, config or {})
             self._cleanup_uncommitted()
-            self.stored_ids, self._next_seq, self.rows_written = self._scan_existing()
+            self.stored_ids: set[str] = set()
+            self._digests: dict[str, str] = {}  # content digest of each stored id that has one
+            self._committed: list[dict[str, Any]] = []  # this rank's shards, as its rank file lists them
+            self._next_seq, self.rows_written = self._scan_existing()
             self._resumed_ids = frozenset(self.stored_ids)
             self.skipped: dict[str, Any] = {"nonfinite": [], "already_stored": 0, "duplicate": 0}
             self._load_previous_skips()
@@ -193,17 +213,26 @@ class ShardWriter:
 
     def _prepare(self, resume: bool, overwrite: bool, config: dict[str, Any]) -> None:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
-        manifest = {"format": FORMAT, "schema_version": SCHEMA_VERSION, "created": _now(),
-                    "spec": self.spec.to_dict(), "shard_rows": self.shard_rows, "world_size": self.world_size,
-                    "config": config}
-        if create_exclusive(self.root / MANIFEST, json.dumps(manifest, indent=1).encode()):
+        manifest = json.loads(json.dumps({
+            "format": FORMAT, "schema_version": SCHEMA_VERSION, "created": _now(), "spec": self.spec.to_dict(),
+            "shard_rows": self.shard_rows, "world_size": self.world_size, "config": config}))
+        manifest["checksum"] = manifest_checksum(manifest)
+        self._manifest = manifest
+        if create_exclusive(self.root / MANIFEST, json_bytes(manifest)):
             return  # the first rank to arrive creates it; the others check it
         existing = self._read_manifest()
         if existing is None:
             raise StoreError(f"{self.root}/{MANIFEST} vanished while opening the store (another run deleting it?)")
         if existing.get("schema_version") != SCHEMA_VERSION:
-            raise StoreError(f"{self.root} has schema version {existing.get('schema_version')}, this gradtrace "
-                             f"writes version {SCHEMA_VERSION}; write to a new directory or pass overwrite=True")
+            older = " (an older gradtrace's store: readable, but not resumable)" if existing.get(
+                "schema_version") == 1 else ""
+            raise StoreError(f"{self.root} has schema version {existing.get('schema_version')}{older}, this "
+                             f"gradtrace writes version {SCHEMA_VERSION}; write to a new directory or pass "
+                             "overwrite=True")
+        if existing.get("checksum") != manifest_checksum(existing):
+            raise StoreError(f"{self.root}/{MANIFEST} was edited or is corrupted (its checksum does not match its "
+                             "content); restore it, or pass overwrite=True to replace the store")
+        self._manifest = existing
         try:
             other = GradientSpec.from_dict(existing["spec"])
         except (KeyError, TypeError, ValueError) as err:
@@ -239,24 +268,25 @@ class ShardWriter:
         for path in shards.glob(f".tmp-{prefix}-*"):
             path.unlink(missing_ok=True)
         for path in shards.glob(f"{prefix}-*"):
-            if path.suffix != ".json" and not path.with_suffix(".json").exists():
+            match = SHARD_FILE.fullmatch(path.name)  # only this rank's data files: never a file of the user's
+            if match and match[3] != "json" and not path.with_suffix(".json").exists():
                 path.unlink(missing_ok=True)
 
-    def _scan_existing(self) -> tuple[set[str], int, int]:
-        ids: set[str] = set()
-        next_seq, rows = 0, 0
-        for record in sorted((self.root / "shards").glob("r*.json")):
-            try:
-                data = json.loads(record.read_text())
-                ids.update(data["ids"])
-                rank, seq, count = int(data["rank"]), int(data["seq"]), int(data["rows"])
-            except (ValueError, KeyError, TypeError) as err:
-                raise StoreError(f"shard record {record.name} in {self.root} is corrupted ({err!r}); remove that "
-                                 "shard or pass overwrite=True") from None
-            if rank == self.rank:
-                next_seq = max(next_seq, seq + 1)
-                rows += count
-        return ids, next_seq, rows
+    def _scan_existing(self) -> tuple[int, int]:
+        """Read the ids (and digests) every rank committed, checked as a reader checks them (but for data
+        checksums), and this rank's shards (a record committed after the rank file's last update is adopted:
+        the status written next lists it). Returns this rank's next shard number and rows."""
+        shards, _, _ = scan_shards(self.root, self._manifest, verify=False,
+                                   where=f" in {self.root} (remove that shard or pass overwrite=True)")
+        for shard in shards:
+            ids = shard.record["ids"]
+            self.stored_ids.update(ids)
+            digests = (shard.record.get("fields") or {}).get("digest")
+            if digests is not None:
+                self._digests.update((i, d) for i, d in zip(ids, digests) if d is not None)
+            if shard.rank == self.rank:
+                self._committed.append(shard.entry)
+        return len(self._committed), sum(e["rows"] for e in self._committed)
 
     def _load_previous_skips(self) -> None:
         """Keep the non-finite ids an earlier run of this rank recorded (they are in no shard)."""
@@ -269,22 +299,37 @@ class ShardWriter:
             self.skipped["nonfinite"] = [i for i in earlier if i not in self.stored_ids]
 
     def _write_status(self, status: str, error: str | None = None) -> None:
+        """Replace this rank's status file (atomically): status, counts, every committed shard, skips."""
+        skipped = {k: (list(v) if isinstance(v, list) else v) for k, v in dict(self.skipped).items()}  # a snapshot
         atomic_write_json(rank_file(self.root, self.rank), {
             "rank": self.rank, "status": status, "rows": self.rows_written, "shards": self._next_seq,
-            "updated": _now(), "skipped": self.skipped, "error": error})
+            "updated": _now(), "skipped": skipped, "error": error, "committed": list(self._committed)})
 
     # -- writing ---------------------------------------------------------------------------------
-    def select_new(self, ids: Sequence[str]) -> list[int]:
+    def select_new(self, ids: Sequence[str], digests: Sequence[str | None] | None = None) -> list[int]:
         """Positions of the ``ids`` the store does not hold yet (first occurrence); the others are counted
         as skipped (``already_stored`` by an earlier run, or ``duplicate``) and from now on the kept ones are
-        taken as stored."""
-        keep = []
+        taken as stored.
+
+        ``digests``: content digest of each row (None where unknown). An id seen before with another digest
+        raises :class:`IdCollision` (nothing of this call is taken as stored then)."""
+        if digests is not None and len(digests) != len(ids):
+            raise ValueError(f"{len(digests)} digests for {len(ids)} ids")
+        keep, new = [], {}
         for pos, ident in enumerate(ids):
-            if ident in self.stored_ids:
+            digest = digests[pos] if digests is not None else None
+            if ident in self.stored_ids or ident in new:
+                known = new[ident] if ident in new else self._digests.get(ident)
+                if digest is not None and known is not None and digest != known:
+                    where = "stored in" if ident in self._resumed_ids else "written earlier in this run to"
+                    raise IdCollision(f"id {ident!r} names two different examples (content digests {known} and "
+                                      f"{digest}; the first {where} {self.root}): give every example its own id")
                 self.skipped["already_stored" if ident in self._resumed_ids else "duplicate"] += 1
             else:
-                self.stored_ids.add(ident)
+                new[ident] = digest
                 keep.append(pos)
+        self.stored_ids.update(new)
+        self._digests.update((i, d) for i, d in new.items() if d is not None)
         return keep
 
     def note_nonfinite(self, ids: Sequence[str]) -> None:
@@ -293,11 +338,12 @@ class ShardWriter:
         self.skipped["nonfinite"] += [i for i in ids if i not in listed and i not in self.stored_ids]
 
     def put(self, ids: Sequence[Any], vectors: Tensor, fields: dict[str, Any] | None = None, *,
-            selected: bool = False) -> None:
+            selected: bool = False, digests: Sequence[str | None] | None = None) -> None:
         """Queue rows for writing. ``vectors``: ``[n, dim]`` float; ``fields``: per-row lists (e.g. step).
 
         The rows are copied: the caller may reuse ``vectors``. Blocks only while the queue is full.
         ``selected``: the ids were already passed through :meth:`select_new` (they are new).
+        ``digests``: content digest of each row (see :meth:`select_new`), stored as the field ``"digest"``.
         """
         self._raise_if_failed()
         if self._closed:
@@ -306,6 +352,8 @@ class ShardWriter:
         if vectors.dim() != 2 or vectors.shape[1] != self.spec.dim or vectors.shape[0] != len(ids):
             raise ValueError(f"expected [{len(ids)}, {self.spec.dim}] vectors, got {tuple(vectors.shape)}")
         fields = {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in (fields or {}).items()}
+        if digests is not None:
+            fields["digest"] = [None if d is None else str(d) for d in digests]
         for key, values in fields.items():
             if len(values) != len(ids):
                 raise ValueError(f"field {key!r} has {len(values)} values for {len(ids)} rows")
@@ -320,9 +368,13 @@ class ShardWriter:
             warnings.warn(f"gradtrace: {len(bad)} row(s) with NaN/inf values are not stored: {bad[:5]}", stacklevel=2)
             if selected:
                 self.stored_ids.difference_update(bad)
+                for ident in bad:
+                    self._digests.pop(ident, None)
             self.note_nonfinite(bad)
         positions = [p for p in range(len(ids)) if bool(finite[p])]
-        keep = positions if selected else [positions[k] for k in self.select_new([ids[p] for p in positions])]
+        row_digests = fields.get("digest")
+        keep = positions if selected else [positions[k] for k in self.select_new(
+            [ids[p] for p in positions], None if row_digests is None else [row_digests[p] for p in positions])]
         if not keep:
             return
         if len(keep) == len(ids):
@@ -369,10 +421,13 @@ class ShardWriter:
             while len(ids) < take:
                 b_ids, b_vecs, b_fields = self._buffer[0]
                 need = take - len(ids)
+                got = min(need, len(b_ids))
+                for k in fields.keys() - b_fields.keys():  # a field some puts did not give: None for their rows
+                    fields[k].extend([None] * got)
+                for k, v in b_fields.items():
+                    fields.setdefault(k, [None] * len(ids)).extend(v[:need])
                 ids += b_ids[:need]
                 vecs.append(b_vecs[:need])
-                for k, v in b_fields.items():
-                    fields.setdefault(k, []).extend(v[:need])
                 if need >= len(b_ids):
                     self._buffer.pop(0)
                 else:
@@ -395,8 +450,10 @@ class ShardWriter:
         record = {"name": name, "rank": self.rank, "seq": self._next_seq, "rows": len(ids), "dim": self.spec.dim,
                   "dtype": self.spec.dtype, "files": files, "ids": ids, "fields": fields, "written": _now()}
         atomic_write_json(shards / f"{name}.json", record)  # the commit point
+        self._committed.append({"name": name, "rows": len(ids), "record": checksum(json_bytes(record))})
         self._next_seq += 1
         self.rows_written += len(ids)
+        self._write_status("writing")  # lists the shard (a crash before this: the record is adopted later)
 
     def close(self, complete: bool = True) -> None:
         """Write what is buffered, wait for the thread, and mark this rank complete (or interrupted).
@@ -415,7 +472,14 @@ class ShardWriter:
                 with contextlib.suppress(OSError):
                     self._write_status("failed", repr(self._error))
                 self._raise_if_failed()
-            self._write_status("complete" if complete else "interrupted")
+            status = "complete" if complete else "interrupted"
+            try:
+                self._write_status(status)
+            except OSError as err:
+                raise StoreWriteError(
+                    f"could not mark rank {self.rank} of {self.root} {status} ({err}): its {self.rows_written} rows "
+                    f"({self._next_seq} shards) are committed and readable with GradientStore.open(..., "
+                    "allow_incomplete=True); free space and resume with resume=True to complete it") from err
         finally:
             release_lock(self.root, self.rank)
 
@@ -507,7 +571,9 @@ class StoreWriter:
             bad = set(batch.nonfinite.nonzero().flatten().tolist())
             writer.note_nonfinite([batch.ids[i] for i in candidates if i in bad])
             candidates = [i for i in candidates if i not in bad]
-        keep = [candidates[k] for k in writer.select_new([batch.ids[i] for i in candidates])]
+        digests = batch_digests(batch)
+        keep = [candidates[k] for k in writer.select_new(
+            [batch.ids[i] for i in candidates], None if digests is None else [digests[i] for i in candidates])]
         if not keep:
             return
         sub = batch if len(keep) == len(batch) else batch.select(keep)
@@ -515,7 +581,8 @@ class StoreWriter:
         if self.fields is not None:
             extra = self.fields(sub)
             fields.update({k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in extra.items()})
-        writer.put(sub.ids, sub.flat(), fields, selected=True)
+        writer.put(sub.ids, sub.flat(), fields, selected=True,
+                   digests=None if digests is None else [digests[i] for i in keep])
 
     def on_capture_end(self, capture, error: BaseException | None) -> None:
         if self.writer is not None:

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from gradtrace.store.layout import manifest_checksum
 from tests.cli.conftest import copy_store, error_line, flat, invoke
 
 
@@ -125,6 +126,7 @@ def test_unreproducible_projection_is_refused(ws, runner, store, fresh):
     copy = copy_store(store, fresh / "s")
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["spec"]["projection"] = {"kind": "sjlt", "seed": 0, "dim": 64}
+    manifest["checksum"] = manifest_checksum(manifest)  # a store written so, not an edited one
     (copy / "manifest.json").write_text(json.dumps(manifest))
     line = error_line(invoke(runner, "score", copy, ws.queries, "--model", ws.model, "--out", fresh / "sc", code=2))
     assert "'sjlt' projection" in line and "LoGra projections only" in line

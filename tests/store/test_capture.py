@@ -37,7 +37,7 @@ def test_gpt2_training_steps_with_logra_store(tmp_path):
     assert [s.rows for s in opened.shards] == [4, 4, 1]
 
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["schema_version"] == 1 and manifest["format"] == "gradtrace-store"
+    assert manifest["schema_version"] == 2 and manifest["format"] == "gradtrace-store"
     assert manifest["spec"]["projection"] == spec.to_dict()
     assert manifest["spec"]["convention"] == {"reduction": "mean", "example_loss": "sum"}
     assert manifest["spec"]["model"] == before  # taken at the first backward pass, before any update

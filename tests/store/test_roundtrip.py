@@ -88,7 +88,7 @@ def test_manifest_describes_the_store(tmp_path):
     ids, rows = make_rows(4)
     write(tmp_path, ids, rows, dtype="bfloat16", config={"run": "unit"})
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert manifest["format"] == "gradtrace-store" and manifest["schema_version"] == 1
+    assert manifest["format"] == "gradtrace-store" and manifest["schema_version"] == 2
     assert manifest["spec"]["params"] == [[n, d] for n, d in PARAMS]
     assert manifest["spec"]["dtype"] == "bfloat16"
     assert manifest["shard_rows"] == 5 and manifest["world_size"] == 1 and manifest["config"] == {"run": "unit"}
