@@ -100,11 +100,15 @@ def zero_outside(x: Tensor, outside: Tensor | None) -> Tensor:
     """``x`` (``[B, T, ...]``) with its NaN/inf at the ``outside`` positions (``[B, T]``) replaced by 0.
 
     Finite values are left as they are; tensors of another layout (integer ids, other position counts) are
-    returned unchanged.
+    returned unchanged. Only the outside positions are read unless one of them is non-finite: the common case
+    costs a pass over the padding, not over ``x`` (and returns ``x`` itself).
     """
     if outside is None or not x.is_floating_point() or x.dim() < 2 or tuple(x.shape[:2]) != tuple(outside.shape):
         return x
-    where = outside.to(x.device).view(*outside.shape, *(1,) * (x.dim() - 2))
+    outside = outside.to(x.device)
+    if bool(torch.isfinite(x[outside]).all()):
+        return x
+    where = outside.view(*outside.shape, *(1,) * (x.dim() - 2))
     return x.masked_fill(where & ~torch.isfinite(x), 0)
 
 
