@@ -19,12 +19,61 @@ from torch import Tensor, nn
 from .capture import capture
 from .grad.projection import LoGra
 from .gradients import GradientSet
-from .losses import default_loss
+from .losses import default_loss, default_loss_labels
 from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
 
-__all__ = ["collect", "run_capture"]
+__all__ = ["NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters", "run_capture"]
 
 LossFn = Callable[[nn.Module, Any], Tensor]
+
+
+class NonFiniteError(ValueError):
+    """NaN/inf where gradients need finite numbers: in the model's parameters, or in every example's gradient."""
+
+
+def nonfinite_parameters(model: nn.Module) -> list[str]:
+    """Names of the model's floating-point parameters that hold a NaN or an inf (this process's shard under
+    FSDP2)."""
+    bad = []
+    for name, param in model.named_parameters():
+        if not param.is_floating_point() or param.is_meta:
+            continue
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if not bool(torch.isfinite(local.detach()).all()):
+            bad.append(name)
+    return bad
+
+
+def check_finite_parameters(model: nn.Module, what: str = "collect()") -> None:
+    """Refuse a model with NaN/inf parameters before any work (naming them): gradients through them are NaN."""
+    bad = nonfinite_parameters(model)
+    if bad:
+        more = ""
+        if len(bad) > 1:
+            more = f" (and {len(bad) - 1} more: {', '.join(bad[1:4])}{', ...' if len(bad) > 4 else ''})"
+        raise NonFiniteError(f"{what}: the model's parameter {bad[0]} holds NaN/inf{more}; gradients taken through "
+                             "it are NaN or meaningless. Load intact weights (the checkpoint, or the training that "
+                             "wrote it, is broken)")
+
+
+class _NonFiniteTally:
+    """Capture callback counting the examples of a run and the ids flagged NaN/inf."""
+
+    def __init__(self) -> None:
+        self.examples = 0
+        self.nonfinite: list[str] = []
+
+    def on_batch(self, batch: Any, capture: Any) -> None:
+        self.examples += len(batch)
+        if batch.nonfinite is not None and bool(batch.nonfinite.any()):
+            self.nonfinite += [batch.ids[i] for i in batch.nonfinite.nonzero().flatten().tolist()]
+
+    def check(self, kept: str) -> None:
+        """Raise when every example of the run was non-finite (nothing new to return or store)."""
+        if self.examples and len(self.nonfinite) == self.examples:
+            first = ", ".join(self.nonfinite[:3]) + (" ..." if self.examples > 3 else "")
+            raise NonFiniteError(f"collect(): all {self.examples} examples have NaN/inf gradients ({first}); {kept}. "
+                                 "Check the data and the model's dtype (float16/bfloat16 can overflow)")
 
 
 def _batch_size(batch: Any) -> int:
@@ -83,6 +132,11 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
             total: int | None = None, config: dict[str, Any] | None = None) -> GradientSet | GradientStore:
     """Per-example gradients of every example of ``data`` at the model's current weights.
 
+    Examples whose gradient holds NaN/inf are left out with a warning naming them (in-memory: listed in the
+    result's ``dropped``; in a store: in its rank status). A model with a NaN/inf parameter, or a run where every
+    example is non-finite, raises :class:`NonFiniteError`; examples without a target token (one token) get a zero
+    gradient and a warning.
+
     Args:
         model: the model (not modified; ``param.grad`` untouched).
         data: an iterable of batches: dicts of tensors (Hugging Face style) or ``(inputs, targets)`` tuples.
@@ -103,6 +157,7 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
     """
     if store is None and (resume or overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
+    check_finite_parameters(model)
     writer = StoreWriter(store, dtype=dtype, shard_rows=shard_rows, resume=resume, overwrite=overwrite,
                          config=config) if store is not None else None
     stored: set[str] = set()
@@ -110,11 +165,15 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
         stored = set(GradientStore.open(store, verify=False, allow_incomplete=True).ids)
     if projection is not None and keep_tokens:
         projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
+    tally = _NonFiniteTally()
+    # padding's NaN/inf must not reach the real tokens (isolate_padding): each example's gradient is its own
     cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum",
-                  projection=projection, callbacks=[writer] if writer is not None else [],
-                  keep_batches=writer is None)
+                  projection=projection, callbacks=[writer, tally] if writer is not None else [tally],
+                  keep_batches=writer is None, isolate_padding=True)
     run_capture(model, data, loss_fn, cap, ids=ids, id_key=id_key, skip=stored, device=device,
                 weight_grads=weight_grads, eval_mode=eval_mode, progress=progress, total=total)
+    tally.check(f"nothing new was stored in {store} (it keeps what it held)" if store is not None
+                else "no gradient is left")
     if writer is not None:
         if writer.writer is None:
             if not stored:
@@ -177,8 +236,13 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
                                          f"context is {limit}; truncate or split them")
                 batch = _to_device(batch, device)
                 fn = loss_fn or default_loss(batch, single_backward=True)
-                if raw_ids is not None:
-                    cap.annotate(ids=raw_ids)
+                info: dict[str, Any] = {} if raw_ids is None else {"ids": raw_ids}
+                if loss_fn is None:  # the capture learns each example's target count (zero ones are warned about)
+                    labels = default_loss_labels(batch)
+                    if labels is not None:
+                        info["labels"] = labels if getattr(cap, "causal_lm", True) else _shift_left(labels)
+                if info:
+                    cap.annotate(**info)
                 losses = fn(model, batch)
                 if losses.dim() != 1 or losses.shape[0] != size:
                     raise ValueError(f"loss_fn must return one loss per example ([{size}]), got "
@@ -204,6 +268,11 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
     if id_list is not None and consumed < len(id_list) and not skip:
         raise ValueError(f"{what}(): {len(id_list)} ids given for {consumed} examples")
     return seen
+
+
+def _shift_left(labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """``[B, T]`` labels moved one position left (position ``t`` holds what the logits at ``t`` predict)."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
 def _progress(data: Iterable[Any], enabled: bool, total: int | None, what: str = "collect") -> Iterable[Any]:

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["causal_lm_loss", "classification_loss", "regression_loss", "lm_labels", "token_cross_entropy"]
+__all__ = ["causal_lm_loss", "classification_loss", "default_loss_labels", "regression_loss", "lm_labels",
+           "token_cross_entropy"]
 
 _MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 
@@ -67,6 +68,11 @@ class _TokenCrossEntropy(torch.autograd.Function):
             torch.sub(logits[start:stop], lse[start:stop, None], out=block)
             block.exp_().mul_(weight[start:stop, None])
             block.scatter_add_(1, safe[start:stop, None], -weight[start:stop, None])
+        # a row that is no target gets exactly zero, even where its logits are NaN/inf (softmax * 0 is NaN there):
+        # NaN at padding would otherwise flow back into the real tokens through masked attention
+        silent = ~valid & ~torch.isfinite(lse)
+        if bool(silent.any()):
+            out[silent] = 0
         return out.to(logits.dtype), None, None, None, None
 
 
@@ -145,6 +151,14 @@ def regression_loss(model: nn.Module, batch: Any) -> Tensor:
 
 def _causal_lm_loss_once(model: nn.Module, batch: dict[str, Any]) -> Tensor:
     return causal_lm_loss(model, batch, consume_logits=True)
+
+
+def default_loss_labels(batch: Any, ignore_index: int = -100) -> Tensor | None:
+    """``[B, T]`` token labels of the loss :func:`default_loss` picks for ``batch`` (``labels[t]`` is predicted
+    from the tokens before ``t``), or None when that loss is not the causal LM loss."""
+    if default_loss(batch) is not causal_lm_loss:
+        return None
+    return lm_labels(batch, ignore_index)
 
 
 def default_loss(batch: Any, *, single_backward: bool = False):

@@ -4,6 +4,10 @@ Each use of a captured module in a forward call (a *site*) yields per-row terms 
 Here they are mapped to examples (packed rows split into documents), joined per parameter --
 sites of one forward call along the token axis (a module called twice, tied weights of the same
 kind), forward calls along the example axis -- and checked for NaN/inf per example.
+
+Positions that belong to no example (padding) never make an example non-finite: their NaN/inf are
+replaced by 0 (:func:`zero_outside`), which is what a finite padded position contributes anyway (no loss
+reaches it). Finite values are never changed.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from torch import Tensor
 from ..grad.terms import OuterTerm, Term, VectorTerm, is_index
 from .context import ForwardContext
 
-__all__ = ["SiteResult", "join_terms", "nonfinite_examples", "term_tensors"]
+__all__ = ["SiteResult", "join_terms", "nonfinite_examples", "outside_examples", "term_tensors", "zero_outside"]
 
 
 @dataclass
@@ -78,16 +82,52 @@ def _empty_like(term: Term, num_examples: int) -> Term:
     return _map(term, lambda x: x.new_full((num_examples, 1, *x.shape[2:]), _fill(x)))
 
 
+def outside_examples(context: ForwardContext) -> Tensor | None:
+    """``[B, T]`` bool: the positions of a forward call's rows that belong to no example (padding, gaps
+    between packed documents); None when there are none or the call has no token layout."""
+    if context.seq_len is None:
+        return None
+    if context.packed:
+        outside = context.example_of_token < 0
+    elif context.valid is not None:
+        outside = ~context.valid
+    else:
+        return None
+    return outside if bool(outside.any()) else None
+
+
+def zero_outside(x: Tensor, outside: Tensor | None) -> Tensor:
+    """``x`` (``[B, T, ...]``) with its NaN/inf at the ``outside`` positions (``[B, T]``) replaced by 0.
+
+    Finite values are left as they are; tensors of another layout (integer ids, other position counts) are
+    returned unchanged. Only the outside positions are read unless one of them is non-finite: the common case
+    costs a pass over the padding, not over ``x`` (and returns ``x`` itself).
+    """
+    if outside is None or not x.is_floating_point() or x.dim() < 2 or tuple(x.shape[:2]) != tuple(outside.shape):
+        return x
+    outside = outside.to(x.device)
+    if bool(torch.isfinite(x[outside]).all()):
+        return x
+    where = outside.view(*outside.shape, *(1,) * (x.dim() - 2))
+    return x.masked_fill(where & ~torch.isfinite(x), 0)
+
+
 def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[ForwardContext],
-               sum_contexts: bool) -> list[Term]:
+               sum_contexts: bool, outside: dict[int, Tensor | None] | None = None) -> list[Term]:
     """Join one parameter's site terms into per-example terms (one per signature).
 
     entries: ``(context, call order, per-row term)`` for every site of the parameter.
     contexts: all forward calls of the step, in order (their examples are concatenated, unless
         ``sum_contexts``, in which case row ``i`` of every call is the same example).
+    outside: ``{context index: [B, T] positions outside every example}`` (see :func:`outside_examples`);
+        NaN/inf there do not reach the examples' terms.
     """
+    outside = outside or {}
     groups: dict[tuple, dict[int, list[Term]]] = {}
     for context, _order, term in sorted(entries, key=lambda e: (e[0].index, e[1])):
+        mask = outside.get(context.index)
+        if mask is not None:
+            term = _map(term, lambda x, mask=mask: zero_outside(x, mask))
         per_example = _map(term, context.relayout)
         groups.setdefault(_signature(per_example), {}).setdefault(context.index, []).append(per_example)
     joined: list[Term] = []

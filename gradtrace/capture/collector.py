@@ -29,9 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from ..grad.batch import GradBatch, LossConvention, ParamGrad
-from ..grad.projection import LoGra, Projector, unmatched_ranks
+from ..grad.projection import LoGra, Projector, check_projection_size, unmatched_ranks
 from ..store.spec import IdCollision
-from .assemble import SiteResult, join_terms, nonfinite_examples, term_tensors
+from .assemble import SiteResult, join_terms, nonfinite_examples, outside_examples, term_tensors, zero_outside
 from .context import BatchInfo, ContextSettings, ForwardContext
 from .layers import LayerHandler
 from .report import CaptureReport
@@ -110,6 +110,11 @@ class Capture:
         ignore_index: label value that marks non-target tokens.
         nonfinite: ``"flag"`` examples with NaN/inf gradients in ``batch.nonfinite`` (with a warning)
             or ``"raise"``.
+        isolate_padding: replace NaN/inf at positions that belong to no example (padding) by 0 in the
+            captured layers' outputs and output-gradients, so that they cannot reach the real tokens (masked
+            attention multiplies a padded position's values by 0, which leaves NaN) and flag a whole padded
+            batch. Finite values are never changed. Off by default because it changes the loss a training
+            loop sees when padding holds NaN; :func:`gradtrace.collect` turns it on.
         strict: raise instead of warning when trainable parameters cannot be captured.
         verify: check after each backward pass that the per-example gradients, with the loss scale
             put back, sum to the batch gradient autograd computed (debugging; costs a little).
@@ -135,6 +140,7 @@ class Capture:
         causal_lm: bool | None = None,
         ignore_index: int = -100,
         nonfinite: str = "flag",
+        isolate_padding: bool = False,
         strict: bool = False,
         verify: bool = False,
     ) -> None:
@@ -162,6 +168,7 @@ class Capture:
         self.broadcast = broadcast
         self.ignore_index = ignore_index
         self.nonfinite = nonfinite
+        self.isolate_padding = isolate_padding
         self.strict = strict
         self.verify = verify
         name = type(unwrap(model)).__name__
@@ -175,6 +182,8 @@ class Capture:
             if unmatched:
                 raise ValueError(f"LoGra ranks= globs {unmatched} match no captured parameter (captured: "
                                  f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
+        if projection is not None:
+            check_projection_size(projection, {h.params[r]: h.shapes[r] for h in self.handlers for r in h.params})
         self.batches: list[GradBatch] = []
         self.num_backward = 0
         self._ids = iter(ids) if ids is not None else None
@@ -271,6 +280,7 @@ class Capture:
         self._param_grads: dict[str, Tensor] = {}
         self._params_seen: set[str] = set()
         self._implicit: ForwardContext | None = None
+        self._outside: dict[int, Tensor | None] = {}  # isolate_padding: context index -> padded positions
 
     # ------------------------------------------------------------------ public helpers
     def annotate(self, *, ids: Sequence[Any] | None = None, labels: Tensor | None = None,
@@ -433,11 +443,18 @@ class Capture:
                     self._report.skip_runtime(handler.name, f"its input has {inputs.shape[0]} rows but the "
                                               f"batch has {rows}; rows cannot be matched to examples")
                     return None
+            outside = self._padding_of(context) if self.isolate_padding else None
+            if outside is not None:  # the saved inputs need no cleaning: _assemble drops padding's NaN from terms
+                cleaned = zero_outside(output, outside)
+                if cleaned is not output:
+                    output = replacement = cleaned
             saved = handler.forward(inputs, self.projector)
             order = next(self._order)
 
-            def on_grad(grad: Tensor) -> None:
-                self._on_layer_grad(handler, context, order, saved, grad)
+            def on_grad(grad: Tensor) -> Tensor | None:
+                cleaned = zero_outside(grad, outside)
+                self._on_layer_grad(handler, context, order, saved, cleaned)
+                return cleaned if cleaned is not grad else None
 
             output.register_hook(on_grad)
             if self.track_outputs:
@@ -445,6 +462,14 @@ class Capture:
             return replacement
 
         return hook
+
+    def _padding_of(self, context: Any) -> Tensor | None:
+        """``[B, T]`` positions of a forward call that belong to no example (computed once per call)."""
+        if not isinstance(context, ForwardContext):
+            return None
+        if context.index not in self._outside:
+            self._outside[context.index] = outside_examples(context)
+        return self._outside[context.index]
 
     # ------------------------------------------------------------------ backward side
     def _ensure_end_callback(self) -> None:
@@ -524,11 +549,14 @@ class Capture:
             for name, term in r.terms.items():
                 by_param.setdefault(name, []).append((r.context, r.order, term))
         shapes = {h.params[role]: h.shapes[role] for h in self.handlers for role in h.params}
+        # padded positions are no example's: their NaN/inf must not make an example non-finite (packed rows
+        # are split into documents by relayout, which drops them already)
+        outside = {c.index: outside_examples(c) for c in contexts if not c.packed}
         params: dict[str, ParamGrad] = {}
         for name in self.selection.param_order:
             if name not in by_param:
                 continue
-            terms = join_terms(by_param[name], contexts, sum_contexts)
+            terms = join_terms(by_param[name], contexts, sum_contexts, outside)
             shape = tuple(terms[0].shape) if self.projector is not None else shapes[name]
             grad = ParamGrad(name, shape, terms, projected=self.projector is not None)
             if self.projector is not None and not self.projection.keep_tokens:
@@ -558,6 +586,8 @@ class Capture:
             if self.nonfinite == "raise":
                 raise FloatingPointError(message)
             warnings.warn(message, stacklevel=2)
+        if num_targets is not None:
+            _warn_no_targets(ids, num_targets, step)
         return batch
 
     def _resolve_ids(self, context: ForwardContext) -> tuple[list[str], list[str] | None]:
@@ -606,6 +636,16 @@ def _id_kind(ident: Any) -> str:
     if isinstance(ident, numbers.Integral) and not isinstance(ident, bool):
         return "int"
     return type(ident).__name__
+
+
+def _warn_no_targets(ids: list[str], num_targets: Tensor, step: int) -> None:
+    """Warn about examples without a target token: their loss, hence their gradient, is zero."""
+    empty = (num_targets == 0).nonzero().flatten().tolist()
+    if empty:
+        names = [ids[i] for i in empty]
+        warnings.warn(f"gradtrace: {len(names)} example(s) have no target token in backward pass {step} (a single "
+                      f"token, or every label ignored), so their gradients are zero: {', '.join(names[:5])}"
+                      f"{' ...' if len(names) > 5 else ''}", stacklevel=3)
 
 
 def _token_axis(contexts: list[ForwardContext]) -> int | None:

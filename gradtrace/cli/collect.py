@@ -74,6 +74,7 @@ def run(opts: CollectOptions) -> None:
         tokens, ids, truncated = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.data)
         batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
     phases.note("tokenize", f"{sum(map(len, tokens)):,} tokens" + (f", {truncated} truncated" if truncated else ""))
+    single = [ident for ident, toks in zip(ids, tokens) if len(toks) < 2]  # nothing to predict: zero gradient
     proj = opts.projection_options
     projection = (gradtrace.LoGra(rank=proj.rank, seed=proj.seed, ranks=proj.logra_ranks())
                   if proj.projection == "logra" else None)
@@ -104,18 +105,23 @@ def run(opts: CollectOptions) -> None:
     if nonfinite:
         out.print(f"[yellow]Warning: {len(nonfinite)} examples had NaN/inf gradients and were not stored "
                   f"(first ids: {json.dumps(nonfinite[:3])}).[/yellow]")
+    if single:
+        out.print(f"[yellow]Warning: {len(single)} example{' has' if len(single) == 1 else 's have'} a single token, "
+                  f"so nothing to predict: stored with a zero gradient (first ids: {json.dumps(single[:3])}).[/yellow]")
     out.print(f"Next: gradtrace score {store_opts.out} QUERIES.jsonl --out SCORES_DIR")
     if opts.progress:
         console(stderr=True).print(phases.table())
 
 
 def _check_target(store_opts: StoreOptions) -> int:
-    """Refuse an existing store without --resume/--overwrite; returns the rows it already holds."""
+    """Refuse, before any data or model work, a store another run is writing, and an existing store without
+    --resume/--overwrite; returns the rows it already holds."""
     out = store_opts.out
     if store_opts.resume and store_opts.overwrite:
         raise CliError("--resume and --overwrite contradict each other; pass one of them")
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
+    _check_not_locked(out)
     if not (out / "manifest.json").exists():
         return 0
     if not (store_opts.resume or store_opts.overwrite):
@@ -126,6 +132,24 @@ def _check_target(store_opts: StoreOptions) -> int:
     from ..store import GradientStore
 
     return len(GradientStore.open(out, verify=False, allow_incomplete=True))
+
+
+def _check_not_locked(out: Path) -> None:
+    """Refuse a store whose write lock a live run holds (a lock left by a dead process is taken over later)."""
+    from ..store.layout import lock_is_stale, read_lock
+
+    if not out.is_dir():
+        return
+    for lock in sorted(out.glob("rank-*.lock")):
+        try:
+            rank = int(lock.stem.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        holder = read_lock(out, rank)
+        if holder is not None and not lock_is_stale(holder):
+            raise CliError(f"{out} is being written by another run (pid {holder.get('pid')} on {holder.get('host')}, "
+                           f"{lock.name}); two runs cannot write one store. Wait for it to finish, or delete {lock} "
+                           "if that run is gone")
 
 
 def _check_resume(store_opts: StoreOptions, projection: Any, model: Any) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import io
+import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..collect import context_limit
+from ..collect import NonFiniteError, check_finite_parameters, context_limit
 from .errors import CliError
 
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]
@@ -46,7 +47,10 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` on ``device``."""
+    """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` on ``device``.
+
+    Pickled weight files are loaded tensors-only: one holding other Python objects (which could run code) is
+    refused, as is a model with a NaN/inf parameter (every gradient through it would be broken)."""
     path = _check_dir(path)
     import transformers
     from transformers import AutoModelForCausalLM
@@ -62,7 +66,21 @@ def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Modu
             model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **dtype_kwarg)
     except (OSError, ValueError, KeyError) as err:
         raise CliError(f"cannot load a causal language model from {path}: {_first_line(err)}") from None
+    except pickle.UnpicklingError:
+        files = ", ".join(p.name for p in _pickle_files(path)) or "its weight file"
+        raise CliError(f"refusing to load {path}: {files} holds pickled Python objects besides tensors (they could run "
+                       "code when loaded) and gradtrace loads weights only; get the model as safetensors from a "
+                       "source you trust") from None
+    try:
+        check_finite_parameters(model, what=f"model {path}")
+    except NonFiniteError as err:
+        raise CliError(str(err)) from None
     return model.to(device)
+
+
+def _pickle_files(path: Path) -> list[Path]:
+    """The pickle-based weight files of a model directory (``pytorch_model*.bin``, ``*.pt``, ``*.pth``)."""
+    return sorted(p for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern))
 
 
 @contextlib.contextmanager

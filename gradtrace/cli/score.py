@@ -58,6 +58,9 @@ class ScoringOptions(Group):
     export: Path | None = field(default=None, metadata=cli(
         "Also export the top-k rows of every query to this .csv, .json or .parquet file."))
     overwrite: bool = field(default=False, metadata=cli("Replace scores already saved in --out."))
+    allow_partial: bool = field(default=False, metadata=cli(
+        "Score the other queries when some have NaN/inf gradients (those are listed and left out); without it "
+        "they are an error."))
     curvature: Path | None = field(default=None, metadata=cli(
         "Fitted curvature for influence methods (kfac, ekfac, ggn, logra), written by gradtrace fit.",
         metavar="CURVATURE_DIR"))
@@ -146,7 +149,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                     raise CliError(f"store {path} does not exist")
             stores = [GradientStore.open(path) for path in store_paths]
         models = _models(opts.model, stores)
-        query_sets, max_length = _query_gradients(opts, stores, models, device, phases, opts.progress and rank == 0)
+        query_sets, max_length, dropped = _query_gradients(opts, stores, models, device, phases,
+                                                           opts.progress and rank == 0)
         if "curvature" in get_method(sc.method).needs:
             if sc.curvature is None:
                 raise CliError(f"--method {sc.method} needs a fitted curvature: run gradtrace fit {opts.store} "
@@ -178,6 +182,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                     model_options=replace(model_opts, device=device))
     values = resolved(final)
     scores.meta["config"] = {META_KEY: provenance("score"), **values}
+    if dropped:
+        scores.meta["dropped_queries"] = {"ids": dropped, "reason": "NaN/inf gradients"}
     written = None
     with agreed("saving the scores"), phases("save"):
         if rank == 0:  # every rank holds the same scores; one writes them
@@ -197,6 +203,9 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     kept += f", top/bottom {scores.top[0].shape[1]}" if scores.top is not None else ""
     out.print(f"Scored {len(scores.query_ids):,} queries against {len(scores.train_ids):,} training examples with "
               f"{sc.method}; saved in {sc.out}")
+    if dropped:
+        out.print(f"[yellow]Warning: {len(dropped)} quer{'y' if len(dropped) == 1 else 'ies'} with NaN/inf gradients "
+                  f"left out (--allow-partial): {', '.join(dropped[:5])}{' ...' if len(dropped) > 5 else ''}[/yellow]")
     out.print(f"  kept        {kept}")
     out.print(f"  models      {', '.join(str(m) for m in models)}")
     if world > 1:
@@ -212,10 +221,12 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
 
 
 def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], device: str,
-                     phases: Phases, progress: bool) -> tuple[list[Any], int | None]:
-    """The queries' gradients at every checkpoint, each with its store's projection; and the resolved
-    ``--max-length``. The queries are tokenized once, with the first model's tokenizer."""
+                     phases: Phases, progress: bool) -> tuple[list[Any], int | None, list[str]]:
+    """The queries' gradients at every checkpoint, each with its store's projection; the resolved
+    ``--max-length``; and the ids of the queries left out for NaN/inf gradients (an error unless
+    ``--allow-partial``). The queries are tokenized once, with the first model's tokenizer."""
     import gradtrace
+    from gradtrace.collect import NonFiniteError
 
     data_opts = opts.data_options
     projections = [projection_from_spec(s.spec.projection, s.root) for s in stores]
@@ -232,11 +243,30 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
                 tokens, ids, _ = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.queries)
                 batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
         with phases("query gradients"):
-            queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress)
+            try:
+                queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress)
+            except NonFiniteError as err:
+                raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None
         _check_match(store, queries, model_dir)
+        _check_dropped(queries, len(examples), model_dir, opts, query_sets)
         query_sets.append(queries)
         del model
-    return query_sets, max_length
+    return query_sets, max_length, list(getattr(query_sets[0], "dropped", []))
+
+
+def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreOptions, earlier: list[Any]) -> None:
+    """Queries whose gradients are NaN/inf are left out by collect(): an error naming them, unless
+    ``--allow-partial`` (then every checkpoint must leave out the same ones)."""
+    dropped = list(getattr(queries, "dropped", []))
+    if dropped and not opts.scoring_options.allow_partial:
+        listing = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
+        raise CliError(f"{len(dropped)} of {total} queries of {opts.queries} have NaN/inf gradients with model "
+                       f"{model_dir} and cannot be scored: {listing}. Fix them, or pass --allow-partial to score the "
+                       f"other {total - len(dropped)}")
+    if earlier and list(queries.ids) != list(earlier[0].ids):
+        raise CliError(f"with model {model_dir} other queries have NaN/inf gradients ({', '.join(dropped[:5])}) than "
+                       f"with {opts.model[0] if opts.model else 'the first model'}; the checkpoints cannot be scored "
+                       "on the same queries")
 
 
 def _check_out(sc: ScoringOptions) -> None:

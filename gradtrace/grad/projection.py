@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["LoGra", "Projector", "gaussian_matrix", "stable_seed"]
+__all__ = ["LoGra", "Projector", "check_projection_size", "gaussian_matrix", "stable_seed"]
 
 _SCHEME = "gradtrace/logra/v1"
 
@@ -142,6 +142,34 @@ def unmatched_ranks(spec: LoGra, names: Any) -> list[str]:
     """The globs of ``spec.ranks`` that match none of the parameter ``names``."""
     names = list(names)
     return [pattern for pattern, _, _ in spec.ranks if not any(fnmatchcase(n, pattern) for n in names)]
+
+
+def check_projection_size(spec: LoGra, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse ranks larger than every dimension of the parameters to project, before anything is allocated.
+
+    shapes: ``{parameter name: shape}`` of the parameters to project. Projecting an axis of ``n`` numbers to
+    ``k > n`` adds numbers but no information; a rank above every captured dimension is a mistake (a typo such
+    as ``--rank 100000`` asks for ``1e10`` floats per matrix parameter and example), refused with the memory it
+    would take.
+    """
+    projected, largest, biggest_k = 0, 1, 0
+    for name, shape in shapes.items():
+        if len(shape) >= 2:
+            k_rows, k_cols = spec.k_for(name, "rows"), spec.k_for(name, "cols")
+            projected += k_rows * k_cols
+            largest = max(largest, shape[0], math.prod(shape[1:]))
+            biggest_k = max(biggest_k, k_rows, k_cols)
+        else:
+            projected += spec.k_for(name, "vector")
+            largest = max(largest, math.prod(shape))
+            biggest_k = max(biggest_k, spec.k_for(name, "vector"))
+    if biggest_k <= largest:
+        return
+    raise ValueError(
+        f"LoGra rank {biggest_k} is larger than every dimension of the {len(shapes)} captured parameters (the "
+        f"largest is {largest}): it adds numbers, not information, and each example's projected gradient would "
+        f"take {projected:,} floats ({projected * 4 / 2**30:,.1f} GiB). Use a rank of at most {largest} "
+        "(16-128 is typical)")
 
 
 def basis_fingerprint(basis: Any) -> str:

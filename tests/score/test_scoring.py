@@ -141,7 +141,8 @@ def test_self_scores():
     # two summation orders of a few thousand positive float32 terms: relative error well under 1e-4
     torch.testing.assert_close(gradtrace.Attributor("grad_dot", train).self_scores(), train.vectors.pow(2).sum(1),
                                rtol=1e-4, atol=0)
-    torch.testing.assert_close(gradtrace.Attributor("grad_cos", train).self_scores(), torch.ones(3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gradtrace.Attributor("grad_cos", train).self_scores(), torch.ones(3),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_bad_input(tmp_path):
