@@ -100,10 +100,13 @@ def zero_outside(x: Tensor, outside: Tensor | None) -> Tensor:
     """``x`` (``[B, T, ...]``) with its NaN/inf at the ``outside`` positions (``[B, T]``) replaced by 0.
 
     Finite values are left as they are; tensors of another layout (integer ids, other position counts) are
-    returned unchanged. Only the outside positions are read unless one of them is non-finite: the common case
-    costs a pass over the padding, not over ``x`` (and returns ``x`` itself).
+    returned unchanged. The common case -- nothing non-finite -- costs one sum over ``x`` (a reduction, no
+    copy: a NaN/inf anywhere makes it non-finite) and returns ``x`` itself; only then are the outside
+    positions read.
     """
     if outside is None or not x.is_floating_point() or x.dim() < 2 or tuple(x.shape[:2]) != tuple(outside.shape):
+        return x
+    if bool(torch.isfinite(x.sum())):  # an overflowing sum of finite values falls through to the exact check
         return x
     outside = outside.to(x.device)
     if bool(torch.isfinite(x[outside]).all()):
