@@ -80,3 +80,53 @@ def section(html: str, element_id: str) -> str:
     tag_start = html.rindex("<", 0, start)
     tag = html[tag_start + 1:start].split()[0]
     return html[tag_start:html.index(f"</{tag}>", start)]
+
+
+def read_png(data: bytes):
+    """Decode an 8-bit, non-interlaced RGB/RGBA PNG (what Chromium writes) to a ``[H, W, C]`` uint8 array."""
+    import struct
+    import zlib
+
+    import numpy as np
+
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat, header = 8, b"", None
+    while pos < len(data):
+        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + length]
+        if kind == b"IHDR":
+            header = struct.unpack(">IIBBBBB", body)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    width, height, depth, color, _, _, interlace = header  # type: ignore[misc]
+    assert depth == 8 and color in (2, 6) and interlace == 0, header
+    channels = 4 if color == 6 else 3
+    raw = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + width * channels)
+    out = np.zeros((height, width * channels), dtype=np.int32)
+    prev = np.zeros(width * channels, dtype=np.int32)
+    for y in range(height):
+        kind, row = raw[y, 0], raw[y, 1:].astype(np.int32)
+        if kind == 0:
+            cur = row
+        elif kind == 2:
+            cur = (row + prev) % 256
+        elif kind == 1:  # Sub: a running sum along the row, per channel
+            cur = (row.reshape(width, channels).cumsum(0) % 256).reshape(-1)
+        elif kind in (3, 4):  # these depend on the reconstructed pixel to the left: one byte at a time
+            cur_list, row_list, prev_list = [0] * (width * channels), row.tolist(), prev.tolist()
+            for x in range(width * channels):
+                left = cur_list[x - channels] if x >= channels else 0
+                up, up_left = prev_list[x], (prev_list[x - channels] if x >= channels else 0)
+                if kind == 3:
+                    pred = (left + up) // 2
+                else:
+                    p = left + up - up_left
+                    pa, pb, pc = abs(p - left), abs(p - up), abs(p - up_left)
+                    pred = left if pa <= pb and pa <= pc else (up if pb <= pc else up_left)
+                cur_list[x] = (row_list[x] + pred) % 256
+            cur = np.asarray(cur_list, dtype=np.int32)
+        else:
+            raise AssertionError(f"unknown PNG filter {kind}")
+        out[y], prev = cur, cur
+    return out.reshape(height, width, channels).astype(np.uint8)
