@@ -301,11 +301,11 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
         view = QueryView(q, qid, f"q{q}", text, cut, answers.get(qid), [], [], histogram, q // per_page + 1)
         view.helpful = _rows(qid, helpful.ids[q], top_values, scale, texts, max_chars, tokens, modules)
         view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
-        if scores.matrix is not None:  # where the top example sits: how far it stands out
+        if scores.matrix is not None and num_train > 1:  # how far the top example stands out
             row = scores.matrix[q]
-            view.rank_note = (f"median {float(row.median()):.4g}, top {top_values[0]:.4g} "
-                              f"({float((row - row.mean()).div(row.std().clamp_min(1e-30))[helpful.indices[q, 0]]):.1f}"
-                              " standard deviations above the mean)" if num_train > 1 else "")
+            spread = (top_values[0] - float(row.mean())) / max(float(row.std()), 1e-30)
+            view.rank_note = (f"Median {float(row.median()):.4g}; the top example is {spread:.1f} standard "
+                              "deviations above the mean.")
         views.append(view)
     kept = ("full score matrix" if scores.matrix is not None else
             f"top/bottom {scores.top[0].shape[1] if scores.top is not None else 0} per query only (no matrix): "

@@ -199,3 +199,12 @@ def test_to_html_writes_the_same_page(tmp_path):
     assert path == tmp_path / "r.html"
     assert path.read_text(encoding="utf-8") == render_report(scores, texts, queries, k=3)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_how_far_the_top_example_stands_out():
+    scores, texts, queries = synthetic(num_queries=1, num_train=100)
+    row = scores.matrix[0]
+    spread = (float(row.max()) - float(row.mean())) / float(row.std())
+    html = render_report(scores, texts, queries)
+    assert (f"Median {float(row.median()):.4g}; the top example is {spread:.1f} standard deviations above the mean."
+            in section(html, "q0"))
