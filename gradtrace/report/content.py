@@ -25,7 +25,7 @@ from markupsafe import Markup
 from torch import Tensor
 
 from .errors import ReportError
-from .svg import histogram_svg
+from .svg import histogram_counts, histogram_of, histogram_svg
 
 __all__ = ["ExampleRow", "Heat", "ModuleBar", "QueryView", "Report", "SelfInfluence", "build_report",
            "pair_attributions"]
@@ -290,6 +290,10 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
     check_ids(shown, texts, "training", text_source)
     tokens, modules = pair_attributions(scores.meta)
     answers = scores.meta.get("answers") or {}
+    if scores.matrix is not None:  # per-query distribution, all rows at once
+        counts, lows, highs = histogram_counts(scores.matrix)
+        medians = scores.matrix.median(dim=1).values.tolist()
+        means, stds = scores.matrix.mean(dim=1).tolist(), scores.matrix.std(dim=1).tolist()
     views = []
     for q, qid in enumerate(scores.query_ids):
         top_values, low_values = helpful.values[q].tolist(), harmful.values[q].tolist()
@@ -297,15 +301,14 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
         text, cut = _clip(queries[qid], max_chars)
         histogram = None
         if scores.matrix is not None:
-            histogram = histogram_svg(scores.matrix[q], top_values, low_values)
+            histogram = histogram_svg(counts[q], float(lows[q]), float(highs[q]), top_values, low_values)
         view = QueryView(q, qid, f"q{q}", text, cut, answers.get(qid), [], [], histogram, q // per_page + 1)
         view.helpful = _rows(qid, helpful.ids[q], top_values, scale, texts, max_chars, tokens, modules)
         view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
         if scores.matrix is not None and num_train > 1:  # how far the top example stands out
-            row = scores.matrix[q]
-            spread = (top_values[0] - float(row.mean())) / max(float(row.std()), 1e-30)
-            view.rank_note = (f"Median {float(row.median()):.4g}; the top example is {spread:.1f} standard "
-                              "deviations above the mean.")
+            spread = (top_values[0] - means[q]) / max(stds[q], 1e-30)
+            view.rank_note = (f"Median {medians[q]:.4g}; the top example is {spread:.1f} standard deviations above "
+                              "the mean.")
         views.append(view)
     kept = ("full score matrix" if scores.matrix is not None else
             f"top/bottom {scores.top[0].shape[1] if scores.top is not None else 0} per query only (no matrix): "
@@ -339,4 +342,4 @@ def _self_influence(scores: Any, self_scores: Tensor | Mapping[str, float], meth
     scale = max(abs(v) for v in top)
     rows = _rows("", ids, top, scale, texts, max_chars, {}, {})
     constant = bool((values.max() - values.min()) <= 1e-6 * values.abs().max().clamp_min(1e-30))
-    return SelfInfluence(method, rows, histogram_svg(values, top), constant, values.numel())
+    return SelfInfluence(method, rows, histogram_of(values, top), constant, values.numel())

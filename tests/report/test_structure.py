@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gradtrace.report import render_report
-from gradtrace.report.svg import HEIGHT, PAD_BOTTOM, PAD_TOP, PAD_X, WIDTH, histogram_svg
+from gradtrace.report.svg import HEIGHT, PAD_BOTTOM, PAD_TOP, PAD_X, WIDTH, histogram_counts, histogram_of
 from gradtrace.score.scores import SIGN_CONVENTION
 from tests.report.helpers import SCRIPT_TEXT, parse, section, synthetic
 
@@ -91,13 +91,15 @@ def test_header_states_method_projection_fingerprint_and_sign():
 
 def test_histogram_bars_and_ticks_are_where_the_values_are():
     values = torch.tensor([0.0, 0.0, 0.0, 1.2, 1.2, 2.0])
-    svg = str(histogram_svg(values, helpful=[2.0, 1.2], harmful=[0.0], bins=4))
+    svg = str(histogram_of(values, helpful=[2.0, 1.2], harmful=[0.0], bins=4))
     bars = re.search(r'class="hb" d="([^"]*)"', svg).group(1)
-    heights = [-float(h) for h in re.findall(r"v(-[0-9.]+)h", bars)]
     plot_h, plot_w = HEIGHT - PAD_TOP - PAD_BOTTOM, WIDTH - 2 * PAD_X
-    counts = torch.tensor([3.0, 0.0, 2.0, 1.0])  # bins [0, .5) [.5, 1) [1, 1.5) [1.5, 2]; empty bins are not drawn
-    expected = (torch.log1p(counts) / torch.log1p(counts.max()) * plot_h)[counts > 0].tolist()
-    assert heights == pytest.approx(expected, abs=0.051)
+    steps = re.findall(r"V([0-9.]+)H([0-9.]+)", bars)  # each bin: up to its top, across to its right edge
+    heights = [PAD_TOP + plot_h - float(y) for y, _ in steps]
+    counts = torch.tensor([3.0, 0.0, 2.0, 1.0])  # bins [0, .5) [.5, 1) [1, 1.5) [1.5, 2]
+    expected = (torch.log1p(counts) / torch.log1p(counts.max()) * plot_h).tolist()
+    assert heights == pytest.approx(expected, abs=0.5)  # whole pixels
+    assert [float(x) for _, x in steps] == pytest.approx([PAD_X + plot_w * (i + 1) / 4 for i in range(4)], abs=0.01)
     ticks = lambda cls: [float(x) for x in re.findall(r"M([0-9.]+) ", re.search(rf'class="{cls}" d="([^"]*)"',
                                                                                   svg).group(1))]
     assert ticks("hp") == pytest.approx([PAD_X + plot_w, PAD_X + 0.6 * plot_w], abs=0.051)
@@ -208,3 +210,15 @@ def test_how_far_the_top_example_stands_out():
     html = render_report(scores, texts, queries)
     assert (f"Median {float(row.median()):.4g}; the top example is {spread:.1f} standard deviations above the mean."
             in section(html, "q0"))
+
+
+def test_histogram_counts_of_all_rows_match_torch_histc():
+    values = torch.randn(6, 1000, generator=torch.Generator().manual_seed(2)) * torch.arange(1, 7)[:, None]
+    values[5] = 0.25  # a constant row: one bar around the value
+    counts, low, high = histogram_counts(values, bins=32)
+    for r in range(6):
+        expected = torch.histc(values[r].double(), bins=32, min=float(low[r]), max=float(high[r]))
+        assert torch.equal(counts[r], expected), r
+    assert counts.sum(1).tolist() == [1000.0] * 6
+    assert low[:5].tolist() == values[:5].min(1).values.double().tolist()
+    assert (low[5], high[5]) == (0.125, 0.375)
