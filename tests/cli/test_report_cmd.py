@@ -120,3 +120,18 @@ def test_missing_scores_and_directory_out(runner, scores_dir, fresh):
 def test_help(runner):
     text = flat(invoke(runner, "report", "--help").output)
     assert "self-contained HTML" in text and "--self-influence" in text and "--data" in text
+
+
+def test_self_influence_of_an_influence_method_uses_the_recorded_curvature(ws, runner, store, fresh):
+    curvature = fresh / "curv"
+    invoke(runner, "fit", store, "--method", "logra", "--fisher", "empirical", "--out", curvature, "--no-progress")
+    invoke(runner, "score", store, ws.queries, "--method", "logra", "--curvature", curvature, "--damping", 0.5,
+           "--out", fresh / "scores", "--no-progress")
+    invoke(runner, "report", fresh / "scores", "--out", fresh / "r.html", "--self-influence", "--self-k", 4)
+    expected = gradtrace.Attributor("logra", store, curvature=curvature, damping=0.5).self_scores()
+    ids = gradtrace.GradientStore.open(store).ids
+    part = section((fresh / "r.html").read_text(), "self")
+    assert "(logra)" in part
+    assert _tids(part) == [ids[i] for i in torch.argsort(expected, descending=True)[:4].tolist()]
+    undamped = gradtrace.Attributor("logra", store, curvature=curvature).self_scores()
+    assert not torch.allclose(undamped, expected)  # the recorded damping mattered
