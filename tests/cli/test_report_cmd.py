@@ -106,7 +106,8 @@ def test_non_finite_scores(runner, scores_dir, fresh):
     out = fresh / "r.html"
     out.write_text("old report")
     line = error_line(invoke(runner, "report", fresh / "s", "--out", out, code=2))
-    assert f"non-finite value (first: nan at query {scores.query_ids[0]!r}, training example 't5')" in line
+    # refused by the report (naming the pair), or already by Scores.load where it checks values (naming the query)
+    assert re.search(r"non-finite|NaN/inf", line) and scores.query_ids[0] in line
     assert out.read_text() == "old report"
 
 
