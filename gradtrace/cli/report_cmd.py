@@ -15,6 +15,7 @@ from typing import Any
 from .errors import CliError
 from .options import cli
 from .report import console, human_bytes
+from .score import MethodName
 
 __all__ = ["OPTIONS", "ReportOptions", "run"]
 
@@ -45,7 +46,7 @@ class ReportOptions:
     self_influence: bool = field(default=False, metadata=cli(
         "Add the training examples of highest self-influence (computed from the store the scores record).",
         "--self-influence/--no-self-influence"))
-    self_method: str | None = field(default=None, metadata=cli(
+    self_method: MethodName | None = field(default=None, metadata=cli(
         "Method of the self-influence (default: the scores' method; grad_cos gives 1 for every example)."))
     self_k: int = field(default=20, metadata=cli("Training examples listed by self-influence.", min=1))
 
@@ -113,10 +114,7 @@ def _self_scores(scores: Any, opts: ReportOptions) -> tuple[Any, str]:
     if not config.get("store"):
         raise CliError("--self-influence needs the training store, which these scores do not record (scored in "
                        "Python): compute Attributor(...).self_scores() and pass it to Scores.to_html(self_scores=...)")
-    try:
-        spec = get_method(method)
-    except (KeyError, ValueError) as err:
-        raise CliError(f"--self-method {method}: {err}") from None
+    spec = get_method(method)
     stores = [config["store"], *(config.get("checkpoint_stores") or [])] if spec.multi_checkpoint else \
         [config["store"]]
     options: dict[str, Any] = {"weights": list(config.get("lr") or [])} if spec.multi_checkpoint else {}
