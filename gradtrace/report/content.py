@@ -33,6 +33,9 @@ __all__ = ["ExampleRow", "Heat", "ModuleBar", "QueryView", "Report", "SelfInflue
 HEAT_LEVELS = 5
 MAX_MODULE_BARS = 12
 FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+CONSTANT_SPREAD = 1e-3
+"""Self-influence values within this share of their magnitude are reported as all equal: float32 dot products
+over tens of thousands of dimensions round grad_cos's exact 1 to 1 +- 1e-4 (measured on the demo's store)."""
 
 
 @dataclass
@@ -99,7 +102,6 @@ class Report:
     num_queries: int
     num_train: int
     k: int
-    has_matrix: bool
     kept_note: str
     queries: list[QueryView]
     pages: int
@@ -288,28 +290,7 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
         self_view = _self_influence(scores, self_scores, self_method or scores.method, texts, self_k, max_chars,
                                     text_source)
     check_ids(shown, texts, "training", text_source)
-    tokens, modules = pair_attributions(scores.meta)
-    answers = scores.meta.get("answers") or {}
-    if scores.matrix is not None:  # per-query distribution, all rows at once
-        counts, lows, highs = histogram_counts(scores.matrix)
-        medians = scores.matrix.median(dim=1).values.tolist()
-        means, stds = scores.matrix.mean(dim=1).tolist(), scores.matrix.std(dim=1).tolist()
-    views = []
-    for q, qid in enumerate(scores.query_ids):
-        top_values, low_values = helpful.values[q].tolist(), harmful.values[q].tolist()
-        scale = max(abs(v) for v in top_values + low_values)
-        text, cut = _clip(queries[qid], max_chars)
-        histogram = None
-        if scores.matrix is not None:
-            histogram = histogram_svg(counts[q], float(lows[q]), float(highs[q]), top_values, low_values)
-        view = QueryView(q, qid, f"q{q}", text, cut, answers.get(qid), [], [], histogram, q // per_page + 1)
-        view.helpful = _rows(qid, helpful.ids[q], top_values, scale, texts, max_chars, tokens, modules)
-        view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
-        if scores.matrix is not None and num_train > 1:  # how far the top example stands out
-            spread = (top_values[0] - means[q]) / max(stds[q], 1e-30)
-            view.rank_note = (f"Median {medians[q]:.4g}; the top example is {spread:.1f} standard deviations above "
-                              "the mean.")
-        views.append(view)
+    views = _query_views(scores, helpful, harmful, texts, queries, max_chars, per_page)
     kept = ("full score matrix" if scores.matrix is not None else
             f"top/bottom {scores.top[0].shape[1] if scores.top is not None else 0} per query only (no matrix): "
             "score distributions are not shown; score with the full matrix (gradtrace score --matrix yes) to see "
@@ -317,8 +298,36 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
     return Report(title=title or f"GradTrace report: {scores.method}", header=_header(scores),
                   sign=SIGN_CONVENTION + "; negative = it hurts the query (a step on it raises the query's loss)",
                   units=_units(scores.method), num_queries=len(scores.query_ids), num_train=num_train, k=k,
-                  has_matrix=scores.matrix is not None, kept_note=kept, queries=views,
+                  kept_note=kept, queries=views,
                   pages=max(1, math.ceil(len(views) / per_page)), self_influence=self_view, version=__version__)
+
+
+def _query_views(scores: Any, helpful: Any, harmful: Any, texts: Mapping[str, str], queries: Mapping[str, str],
+                 max_chars: int, per_page: int) -> list[QueryView]:
+    """One :class:`QueryView` per query: its text, ranked rows, and (with the full matrix) its distribution."""
+    tokens, modules = pair_attributions(scores.meta)
+    answers = scores.meta.get("answers") or {}
+    matrix = scores.matrix
+    if matrix is not None:  # every query's distribution at once
+        counts, lows, highs = histogram_counts(matrix)
+        medians, means, stds = matrix.median(dim=1).values.tolist(), matrix.mean(dim=1).tolist(), \
+            matrix.std(dim=1).tolist()
+    views = []
+    for q, qid in enumerate(scores.query_ids):
+        top_values, low_values = helpful.values[q].tolist(), harmful.values[q].tolist()
+        scale = max(abs(v) for v in top_values + low_values)
+        text, cut = _clip(queries[qid], max_chars)
+        view = QueryView(q, qid, f"q{q}", text, cut, answers.get(qid), [], [], None, q // per_page + 1)
+        view.helpful = _rows(qid, helpful.ids[q], top_values, scale, texts, max_chars, tokens, modules)
+        view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
+        if matrix is not None:
+            view.histogram = histogram_svg(counts[q], float(lows[q]), float(highs[q]), top_values, low_values)
+            if len(scores.train_ids) > 1:  # how far the top example stands out
+                spread = (top_values[0] - means[q]) / max(stds[q], 1e-30)
+                view.rank_note = (f"Median {medians[q]:.4g}; the top example is {spread:.1f} standard deviations "
+                                  "above the mean.")
+        views.append(view)
+    return views
 
 
 def _self_influence(scores: Any, self_scores: Tensor | Mapping[str, float], method: str, texts: Mapping[str, str],
@@ -341,5 +350,5 @@ def _self_influence(scores: Any, self_scores: Tensor | Mapping[str, float], meth
     top = top_values.tolist()
     scale = max(abs(v) for v in top)
     rows = _rows("", ids, top, scale, texts, max_chars, {}, {})
-    constant = bool((values.max() - values.min()) <= 1e-6 * values.abs().max().clamp_min(1e-30))
+    constant = bool((values.max() - values.min()) <= CONSTANT_SPREAD * values.abs().max().clamp_min(1e-30))
     return SelfInfluence(method, rows, histogram_of(values, top), constant, values.numel())
