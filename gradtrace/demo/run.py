@@ -9,7 +9,7 @@ training documents explain its answers to questions about planted facts.
 4. Queries that paraphrase the planted facts are turned into gradients at the final weights
    (``gradtrace.collect``) and scored against the store (``Attributor("grad_cos")``).
 5. For each query the top training documents are printed; recall@1 counts queries whose own planted
-   document ranks first.
+   document ranks first. The scores are also written as an HTML report (``report.html``).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
         width: int = 128, layers: int = 2, batch_size: int = 16, max_length: int = 96, lr: float = 3e-3,
         seed: int = 0, method: str = "grad_cos", topk: int = 3, dtype: str = "int8", threads: int | None = None,
         verbose: bool = True) -> dict[str, Any]:
-    """Run the demo; returns ``{"recall_at_1", "scores", "store", "seconds", ...}``."""
+    """Run the demo; returns ``{"recall_at_1", "scores", "store", "seconds", "report", ...}``."""
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -142,16 +142,21 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
     scores_dir = out / "scores"
     scores.save(scores_dir)
     scores.export(scores_dir / "top.csv", k=topk)
+    report_started = time.perf_counter()  # self-influence: |g|^2 (grad_dot), since every cosine with itself is 1
+    report = scores.to_html(out / "report.html", texts=texts, queries={q.id: q.text for q in queries},
+                            self_scores=Attributor("grad_dot", store).self_scores(), self_method="grad_dot")
+    report_seconds = time.perf_counter() - report_started
     seconds = time.perf_counter() - started
     train_seconds = seconds - (time.perf_counter() - attribution_started)
     say(f"\nrecall@1: {hits}/{len(PLANTED)} = {recall:.0%} of queries rank their planted document first")
     say(f"store:  {store_path} ({len(store)} examples x {store.dim} dims, {store.info()['bytes'] / 2**20:.1f} MiB)")
     say(f"scores: {scores_dir} (top-k table: {scores_dir / 'top.csv'})")
     say(f"model:  {model_dir} (with train.jsonl and queries.jsonl beside it, for the CLI)")
-    say(f"time:   {seconds:.0f} s (training with capture {train_seconds:.0f} s, query gradients + scoring "
+    say(f"report: {report} ({report.stat().st_size / 2**10:.0f} KiB, {report_seconds:.2f} s; open it in a browser)")
+    say(f"time:   {seconds:.0f} s (training with capture {train_seconds:.0f} s, query gradients, scoring and report "
         f"{seconds - train_seconds:.0f} s)")
     return {"recall_at_1": recall, "scores": scores, "store": store, "seconds": seconds, "out_dir": out,
-            "train_seconds": train_seconds}
+            "train_seconds": train_seconds, "report": report, "report_seconds": report_seconds}
 
 
 def main(out_dir: str | Path = "gradtrace-demo", **kwargs: Any) -> Scores:

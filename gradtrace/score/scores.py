@@ -214,3 +214,12 @@ class Scores:
     def __repr__(self) -> str:
         kept = "matrix" if self.matrix is not None else f"top {self.top[0].shape[1] if self.top else 0}"
         return f"Scores(method={self.method!r}, queries={len(self.query_ids)}, train={len(self.train_ids)}, {kept})"
+
+    # -- report ------------------------------------------------------------------------------------
+    def to_html(self, path: str | Path, texts: Any = None, queries: Any = None, **options: Any) -> Path:
+        """Write the HTML report of these scores to ``path`` (see :func:`gradtrace.report.render_report` for
+        ``texts``, ``queries`` and the options); returns the path."""
+        from ..report import render_report
+
+        render_report(self, texts=texts, queries=queries, out=path, **options)
+        return Path(path)

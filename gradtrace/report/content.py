@@ -1,0 +1,354 @@
+"""What the report shows, computed from ``Scores`` and texts: plain dataclasses the templates only lay out.
+
+Token- and module-level attributions are read from ``Scores.meta`` when present (see ``docs/report.md``)::
+
+    meta["tokens"]  = [{"query_id": q, "train_id": t,
+                        "query_tokens": [str, ...], "query_scores": [float, ...],    # optional pair of lists
+                        "train_tokens": [str, ...], "train_scores": [float, ...]},   # optional pair of lists
+                       ...]   # each side's scores sum to the pair's score
+    meta["modules"] = [{"query_id": q, "train_id": t, "modules": {block name: float, ...}}, ...]
+                              # the blocks sum to the pair's score
+    meta["answers"] = {query id: generated answer}
+
+:func:`pair_attributions` is the one place they are read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from markupsafe import Markup
+from torch import Tensor
+
+from .errors import ReportError
+from .svg import histogram_counts, histogram_of, histogram_svg
+
+__all__ = ["ExampleRow", "Heat", "ModuleBar", "QueryView", "Report", "SelfInfluence", "build_report",
+           "pair_attributions"]
+
+HEAT_LEVELS = 5
+MAX_MODULE_BARS = 12
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+CONSTANT_SPREAD = 1e-3
+"""Self-influence values within this share of their magnitude are reported as all equal: float32 dot products
+over tens of thousands of dimensions round grad_cos's exact 1 to 1 +- 1e-4 (measured on the demo's store)."""
+
+
+@dataclass
+class Heat:
+    """Tokens with a signed heat level in ``-HEAT_LEVELS..HEAT_LEVELS`` (share of the largest |score|) and score."""
+
+    tokens: list[tuple[str, int, float]]
+    cut: int = 0  # tokens left out (text too long)
+
+
+@dataclass
+class ModuleBar:
+    name: str
+    value: float
+    width: float  # percent of the largest |value|
+
+
+@dataclass
+class ExampleRow:
+    """One training example in a ranked list."""
+
+    rank: int
+    train_id: str
+    score: float
+    width: float  # bar length, percent of the largest |score| shown for the query
+    text: str
+    cut: int  # characters left out
+    train_heat: Heat | None = None
+    query_heat: Heat | None = None
+    modules: list[ModuleBar] | None = None
+    modules_more: tuple[int, float] | None = None  # (blocks not drawn, their sum)
+
+
+@dataclass
+class QueryView:
+    index: int
+    query_id: str
+    anchor: str
+    text: str
+    cut: int
+    answer: str | None
+    helpful: list[ExampleRow]
+    harmful: list[ExampleRow]
+    histogram: Markup | None
+    page: int
+    rank_note: str = ""
+
+
+@dataclass
+class SelfInfluence:
+    method: str
+    rows: list[ExampleRow]
+    histogram: Markup
+    constant: bool
+    count: int
+
+
+@dataclass
+class Report:
+    title: str
+    header: list[tuple[str, str]]
+    sign: str
+    units: str
+    num_queries: int
+    num_train: int
+    k: int
+    kept_note: str
+    queries: list[QueryView]
+    pages: int
+    self_influence: SelfInfluence | None
+    version: str
+    notes: list[str] = field(default_factory=list)
+
+
+# -- validation ----------------------------------------------------------------------------------------------
+def check_finite(values: Tensor, what: str, row_ids: Sequence[str] | None, col_ids: Sequence[str],
+                 columns: Tensor | None = None) -> None:
+    """Refuse NaN/inf in ``values`` (``[Q, N]`` or ``[N]``), naming the first offending ids; ``columns`` (same
+    shape as ``values``) maps kept top-k positions to training rows."""
+    bad = ~torch.isfinite(values)
+    if not bool(bad.any()):
+        return
+    where = bad.nonzero()[0].tolist()
+    count = int(bad.sum())
+    column = int(columns[tuple(where)]) if columns is not None else where[-1]
+    if values.dim() == 2:
+        place = f"query {row_ids[where[0]]!r}, training example {col_ids[column]!r}"  # type: ignore[index]
+    else:
+        place = f"training example {col_ids[column]!r}"
+    raise ReportError(f"{what} holds {count} non-finite value{'s' if count > 1 else ''} (first: "
+                      f"{float(values[tuple(where)])} at {place}); rescore, or drop the examples whose gradients "
+                      "are NaN/inf")
+
+
+def check_ids(wanted: Sequence[str], texts: Mapping[str, str], what: str, source: str) -> None:
+    """Every id in ``wanted`` has a text in ``texts``, else one error naming the first missing id."""
+    missing = [i for i in dict.fromkeys(wanted) if i not in texts]
+    if missing:
+        more = f" ({len(missing) - 1} more are missing too)" if len(missing) > 1 else ""
+        raise ReportError(f"{what} id {missing[0]!r} is not in {source}{more}; pass the {what} data the scores "
+                          "were computed from")
+
+
+# -- token and module attributions ---------------------------------------------------------------------------
+def _float_list(values: Any, where: str) -> list[float]:
+    if not isinstance(values, (list, tuple)) or not all(isinstance(v, (int, float)) for v in values):
+        raise ReportError(f"{where}: expected a list of numbers")
+    if not all(math.isfinite(v) for v in values):
+        raise ReportError(f"{where} holds non-finite values")
+    return [float(v) for v in values]
+
+
+def _check_sum(parts: list[float], total: float, where: str) -> None:
+    """Parts of an exact decomposition sum to the pair's score up to float32 summation error."""
+    magnitude = sum(abs(p) for p in parts) + abs(total)
+    if abs(sum(parts) - total) > 4 * FLOAT32_EPS * max(len(parts), 1) * magnitude + 1e-30:
+        raise ReportError(f"{where} sum to {sum(parts):.6g}, not the pair's score {total:.6g}; the attribution "
+                          "belongs to other scores")
+
+
+def pair_attributions(meta: Mapping[str, Any]) -> tuple[dict[tuple[str, str], dict], dict[tuple[str, str], dict]]:
+    """``(tokens, modules)`` keyed by ``(query id, train id)``, as stored in ``meta["tokens"]``/``meta["modules"]``
+    (empty when the scores carry none)."""
+    out: list[dict[tuple[str, str], dict]] = []
+    for key in ("tokens", "modules"):
+        entries = meta.get(key) or []
+        if not isinstance(entries, list):
+            raise ReportError(f"scores meta[{key!r}] must be a list of per-pair records (see docs/report.md)")
+        by_pair = {}
+        for n, entry in enumerate(entries):
+            if not isinstance(entry, dict) or "query_id" not in entry or "train_id" not in entry:
+                raise ReportError(f"scores meta[{key!r}][{n}] needs 'query_id' and 'train_id' (see docs/report.md)")
+            by_pair[(str(entry["query_id"]), str(entry["train_id"]))] = entry
+        out.append(by_pair)
+    return out[0], out[1]
+
+
+def _heat(tokens: Any, scores: Any, total: float, where: str, max_tokens: int) -> Heat:
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ReportError(f"{where}: tokens must be a list of strings")
+    values = _float_list(scores, f"{where} scores")
+    if len(values) != len(tokens):
+        raise ReportError(f"{where}: {len(tokens)} tokens but {len(values)} scores")
+    _check_sum(values, total, f"{where} scores")
+    scale = max((abs(v) for v in values), default=0.0) or 1.0
+    levels = [max(-HEAT_LEVELS, min(HEAT_LEVELS, round(v / scale * HEAT_LEVELS))) for v in values]
+    return Heat(list(zip(tokens[:max_tokens], levels[:max_tokens], values[:max_tokens])),
+                max(0, len(tokens) - max_tokens))
+
+
+def _modules(entry: dict, total: float, where: str) -> tuple[list[ModuleBar], tuple[int, float] | None]:
+    blocks = entry.get("modules")
+    if not isinstance(blocks, dict) or not blocks:
+        raise ReportError(f"{where}: 'modules' must map block names to numbers")
+    values = _float_list(list(blocks.values()), f"{where} modules")
+    _check_sum(values, total, f"{where} modules")
+    ranked = sorted(zip(map(str, blocks), values), key=lambda nv: -abs(nv[1]))
+    scale = max(abs(v) for _, v in ranked) or 1.0
+    bars = [ModuleBar(name, value, 100 * abs(value) / scale) for name, value in ranked[:MAX_MODULE_BARS]]
+    rest = ranked[MAX_MODULE_BARS:]
+    return bars, ((len(rest), sum(v for _, v in rest)) if rest else None)
+
+
+# -- building ------------------------------------------------------------------------------------------------
+def _clip(text: str, max_chars: int) -> tuple[str, int]:
+    return (text, 0) if len(text) <= max_chars else (text[:max_chars], len(text) - max_chars)
+
+
+def _rows(query_id: str, ids: list[str], values: list[float], scale: float, texts: Mapping[str, str],
+          max_chars: int, tokens: dict, modules: dict) -> list[ExampleRow]:
+    rows = []
+    for rank, (tid, value) in enumerate(zip(ids, values), start=1):
+        text, cut = _clip(texts[tid], max_chars)
+        row = ExampleRow(rank, tid, value, 100 * abs(value) / scale if scale else 0.0, text, cut)
+        where = f"token attribution of query {query_id!r} x training example {tid!r}"
+        entry = tokens.get((query_id, tid))
+        if entry is not None:
+            if entry.get("train_tokens") is not None:
+                row.train_heat = _heat(entry["train_tokens"], entry.get("train_scores"), value,
+                                       f"{where} (training side)", max_chars)
+            if entry.get("query_tokens") is not None:
+                row.query_heat = _heat(entry["query_tokens"], entry.get("query_scores"), value,
+                                       f"{where} (query side)", max_chars)
+        entry = modules.get((query_id, tid))
+        if entry is not None:
+            row.modules, row.modules_more = _modules(entry, value,
+                                                     f"module attribution of query {query_id!r} x {tid!r}")
+        rows.append(row)
+    return rows
+
+
+def projection_label(spec: Mapping[str, Any] | None) -> str:
+    if not spec:
+        return "none (exact gradients)"
+    if spec.get("kind") == "logra":
+        return (f"LoGra rank {spec.get('rank_rows')}x{spec.get('rank_cols')} (vectors {spec.get('vector_rank')}), "
+                f"seed {spec.get('seed')}")
+    return ", ".join(f"{k} {v}" for k, v in spec.items())
+
+
+def _header(scores: Any) -> list[tuple[str, str]]:
+    meta, spec = scores.meta, scores.meta.get("spec") or {}
+    options = meta.get("options") or {}
+    method = scores.method + (" (" + ", ".join(f"{k} {v}" for k, v in options.items()) + ")" if options else "")
+    model = spec.get("model") or {}
+    fingerprint = (f"{model.get('class', '?')}, architecture {model.get('arch', '?')}, weights "
+                   f"{model.get('weights', '?')}") if model else "not recorded"
+    rows = [("method", method), ("projection", projection_label(spec.get("projection")) if spec else "not recorded"),
+            ("model", fingerprint)]
+    if meta.get("checkpoints", 1) > 1:
+        rows.append(("checkpoints", str(meta["checkpoints"])))
+    return rows
+
+
+def _units(method: str) -> str:
+    from ..methods import get_method
+
+    try:
+        description = get_method(method).description
+    except Exception:  # an unknown or option-requiring method: no description to show
+        description = ""
+    return (f"{method}: {description}. " if description else "") + \
+        "Compare scores within one report: their scale depends on the method."
+
+
+def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, str], *, k: int = 5,
+                 per_page: int = 20, max_chars: int = 600, self_scores: Tensor | None = None,
+                 self_method: str | None = None, self_k: int = 20, title: str | None = None,
+                 text_source: str = "texts", query_source: str = "queries") -> Report:
+    """The :class:`Report` of ``scores`` (see :func:`gradtrace.report.render_report` for the arguments)."""
+    from .. import __version__
+    from ..score.scores import SIGN_CONVENTION
+
+    if k < 1 or per_page < 1 or max_chars < 1 or self_k < 1:
+        raise ReportError("k, per_page, max_chars and self_k must be at least 1")
+    num_train = len(scores.train_ids)
+    k = min(k, num_train)
+    if scores.matrix is not None:
+        check_finite(scores.matrix, "the score matrix", scores.query_ids, scores.train_ids)
+    for name in ("top", "bottom"):
+        kept = getattr(scores, name)
+        if kept is not None:
+            check_finite(kept[0], f"the kept {name}-k scores", scores.query_ids, scores.train_ids, kept[1])
+    try:
+        helpful, harmful = scores.topk(k, largest=True), scores.topk(k, largest=False)
+    except ValueError as err:
+        raise ReportError(f"{err} (or report fewer with k=/--k)") from None
+    check_ids(scores.query_ids, queries, "query", query_source)
+    shown = [t for row in helpful.ids + harmful.ids for t in row]
+    self_view = None
+    if self_scores is not None:
+        self_view = _self_influence(scores, self_scores, self_method or scores.method, texts, self_k, max_chars,
+                                    text_source)
+    check_ids(shown, texts, "training", text_source)
+    views = _query_views(scores, helpful, harmful, texts, queries, max_chars, per_page)
+    kept = ("full score matrix" if scores.matrix is not None else
+            f"top/bottom {scores.top[0].shape[1] if scores.top is not None else 0} per query only (no matrix): "
+            "score distributions are not shown; score with the full matrix (gradtrace score --matrix yes) to see "
+            "them")
+    return Report(title=title or f"GradTrace report: {scores.method}", header=_header(scores),
+                  sign=SIGN_CONVENTION + "; negative = it hurts the query (a step on it raises the query's loss)",
+                  units=_units(scores.method), num_queries=len(scores.query_ids), num_train=num_train, k=k,
+                  kept_note=kept, queries=views,
+                  pages=max(1, math.ceil(len(views) / per_page)), self_influence=self_view, version=__version__)
+
+
+def _query_views(scores: Any, helpful: Any, harmful: Any, texts: Mapping[str, str], queries: Mapping[str, str],
+                 max_chars: int, per_page: int) -> list[QueryView]:
+    """One :class:`QueryView` per query: its text, ranked rows, and (with the full matrix) its distribution."""
+    tokens, modules = pair_attributions(scores.meta)
+    answers = scores.meta.get("answers") or {}
+    matrix = scores.matrix
+    if matrix is not None:  # every query's distribution at once
+        counts, lows, highs = histogram_counts(matrix)
+        medians, means, stds = matrix.median(dim=1).values.tolist(), matrix.mean(dim=1).tolist(), \
+            matrix.std(dim=1).tolist()
+    views = []
+    for q, qid in enumerate(scores.query_ids):
+        top_values, low_values = helpful.values[q].tolist(), harmful.values[q].tolist()
+        scale = max(abs(v) for v in top_values + low_values)
+        text, cut = _clip(queries[qid], max_chars)
+        view = QueryView(q, qid, f"q{q}", text, cut, answers.get(qid), [], [], None, q // per_page + 1)
+        view.helpful = _rows(qid, helpful.ids[q], top_values, scale, texts, max_chars, tokens, modules)
+        view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
+        if matrix is not None:
+            view.histogram = histogram_svg(counts[q], float(lows[q]), float(highs[q]), top_values, low_values)
+            if len(scores.train_ids) > 1:  # how far the top example stands out
+                spread = (top_values[0] - means[q]) / max(stds[q], 1e-30)
+                view.rank_note = (f"Median {medians[q]:.4g}; the top example is {spread:.1f} standard deviations "
+                                  "above the mean.")
+        views.append(view)
+    return views
+
+
+def _self_influence(scores: Any, self_scores: Tensor | Mapping[str, float], method: str, texts: Mapping[str, str],
+                    self_k: int, max_chars: int, text_source: str) -> SelfInfluence:
+    if isinstance(self_scores, Mapping):
+        missing = [t for t in scores.train_ids if t not in self_scores]
+        if missing:
+            raise ReportError(f"self_scores has no value for training example {missing[0]!r} ({len(missing)} "
+                              "missing); give one per training example")
+        values = torch.tensor([float(self_scores[t]) for t in scores.train_ids], dtype=torch.float32)
+    else:
+        values = torch.as_tensor(self_scores, dtype=torch.float32).flatten()
+        if values.numel() != len(scores.train_ids):
+            raise ReportError(f"self_scores has {values.numel()} values for {len(scores.train_ids)} training "
+                              "examples; give one per training example, in the scores' order")
+    check_finite(values, "the self-influence scores", None, scores.train_ids)
+    top_values, top_indices = torch.topk(values, min(self_k, values.numel()))
+    ids = [scores.train_ids[j] for j in top_indices.tolist()]
+    check_ids(ids, texts, "training", text_source)
+    top = top_values.tolist()
+    scale = max(abs(v) for v in top)
+    rows = _rows("", ids, top, scale, texts, max_chars, {}, {})
+    constant = bool((values.max() - values.min()) <= CONSTANT_SPREAD * values.abs().max().clamp_min(1e-30))
+    return SelfInfluence(method, rows, histogram_of(values, top), constant, values.numel())

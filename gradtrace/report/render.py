@@ -1,0 +1,108 @@
+"""Rendering a :class:`~gradtrace.report.content.Report` to one self-contained HTML file with jinja2.
+
+Templates ship as package data (``gradtrace/report/templates``); the environment autoescapes everything, so
+training texts, ids and tokens (``<script>`` included) are shown as text, never run. The page has no
+JavaScript and no external resource: paging is CSS (``:target``), plots are inline SVG.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from .content import Report, build_report
+from .errors import ReportError
+from .texts import DataSource, read_texts, recorded_sources, resolve_source
+
+__all__ = ["render_html", "render_report", "write_atomic"]
+
+TEMPLATE = "report.html.j2"
+FILE_MODE = 0o644
+
+
+@lru_cache(maxsize=1)
+def _environment() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("gradtrace.report", "templates"),
+                             autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
+                             lstrip_blocks=True)
+    env.filters["signed"] = lambda v: f"{v:+.4g}"
+    return env
+
+
+def _texts(given: Mapping[str, str] | str | Path | None, recorded: DataSource | None, what: str, option: str
+           ) -> tuple[Mapping[str, str], str]:
+    """Texts given as a mapping, a data file, or (None) the data recorded with the scores; and where they came
+    from (for error messages)."""
+    if isinstance(given, Mapping):
+        return given, f"the given {option}"
+    source = resolve_source(given, recorded, what=what, option=f"{option}= (a mapping {{id: text}} or a .jsonl/.txt "
+                            "file)")
+    return read_texts(source, what=what), f"{what} file {source.path}"
+
+
+def render_report(scores: Any, texts: Mapping[str, str] | str | Path | None = None,
+                  queries: Mapping[str, str] | str | Path | None = None, out: str | Path | None = None, *,
+                  k: int = 5, per_page: int = 20, max_chars: int = 600,
+                  self_scores: Tensor | Mapping[str, float] | None = None, self_method: str | None = None,
+                  self_k: int = 20, title: str | None = None) -> str:
+    """Render ``scores`` as one self-contained HTML page; write it to ``out`` when given. Returns the HTML.
+
+    Args:
+        scores: a :class:`gradtrace.Scores`.
+        texts: training texts: ``{train id: text}``, a .jsonl/.txt file, or None for the training data recorded
+            by ``gradtrace collect``/``score``.
+        queries: query texts, the same way.
+        out: file to write (atomically: a failed render leaves an existing file as it was).
+        k: helpful and harmful training examples shown per query.
+        per_page: queries per page (pages are switched by links; the file holds them all).
+        max_chars: characters (and tokens) of a text shown; the rest is cut and counted.
+        self_scores: ``[N]`` self-influence of every training example (``Attributor.self_scores()``), in the
+            scores' training order, or ``{train id: value}``: adds a self-influence section.
+        self_method: the method the self-influence was computed with (default: the scores' method).
+        self_k: examples listed in the self-influence section.
+        title: page title.
+    """
+    train_source, query_source = recorded_sources(scores.meta)
+    train_texts, train_from = _texts(texts, train_source, "training data", "texts")
+    query_texts, query_from = _texts(queries, query_source, "queries", "queries")
+    report = build_report(scores, train_texts, query_texts, k=k, per_page=per_page, max_chars=max_chars,
+                          self_scores=self_scores, self_method=self_method, self_k=self_k, title=title,
+                          text_source=train_from, query_source=query_from)
+    html = render_html(report)
+    if out is not None:
+        write_atomic(Path(out), html)
+    return html
+
+
+def render_html(report: Report) -> str:
+    """The HTML page of a built :class:`Report`."""
+    return _environment().get_template(TEMPLATE).render(report=report, css=_css())
+
+
+@lru_cache(maxsize=1)
+def _css() -> str:
+    return _environment().loader.get_source(_environment(), "report.css")[0]
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    if path.is_dir():
+        raise ReportError(f"{path} is a directory; give the report's file name (e.g. {path / 'report.html'})")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes the file private; a report is an ordinary shareable file
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,89 @@
+"""Where the report's texts come from: the datasets a score run recorded, read with one re-pointable reader.
+
+``gradtrace score`` records the training store (whose manifest records the training data it was collected
+from, with its text/id fields, tokenizer model and max length) and the query file. :func:`recorded_sources`
+finds both; :func:`read_texts` is the single place the report reads a dataset (today through
+:func:`gradtrace.cli.data.text_index`; re-point it when data loading moves to ``gradtrace/data/``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ReportError
+
+__all__ = ["DataSource", "read_texts", "recorded_sources", "resolve_source"]
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """A dataset file and how to read it: the JSONL fields, and the tokenizer and max length that content-hash
+    ids need (None: the file has its own ids)."""
+
+    path: Path
+    text_field: str = "text"
+    id_field: str = "id"
+    model: Path | None = None
+    max_length: int | None = None
+
+
+def read_texts(source: DataSource, *, what: str = "data") -> dict[str, str]:
+    """``{id: text}`` of ``source``, ids computed as the collect/score commands computed them."""
+    from ..cli.data import text_index
+    from ..cli.errors import CliError
+    from ..cli.models import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(source.model) if source.model is not None else None
+        return text_index(source.path, source.text_field, source.id_field, tokenizer, source.max_length, what=what)
+    except CliError as err:
+        raise ReportError(str(err)) from None
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) and value else value
+
+
+def _source(config: dict[str, Any], key: str) -> DataSource | None:
+    path = config.get(key)
+    if not path:
+        return None
+    model = _first(config.get("model"))
+    return DataSource(Path(path), config.get("text_field") or "text", config.get("id_field") or "id",
+                      Path(model) if model else None, config.get("max_length"))
+
+
+def recorded_sources(meta: dict[str, Any]) -> tuple[DataSource | None, DataSource | None]:
+    """``(training data, queries)`` recorded by ``gradtrace score`` in ``Scores.meta["config"]`` (None where a
+    source was not recorded: scores made in Python, or a store collected in Python)."""
+    config = meta.get("config") or {}
+    queries = _source(config, "queries")
+    store = config.get("store")
+    if not store:
+        return None, queries
+    try:
+        manifest = json.loads((Path(store) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return None, queries
+    return _source(manifest.get("config") or {}, "data"), queries
+
+
+def resolve_source(given: str | Path | None, recorded: DataSource | None, *, what: str, option: str,
+                   text_field: str | None = None, id_field: str | None = None,
+                   model: str | Path | None = None) -> DataSource:
+    """The dataset to read: ``given`` (read with the recorded settings, overridden by ``text_field``,
+    ``id_field``, ``model``), else the ``recorded`` one; an error naming ``option`` when there is neither or the
+    recorded file is gone."""
+    if given is None:
+        if recorded is None:
+            raise ReportError(f"the scores record no {what} to take texts from (scored in Python, or from a store "
+                              f"collected in Python): pass {option}")
+        if not recorded.path.exists():
+            raise ReportError(f"the {what} recorded with the scores, {recorded.path}, does not exist: pass {option}")
+    base = recorded or DataSource(Path(given))  # type: ignore[arg-type]
+    model = model or base.model
+    return DataSource(Path(given) if given is not None else base.path, text_field or base.text_field,
+                      id_field or base.id_field, Path(model) if model else None, base.max_length)

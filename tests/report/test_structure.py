@@ -1,0 +1,224 @@
+"""The report's HTML, parsed: every query and top-k id, values as scored, nothing external, nothing executable."""
+
+from __future__ import annotations
+
+import html as htmllib
+import re
+
+import pytest
+import torch
+
+from gradtrace.report import render_report
+from gradtrace.report.svg import HEIGHT, PAD_BOTTOM, PAD_TOP, PAD_X, WIDTH, histogram_counts, histogram_of
+from gradtrace.score.scores import SIGN_CONVENTION
+from tests.report.helpers import SCRIPT_TEXT, parse, section, synthetic
+
+
+def _column(html: str, css_class: str, tag: str = r"\w+") -> list[str]:
+    """Unescaped text of every ``<tag class="css_class">`` element up to its first child, in document order."""
+    return [htmllib.unescape(m) for m in re.findall(rf'<{tag} class="{css_class}"[^>]*>([^<]*)<', html)]
+
+
+def _lists(article: str) -> tuple[str, str]:
+    helpful, _, harmful = article.partition('<h3 class="neg">')
+    return helpful, harmful
+
+
+def test_every_query_and_top_k_id_in_rank_order_with_scores():
+    scores, texts, queries = synthetic(num_queries=4, num_train=60)
+    html = render_report(scores, texts, queries, k=5)
+    helpful, harmful = scores.topk(5), scores.topk(5, largest=False)
+    for q, qid in enumerate(scores.query_ids):
+        article = section(html, f"q{q}")
+        assert f"<code>{qid}</code>" in article
+        top_html, bottom_html = _lists(article)
+        assert _column(top_html, "tid") == helpful.ids[q]
+        assert _column(bottom_html, "tid") == harmful.ids[q]
+        shown = [float(v) for v in _column(top_html, r"sc (?:pos|neg)") + _column(bottom_html, r"sc (?:pos|neg)")]
+        expected = helpful.values[q].tolist() + harmful.values[q].tolist()
+        assert shown == pytest.approx(expected, rel=5e-4)  # printed with 4 significant digits
+        texts_shown = _column(top_html, "tx", "div")
+        assert texts_shown == [texts[t] for t in helpful.ids[q]]
+
+
+def test_score_bars_are_proportional_to_the_scores():
+    scores, texts, queries = synthetic(num_queries=1, num_train=40)
+    html = render_report(scores, texts, queries, k=4)
+    widths = [float(w) for w in re.findall(r'class="bar (?:pos|neg)" style="width:([0-9.]+)%"', section(html, "q0"))]
+    values = scores.topk(4).values[0].tolist() + scores.topk(4, largest=False).values[0].tolist()
+    scale = max(abs(v) for v in values)
+    assert widths == pytest.approx([100 * abs(v) / scale for v in values], abs=0.051)  # one decimal
+
+
+def test_no_external_resource_and_no_executable_element():
+    scores, texts, queries = synthetic()
+    html = render_report(scores, texts, queries, self_scores=torch.rand(60))
+    page = parse(html)
+    assert not {"script", "link", "img", "iframe", "object", "embed", "base", "form"} & {t for t, _ in page.tags}
+    for tag, attrs in page.tags:
+        for name, value in attrs.items():
+            assert not name.startswith("on"), (tag, name)
+            assert name not in ("src", "srcset", "action", "formaction"), (tag, name)
+            if name == "href":
+                assert value and value.startswith("#"), value
+    assert "http:" not in html and "https:" not in html and "url(" not in html and "@import" not in html
+
+
+def test_script_in_training_text_query_and_ids_is_inert():
+    scores, texts, queries = synthetic(num_queries=2, num_train=30)
+    scores.matrix[:, 3] = 100.0  # t3 (the script text) tops every query
+    scores.query_ids[1] = "<script>alert('q')</script>"
+    queries = {scores.query_ids[0]: queries["query-0"], scores.query_ids[1]: "<img src=x onerror=alert(1)>"}
+    scores.meta["answers"] = {scores.query_ids[0]: "</p><script>alert('answer')</script>"}
+    html = render_report(scores, texts, queries, k=3)
+    page = parse(html)
+    assert page.count("script") == 0 and page.count("img") == 0
+    assert SCRIPT_TEXT in page.text  # shown as text, exactly
+    assert "<img src=x onerror=alert(1)>" in page.text and "</p><script>alert('answer')</script>" in page.text
+    assert "&lt;script&gt;document.body" in html
+
+
+def test_header_states_method_projection_fingerprint_and_sign():
+    scores, texts, queries = synthetic()
+    page = parse(render_report(scores, texts, queries))
+    text = " ".join(page.text.split())
+    assert "method grad_dot" in text
+    assert "projection LoGra rank 8x8 (vectors 8), seed 3" in text
+    assert "model GPT2LMHeadModel, architecture 3e02bd5231879d5a, weights 74aafb750b7667ae" in text
+    assert SIGN_CONVENTION in text and "negative = it hurts the query" in text
+    assert "60 training examples" in text and "kept full score matrix" in text
+
+
+def test_histogram_bars_and_ticks_are_where_the_values_are():
+    values = torch.tensor([0.0, 0.0, 0.0, 1.2, 1.2, 2.0])
+    svg = str(histogram_of(values, helpful=[2.0, 1.2], harmful=[0.0], bins=4))
+    bars = re.search(r'class="hb" d="([^"]*)"', svg).group(1)
+    plot_h, plot_w = HEIGHT - PAD_TOP - PAD_BOTTOM, WIDTH - 2 * PAD_X
+    steps = re.findall(r"V([0-9.]+)H([0-9.]+)", bars)  # each bin: up to its top, across to its right edge
+    heights = [PAD_TOP + plot_h - float(y) for y, _ in steps]
+    counts = torch.tensor([3.0, 0.0, 2.0, 1.0])  # bins [0, .5) [.5, 1) [1, 1.5) [1.5, 2]
+    expected = (torch.log1p(counts) / torch.log1p(counts.max()) * plot_h).tolist()
+    assert heights == pytest.approx(expected, abs=0.5)  # whole pixels
+    assert [float(x) for _, x in steps] == pytest.approx([PAD_X + plot_w * (i + 1) / 4 for i in range(4)], abs=0.01)
+    ticks = lambda cls: [float(x) for x in re.findall(r"M([0-9.]+) ", re.search(rf'class="{cls}" d="([^"]*)"',
+                                                                                  svg).group(1))]
+    assert ticks("hp") == pytest.approx([PAD_X + plot_w, PAD_X + 0.6 * plot_w], abs=0.051)
+    assert ticks("hn") == pytest.approx([PAD_X], abs=0.051)
+
+
+def test_distribution_only_with_the_full_matrix():
+    scores, texts, queries = synthetic(num_queries=3)
+    with_matrix = render_report(scores, texts, queries, k=5)
+    assert all('<svg class="hist"' in section(with_matrix, f"q{q}") for q in range(3))
+    scores.matrix = None
+    top_only = render_report(scores, texts, queries, k=5)
+    assert '<svg class="hist"' not in top_only
+    assert all("only the top/bottom scores were kept" in section(top_only, f"q{q}") for q in range(3))
+    assert "score distributions are not shown" in top_only
+
+
+def test_token_heat_and_module_bars_when_the_scores_carry_them():
+    scores, texts, queries = synthetic(num_queries=2, num_train=20)
+    plain = render_report(scores, texts, queries, k=3)
+    assert 'class="heat"' not in plain and 'class="mods"' not in plain
+    top = scores.topk(3)
+    tid, value = top.ids[0][0], float(top.values[0, 0])
+    scores.meta["tokens"] = [{"query_id": "query-0", "train_id": tid,
+                              "train_tokens": ["The", " <keeper>", " counted"],
+                              "train_scores": [0.6 * value, 0.5 * value, -0.1 * value],
+                              "query_tokens": ["How", " many"], "query_scores": [0.25 * value, 0.75 * value]}]
+    scores.meta["modules"] = [{"query_id": "query-0", "train_id": tid,
+                               "modules": {"h.0.mlp": 0.4 * value, "h.1.attn": 0.7 * value, "lm_head": -0.1 * value}}]
+    html = render_report(scores, texts, queries, k=3)
+    first = section(html, "q0").split("<li>")[1]  # [query, first helpful row, ...]
+    levels = re.findall(r'<span class="([pn]\d)" title="([^"]+)">([^<]*)</span>', first)
+    assert [(cls, tok) for cls, _, tok in levels[:3]] == [("p5", "The"), ("p4", " &lt;keeper&gt;"), ("n1", " counted")]
+    assert [float(v) for _, v, _ in levels[:3]] == pytest.approx([0.6 * value, 0.5 * value, -0.1 * value], rel=5e-4)
+    assert [(cls, tok) for cls, _, tok in levels[3:]] == [("p2", "How"), ("p5", " many")]  # query side
+    assert _column(first, "mn", "td") == ["h.1.attn", "h.0.mlp", "lm_head"]  # largest |contribution| first
+    widths = [float(w) for w in re.findall(r'<td class="mb"><span class="bar \w+" style="width:([0-9.]+)%', first)]
+    assert widths == pytest.approx([100, 100 * 4 / 7, 100 / 7], abs=0.051)
+    assert "token heat: against the top helpful example" in section(html, "q0")  # query text shown as heat
+    assert 'class="heat"' not in section(html, "q1")  # no attribution for that query
+
+
+def test_answer_is_shown_when_the_scores_carry_it():
+    scores, texts, queries = synthetic(num_queries=2)
+    scores.meta["answers"] = {"query-1": "Forty two gulls."}
+    html = render_report(scores, texts, queries)
+    assert "Forty two gulls." in section(html, "q1") and "Answer" not in section(html, "q0")
+
+
+def test_self_influence_lists_the_highest_in_order():
+    scores, texts, queries = synthetic(num_train=50)
+    values = torch.linspace(0, 1, 50)[torch.randperm(50, generator=torch.Generator().manual_seed(1))]
+    html = render_report(scores, texts, queries, self_scores=values, self_method="grad_dot", self_k=7)
+    part = section(html, "self")
+    order = torch.argsort(values, descending=True)[:7].tolist()
+    assert _column(part, "tid") == [f"t{i}" for i in order]
+    assert "(grad_dot)" in part and '<svg class="hist"' in part
+    assert "are equal for this method" not in part
+    by_id = {f"t{i}": 1.0 + 1e-4 * (-1) ** i for i in range(50)}  # grad_cos: 1, up to float32 rounding
+    constant = section(render_report(scores, texts, queries, self_scores=by_id), "self")
+    assert "All self-influence values are equal for this method" in constant
+
+
+def test_pages_index_and_navigation():
+    scores, texts, queries = synthetic(num_queries=5)
+    html = render_report(scores, texts, queries, per_page=2)
+    page = parse(html)
+    pages = [i for i in page.ids if i.startswith("page-")]
+    assert pages == ["page-1", "page-2", "page-3"]
+    for q in range(5):
+        assert f'id="q{q}"' in section(html, f"page-{q // 2 + 1}")
+    index = section(html, "index")
+    assert re.findall(r'<a href="#(q\d+)">', index) == [f"q{q}" for q in range(5)]
+    top = scores.topk(1)
+    assert re.findall(r"<code>(t\d+)</code>", index) == [ids[0] for ids in top.ids]
+    nav = re.search(r"<nav>(.*?)</nav>", html, re.S).group(1)
+    assert re.findall(r'href="#([\w-]+)"', nav) == ["index", "page-1", "page-2", "page-3"]
+
+
+def test_long_texts_are_cut_and_counted():
+    scores, texts, queries = synthetic(num_queries=1, num_train=10)
+    texts = {t: "x" * 5000 for t in texts}
+    html = render_report(scores, texts, queries, k=2, max_chars=100)
+    assert _column(section(html, "q0"), "tx", "div")[0] == "x" * 100
+    assert "4900 more characters" in section(html, "q0")
+
+
+def test_file_size_does_not_grow_with_the_training_set():
+    small, texts, queries = synthetic(num_queries=20, num_train=1_000)
+    big, big_texts, _ = synthetic(num_queries=20, num_train=100_000)
+    size_small = len(render_report(small, texts, queries, k=5).encode())
+    size_big = len(render_report(big, big_texts, queries, k=5).encode())
+    assert size_big < 1.05 * size_small  # top-k rows and a fixed-size histogram per query
+
+
+def test_to_html_writes_the_same_page(tmp_path):
+    scores, texts, queries = synthetic()
+    path = scores.to_html(tmp_path / "r.html", texts, queries, k=3)
+    assert path == tmp_path / "r.html"
+    assert path.read_text(encoding="utf-8") == render_report(scores, texts, queries, k=3)
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+def test_how_far_the_top_example_stands_out():
+    scores, texts, queries = synthetic(num_queries=1, num_train=100)
+    row = scores.matrix[0]
+    spread = (float(row.max()) - float(row.mean())) / float(row.std())
+    html = render_report(scores, texts, queries)
+    assert (f"Median {float(row.median()):.4g}; the top example is {spread:.1f} standard deviations above the mean."
+            in section(html, "q0"))
+
+
+def test_histogram_counts_of_all_rows_match_torch_histc():
+    values = torch.randn(6, 1000, generator=torch.Generator().manual_seed(2)) * torch.arange(1, 7)[:, None]
+    values[5] = 0.25  # a constant row: one bar around the value
+    counts, low, high = histogram_counts(values, bins=32)
+    for r in range(6):
+        expected = torch.histc(values[r].double(), bins=32, min=float(low[r]), max=float(high[r]))
+        assert torch.equal(counts[r], expected), r
+    assert counts.sum(1).tolist() == [1000.0] * 6
+    assert low[:5].tolist() == values[:5].min(1).values.double().tolist()
+    assert (low[5], high[5]) == (0.125, 0.375)
