@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from ..methods import available_methods, get_method
 from .config import META_KEY, provenance, write_resolved
-from .data import make_batches, read_examples, token_ids
+from .dataset import read_dataset
 from .errors import CliError
 from .groups import DataOptions, ModelOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
@@ -85,7 +85,8 @@ class ScoreOptions:
 
     store: Path = field(metadata=cli("Gradient store of the training examples (written by gradtrace collect).",
                                      argument=True, metavar="STORE"))
-    queries: Path = field(metadata=cli("Query examples: .jsonl (one JSON object per line) or .txt (one per line).",
+    queries: Path = field(metadata=cli("Query examples, read like the training data: .jsonl, .json, .parquet, .csv, "
+                                       ".txt or a save_to_disk directory; text, prompt-completion or messages.",
                                        argument=True, metavar="QUERIES"))
     model: list[Path] = field(default_factory=list, metadata=cli(
         "Model directory the query gradients are taken with; one per store, in order (default: the model each "
@@ -215,17 +216,17 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
     data_opts = opts.data_options
     projections = [projection_from_spec(s.spec.projection, s.root) for s in stores]
     with phases("read queries"):
-        examples = read_examples(opts.queries, data_opts.text_field, data_opts.id_field, what="queries")
         tokenizer = load_tokenizer(models[0])
     query_sets, max_length, batches = [], None, None
     for store, model_dir, projection in zip(stores, models, projections):
         with phases("load model"):
             model = load_model(model_dir, device, opts.model_options.model_dtype)
         if batches is None:
-            with phases("tokenize"):
+            with phases("read queries"):
                 max_length = resolve_max_length(data_opts.max_length, model)
-                tokens, ids, _ = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.queries)
-                batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
+                batches = read_dataset(opts.queries, tokenizer, data_opts, max_length, pad_id(tokenizer),
+                                       what="queries")
+            console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("query gradients"):
             queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress)
         _check_match(store, queries, model_dir)

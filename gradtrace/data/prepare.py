@@ -234,3 +234,28 @@ def display_text(record: dict[str, Any], fmt: str, fields: Fields) -> str:
     if isinstance(prompt, str):
         return prompt + completion
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt + completion)
+
+
+def texts(source: Any, tokenizer: Any | None = None, *, max_length: int | None = None, what: str = "data",
+          **options: Any) -> dict[str, str]:
+    """``{id: text}`` of a dataset for display (``text``, ``prompt + completion`` or the conversation), the ids
+    computed as :func:`load` computes them (content hashes need ``tokenizer``; examples longer than
+    ``max_length`` are hashed as ``truncate=True`` stored them). ``options``: :func:`load`'s field options."""
+    if tokenizer is not None:
+        data = load(source, tokenizer, max_length=max_length, truncate=True, keep_text=True, what=what, **options)
+        return dict(zip(data.ids, data.texts or []))
+    fields = Fields(*(options.get(f"{name}_field", name) for name in ("text", "prompt", "completion", "messages")),
+                    options.get("id_field", "id"))
+    src = open_source(source, split=options.get("split"), text_field=fields.text, what=what,
+                      chunk_rows=sources.CHUNK_ROWS)
+    state = _State(src, fields, "text" if src.text_only else options.get("format", "auto"))
+    out: dict[str, str] = {}
+    for chunk in src.chunks:
+        state.check(chunk.records, chunk.locations, [src.where(location) for location in chunk.locations])
+        if state.id_rule is not None and not state.id_rule[1]:
+            raise DataError(f"{src.name} has no {fields.id!r} field, so its ids are content hashes of tokens: pass "
+                            "--model MODEL_DIR to tokenize it")
+        out.update((str(r[fields.id]), display_text(r, state.format or "text", fields)) for r in chunk.records)
+    if not out:
+        raise DataError(f"{what} file {src.name} holds no examples")
+    return out
