@@ -19,12 +19,13 @@ def data_kwargs(opts: DataOptions) -> dict[str, Any]:
 
 
 def read_dataset(path: Path, tokenizer: Any, opts: DataOptions, max_length: int | None, pad_id: int, *,
-                 what: str = "data") -> Any:
-    """Read, check and tokenize ``path`` into a :class:`gradtrace.data.TokenizedDataset` of batches."""
+                 what: str = "data", generate: Any = None) -> Any:
+    """Read, check and tokenize ``path`` into a :class:`gradtrace.data.TokenizedDataset` of batches
+    (``generate``: a :class:`gradtrace.data.Generate` to answer its prompts with the model)."""
     from ..data import load
 
     return load(path, tokenizer, max_length=max_length, truncate=opts.truncate, batch_size=opts.batch_size,
-                pad_id=pad_id, what=what, **data_kwargs(opts))
+                pad_id=pad_id, what=what, generate=generate, **data_kwargs(opts))
 
 
 def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *, text_field: str, id_field: str,

@@ -7,7 +7,7 @@ from typing import Literal
 
 from .options import Group, cli
 
-__all__ = ["DATA_HELP", "DataOptions", "ModelOptions", "ProjectionOptions"]
+__all__ = ["DATA_HELP", "DataOptions", "GenerateOptions", "ModelOptions", "ProjectionOptions"]
 
 DATA_HELP = ("Training examples: .jsonl, .json, .parquet, .csv, .txt (one per line) or a save_to_disk directory; "
              "formats text, prompt-completion or messages, detected from the fields (see --format).")
@@ -51,6 +51,29 @@ class DataOptions(Group):
         "text or completion is an error unless --truncate.", min=2))
     truncate: bool = field(default=False, metadata=cli(
         "Cut texts or completions longer than --max-length (on the right) instead of stopping with an error."))
+
+
+@dataclass(kw_only=True)
+class GenerateOptions(Group):
+    """The model's own answers as queries (gradtrace score --generate)."""
+
+    panel = "Generate"
+    generate: bool = field(default=False, metadata=cli(
+        "Answer each query prompt with the (first) model and attribute the loss of its answer; the answers are saved "
+        "with the scores."))
+    max_new_tokens: int = field(default=64, metadata=cli("Longest generated answer, in tokens.", min=1))
+    temperature: float = field(default=0.0, metadata=cli(
+        "0: greedy decoding; above 0: sample at this temperature (no top-k/top-p).", min=0.0))
+    generate_seed: int = field(default=0, metadata=cli("Seed of the sampling (same seed, same answers).", "--seed"))
+
+    def settings(self, model: object) -> object | None:
+        """A :class:`gradtrace.data.Generate` for ``model``, or None without --generate."""
+        from ..data import Generate
+
+        if not self.generate:
+            return None
+        return Generate(model, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                        seed=self.generate_seed)
 
 
 @dataclass(kw_only=True)

@@ -71,6 +71,10 @@ def run(opts: TopkOptions) -> None:
         texts = _texts(opts.data, opts, _collect_config(score_config), what="data")
         for row in rows:
             row["train_text"] = texts.get(row["train_id"])
+    answers = scores.meta.get("answers") or {}  # gradtrace score --generate: the model's answers
+    if answers:
+        for row in rows:
+            row["answer"] = answers.get(row["query_id"])
     query_texts: dict[str, str] = {}
     if opts.queries is not None:
         query_texts = _texts(opts.queries, opts, score_config, what="queries")
@@ -146,6 +150,8 @@ def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, qu
         title = f"query {query_id}"
         if query_id in query_texts:
             title += f": {_snippet(query_texts[query_id], opts.width)}"
+        if query_rows[0].get("answer") is not None:
+            title += f"\n  model's answer: {_snippet(query_rows[0]['answer'], opts.width)}"
         table = Table(title=title, title_justify="left", show_edge=False)
         table.add_column("rank", justify="right")
         table.add_column("train id", overflow="fold")

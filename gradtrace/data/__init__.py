@@ -11,6 +11,8 @@ model was trained with (completion-only, assistant-only, or every token), and re
 from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
 from .formats import FORMATS, Fields
+from .generate import Generate
 from .prepare import display_text, load, texts
 
-__all__ = ["DataError", "DataSummary", "FORMATS", "Fields", "TokenizedDataset", "display_text", "load", "texts"]
+__all__ = ["DataError", "DataSummary", "FORMATS", "Fields", "Generate", "TokenizedDataset", "display_text", "load",
+           "texts"]

@@ -18,6 +18,7 @@ from .chat import check_chat_template
 from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
 from .formats import FORMATS, Fields, LossOn, detect, has_fields, loss_targets, missing_fields_error, validate
+from .generate import Generate, generate_chunk, prompt_of
 from .sources import Source, open_source
 from .tokenize import TokenChunk, tokenize_chunk
 
@@ -29,7 +30,7 @@ SHOWN_IDS = 5
 def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None = None, text_field: str = "text",
          prompt_field: str = "prompt", completion_field: str = "completion", messages_field: str = "messages",
          id_field: str = "id", loss_on: LossOn = "auto", max_length: int | None = None, truncate: bool = False,
-         batch_size: int = 8, pad_id: int | None = None, keep_text: bool = False,
+         batch_size: int = 8, pad_id: int | None = None, keep_text: bool = False, generate: Generate | None = None,
          what: str = "data") -> TokenizedDataset:
     """Read, check, tokenize and identify a dataset; iterate the result for :func:`gradtrace.collect` batches.
 
@@ -48,6 +49,8 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
             is an error listing them, unless ``truncate`` (then it is cut on the right and counted).
         batch_size: examples per batch; pad_id: padding token (default: the tokenizer's pad, else EOS).
         keep_text: keep each example's text (``.texts``) for display.
+        generate: a :class:`Generate` (the model and decoding settings) to answer each record's prompt with the
+            model and make the answer the example's loss (``.answers`` holds the decoded answers).
         what: what the data is, in error messages ("data", "queries").
 
     Returns:
@@ -61,8 +64,17 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
     fields = Fields(text_field, prompt_field, completion_field, messages_field, id_field)
     src = open_source(source, split=split, text_field=text_field, what=what, chunk_rows=sources.CHUNK_ROWS)
     state = _State(src, fields, "text" if src.text_only else format)
+    if generate is not None:
+        state.format, state.targets = "prompt-completion", "completion"
     for chunk in src.chunks:
         wheres = [src.where(location) for location in chunk.locations]
+        if generate is not None:
+            for record, location, where in zip(chunk.records, chunk.locations, wheres):
+                state.check_id(record, location, where)
+            tokens, answers = generate_chunk(chunk.records, wheres, tokenizer, fields, generate)
+            state.answers += answers
+            state.add(tokens, chunk.records, wheres, max_length, truncate, keep_text, answers)
+            continue
         state.check(chunk.records, chunk.locations, wheres)
         if state.targets is None:
             state.targets = loss_targets(state.format, loss_on, state.conversational)  # type: ignore[arg-type]
@@ -91,6 +103,7 @@ class _State:
     ids: list[str] = field(default_factory=list)
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    answers: list[str] = field(default_factory=list)
     empty: list[str] = field(default_factory=list)
     too_long: list[tuple[str, str | None, int]] = field(default_factory=list)
     prompt_truncated: int = 0
@@ -117,9 +130,9 @@ class _State:
                 kinds = {True: "message lists", False: "strings"}
                 raise DataError(f"{where} has {kinds[conversational]} for prompt/completion but {self.first_where} "
                                 f"has {kinds[self.conversational]}: mixed formats in one source; split it")
-            self._check_id(record, location, where)
+            self.check_id(record, location, where)
 
-    def _check_id(self, record: dict[str, Any], location: int, where: str) -> None:
+    def check_id(self, record: dict[str, Any], location: int, where: str) -> None:
         ident = record.get(self.fields.id)
         has = ident is not None
         if self.id_rule is None:
@@ -140,7 +153,7 @@ class _State:
         self.seen_ids[key] = location
 
     def add(self, tokens: TokenChunk, records: list[dict[str, Any]], wheres: list[str], max_length: int | None,
-            truncate: bool, keep_text: bool) -> None:
+            truncate: bool, keep_text: bool, answers: list[str] | None = None) -> None:
         """Truncate and identify a tokenized chunk, and keep it."""
         self.empty += [w for w, n in zip(wheres, tokens.lengths) if n == 0]
         user_ids = [None if r.get(self.fields.id) is None else str(r[self.fields.id]) for r in records]
@@ -158,7 +171,9 @@ class _State:
                 ident = digest if repeat == 0 else f"{digest}#{repeat}"
             self.ids.append(ident)
         self.parts.append((tokens.tokens.astype(np.int32), tokens.loss, tokens.lengths))
-        if keep_text:
+        if keep_text and answers is not None:
+            self.texts += [_prompt_text(prompt_of(r, self.fields, w)) + a for r, w, a in zip(records, wheres, answers)]
+        elif keep_text:
             self.texts += [display_text(r, self.format, self.fields) for r in records]
 
     def finish(self, tokenizer: Any, max_length: int | None, truncate: bool, batch_size: int, pad_id: int | None,
@@ -177,11 +192,11 @@ class _State:
         targets[np.concatenate([[0], np.cumsum(lengths)[:-1]])[lengths > 0]] = False  # a first token is never a target
         summary = DataSummary(self.source.name, len(self.ids), self.format, self.conversational, self.targets or "all",
                               int(targets.sum()), len(tokens), self.prompt_truncated, self.cut,
-                              self.fields.id if self.id_rule and self.id_rule[1] else None)
+                              self.fields.id if self.id_rule and self.id_rule[1] else None, bool(self.answers))
         if pad_id is None:
             pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
         return TokenizedDataset(tokens, loss, lengths, self.ids, summary, batch_size=batch_size, pad_id=pad_id,
-                                texts=self.texts or None)
+                                texts=self.texts or None, answers=self.answers or None)
 
 
 def _truncate(chunk: TokenChunk, max_length: int, keep_long: bool
@@ -222,6 +237,12 @@ def _too_long_error(too_long: list[tuple[str, str | None, int]], fmt: str, max_l
     return DataError(f"{where}{note}: its {part} alone needs {needed} tokens (with one token of context), more than "
                      f"--max-length {max_length}{more}; pass --truncate to cut them on the right, or a larger "
                      "--max-length")
+
+
+def _prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt) + "\nassistant: "
 
 
 def display_text(record: dict[str, Any], fmt: str, fields: Fields) -> str:
