@@ -226,7 +226,8 @@ def _truncate(chunk: TokenChunk, max_length: int, keep_long: bool
 def _too_long_error(too_long: list[tuple[str, str | None, int]], fmt: str, max_length: int | None) -> DataError:
     where, ident, needed = too_long[0]
     note = f" (id {ident!r})" if ident is not None else ""
-    more = f" ({len(too_long) - 1} more examples are too long" if len(too_long) > 1 else ""
+    more = (f" ({len(too_long) - 1} more example{'s are' if len(too_long) > 2 else ' is'} too long"
+            if len(too_long) > 1 else "")
     if more:
         shown = [i if i is not None else w for w, i, _ in too_long[1:1 + SHOWN_IDS]]
         more += f": {', '.join(shown)}{', ...' if len(too_long) > 1 + SHOWN_IDS else ''})"

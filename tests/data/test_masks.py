@@ -130,7 +130,7 @@ def test_completion_longer_than_max_length_is_reported(tokenizer):
     with pytest.raises(gd.DataError) as err:
         gd.load(records, tokenizer, max_length=limit)
     message = str(err.value)
-    assert f"{len(too_long) - 1} more examples are too long" in message and "--truncate" in message
+    assert f"{len(too_long) - 1} more example" in message and "too long" in message and "--truncate" in message
     assert all(repr(i) in message or i in message for i in too_long)
     cut = gd.load(records, tokenizer, max_length=limit, truncate=True)
     assert cut.num_examples == len(records) and cut.summary.cut == len(too_long)
