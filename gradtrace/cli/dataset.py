@@ -31,7 +31,7 @@ def read_dataset(path: Path, tokenizer: Any, opts: DataOptions, max_length: int 
 def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *, text_field: str, id_field: str,
                   what: str) -> dict[str, str]:
     """``{id: text}`` of a dataset, read with the data options ``recorded`` when it was collected or scored
-    (format, fields, split, --max-length), ``text_field``/``id_field`` as given."""
+    (format, fields, split, --max-length, --generate), ``text_field``/``id_field`` as given."""
     from ..data import texts
 
     defaults = DataOptions()
@@ -39,4 +39,4 @@ def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *
                (("format", "data_format"), ("split", "split"), ("prompt_field", "prompt_field"),
                 ("completion_field", "completion_field"), ("messages_field", "messages_field"))}
     return texts(path, tokenizer, max_length=recorded.get("max_length"), what=what, text_field=text_field,
-                 id_field=id_field, **options)
+                 id_field=id_field, prompts=bool(recorded.get("generate")), **options)

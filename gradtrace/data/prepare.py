@@ -259,11 +259,13 @@ def display_text(record: dict[str, Any], fmt: str, fields: Fields) -> str:
 
 
 def texts(source: Any, tokenizer: Any | None = None, *, max_length: int | None = None, what: str = "data",
-          **options: Any) -> dict[str, str]:
+          prompts: bool = False, **options: Any) -> dict[str, str]:
     """``{id: text}`` of a dataset for display (``text``, ``prompt + completion`` or the conversation), the ids
     computed as :func:`load` computes them (content hashes need ``tokenizer``; examples longer than
-    ``max_length`` are hashed as ``truncate=True`` stored them). ``options``: :func:`load`'s field options."""
-    if tokenizer is not None:
+    ``max_length`` are hashed as ``truncate=True`` stored them). ``prompts``: the source holds query prompts
+    answered with ``generate=`` (their text is the prompt; they need ids). ``options``: :func:`load`'s field
+    options."""
+    if tokenizer is not None and not prompts:
         data = load(source, tokenizer, max_length=max_length, truncate=True, keep_text=True, what=what, **options)
         return dict(zip(data.ids, data.texts or []))
     fields = Fields(*(options.get(f"{name}_field", name) for name in ("text", "prompt", "completion", "messages")),
@@ -273,11 +275,22 @@ def texts(source: Any, tokenizer: Any | None = None, *, max_length: int | None =
     state = _State(src, fields, "text" if src.text_only else options.get("format", "auto"))
     out: dict[str, str] = {}
     for chunk in src.chunks:
-        state.check(chunk.records, chunk.locations, [src.where(location) for location in chunk.locations])
+        wheres = [src.where(location) for location in chunk.locations]
+        if prompts:
+            for record, location, where in zip(chunk.records, chunk.locations, wheres):
+                state.check_id(record, location, where)
+        else:
+            state.check(chunk.records, chunk.locations, wheres)
         if state.id_rule is not None and not state.id_rule[1]:
-            raise DataError(f"{src.name} has no {fields.id!r} field, so its ids are content hashes of tokens: pass "
-                            "--model MODEL_DIR to tokenize it")
-        out.update((str(r[fields.id]), display_text(r, state.format or "text", fields)) for r in chunk.records)
+            hashed = "prompt + answer tokens" if prompts else "tokens"
+            raise DataError(f"{src.name} has no {fields.id!r} field, so its ids are content hashes of {hashed}: "
+                            + ("give the prompts ids to show them" if prompts else
+                               "pass --model MODEL_DIR to tokenize it"))
+        if prompts:
+            out.update((str(r[fields.id]), _prompt_text(prompt_of(r, fields, w)))
+                       for r, w in zip(chunk.records, wheres))
+        else:
+            out.update((str(r[fields.id]), display_text(r, state.format or "text", fields)) for r in chunk.records)
     if not out:
         raise DataError(f"{what} file {src.name} holds no examples")
     return out

@@ -133,8 +133,9 @@ def test_score_generate_saves_and_shows_the_answers(ws, runner, store, fresh):
     assert answers == dict(zip(data.ids, data.answers))
     rows = json.loads(invoke(runner, "topk", fresh / "sc", "--k", 2, "--format", "json").stdout)
     assert rows[0]["answer"] == answers[rows[0]["query_id"]]
-    table = invoke(runner, "topk", fresh / "sc", "--k", 2).stdout
-    assert "model's answer:" in table
+    table = invoke(runner, "topk", fresh / "sc", "--k", 2, "--queries", prompts, "--width", 200).stdout
+    table = " ".join(table.split())
+    assert f"query g0: {PAIRS[0][0]}" in table and f"model's answer: {answers['g0'].strip()}" in table
     # sampled answers: the same seed gives the same text
     sampled = [*args, "--temperature", 1.5, "--seed", 4]
     invoke(runner, *sampled, "--out", fresh / "s1")
