@@ -46,6 +46,8 @@ def _write(kind: str, records: list[dict], root):
         return path, "train"
     elif kind == "dataset":
         return datasets.Dataset.from_list(records), None
+    elif kind == "iterable":
+        return datasets.Dataset.from_list(records).to_iterable_dataset(num_shards=2), None
     else:
         return [dict(r) for r in records], None
     return path, None
@@ -59,7 +61,7 @@ def _same(a, b) -> None:
         (b.summary.examples, b.summary.format, b.summary.loss_tokens)
 
 
-KINDS = ["jsonl", "json", "parquet", "csv", "save_to_disk", "dataset_dict", "dataset", "list"]
+KINDS = ["jsonl", "json", "parquet", "csv", "save_to_disk", "dataset_dict", "dataset", "iterable", "list"]
 
 
 @pytest.mark.parametrize("with_ids", [True, False])
