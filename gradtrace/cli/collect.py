@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .config import META_KEY, provenance, write_resolved
-from .data import make_batches, read_examples, token_ids
+from .dataset import read_dataset
 from .errors import CliError
-from .groups import DataOptions, ModelOptions, ProjectionOptions
+from .groups import DATA_HELP, DataOptions, ModelOptions, ProjectionOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .options import Group, cli, resolved
 from .report import Phases, console, human_bytes
@@ -37,8 +37,7 @@ class CollectOptions:
 
     model: Path = field(metadata=cli("Local Hugging Face model directory (config, weights and tokenizer).",
                                      argument=True, metavar="MODEL_DIR"))
-    data: Path = field(metadata=cli("Training examples: .jsonl (one JSON object per line) or .txt (one per line).",
-                                    argument=True, metavar="DATA"))
+    data: Path = field(metadata=cli(DATA_HELP, argument=True, metavar="DATA"))
     store_options: StoreOptions
     data_options: DataOptions
     projection_options: ProjectionOptions
@@ -53,7 +52,8 @@ OPTIONS = CollectOptions
 def run(opts: CollectOptions) -> None:
     """Collect per-example gradients of a dataset into a gradient store.
 
-    Each example's gradient is that of its own loss (causal LM, summed over its tokens).
+    Each example's gradient is that of its own loss (causal LM, summed over the tokens in its loss: all of a
+    text, the completion of a prompt-completion pair, the assistant turns of a conversation; see --loss-on).
     Gradients are projected with LoGra at capture time unless --projection none.
 
     Example: gradtrace collect ./model train.jsonl --out ./store --rank 16
@@ -63,18 +63,16 @@ def run(opts: CollectOptions) -> None:
     phases = Phases()
     store_opts, data_opts, model_opts = opts.store_options, opts.data_options, opts.model_options
     already = _check_target(store_opts)
-    with phases("read data"):
-        examples = read_examples(opts.data, data_opts.text_field, data_opts.id_field)
     with phases("load model"):
         tokenizer = load_tokenizer(opts.model)
         device = resolve_device(model_opts.device)
         model = load_model(opts.model, device, model_opts.model_dtype)
-    with phases("tokenize"):
+    with phases("read data"):
         max_length = resolve_max_length(data_opts.max_length, model)
-        tokens, ids, truncated = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.data)
-        batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
-    phases.note("tokenize", f"{sum(map(len, tokens)):,} tokens" + (f", {truncated} truncated" if truncated else ""))
-    single = [ident for ident, toks in zip(ids, tokens) if len(toks) < 2]  # nothing to predict: zero gradient
+        batches = read_dataset(opts.data, tokenizer, data_opts, max_length, pad_id(tokenizer))
+    phases.note("read data", f"{batches.summary.total_tokens:,} tokens")
+    console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
+    single = batches.no_target_ids()  # nothing to predict: a zero gradient
     proj = opts.projection_options
     projection = (gradtrace.LoGra(rank=proj.rank, seed=proj.seed, ranks=proj.logra_ranks())
                   if proj.projection == "logra" else None)
@@ -91,7 +89,7 @@ def run(opts: CollectOptions) -> None:
                                   shard_rows=store_opts.shard_rows, device=device, progress=opts.progress,
                                   config={META_KEY: provenance("collect"), **values})
     seconds = phases.seconds["gradients"]
-    phases.note("gradients", f"{len(examples) / max(seconds, 1e-9):,.1f} examples/s")
+    phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
     written = write_resolved(store_opts.out, "collect", values)
     info = store.info()
     out = console()
@@ -106,8 +104,9 @@ def run(opts: CollectOptions) -> None:
         out.print(f"[yellow]Warning: {len(nonfinite)} examples had NaN/inf gradients and were not stored "
                   f"(first ids: {json.dumps(nonfinite[:3])}).[/yellow]")
     if single:
-        out.print(f"[yellow]Warning: {len(single)} example{' has' if len(single) == 1 else 's have'} a single token, "
-                  f"so nothing to predict: stored with a zero gradient (first ids: {json.dumps(single[:3])}).[/yellow]")
+        out.print(f"[yellow]Warning: {len(single)} example{' has' if len(single) == 1 else 's have'} no token in the "
+                  "loss (a single token, or nothing after the prompt), so nothing to predict: stored with a zero "
+                  f"gradient (first ids: {json.dumps(single[:3])}).[/yellow]")
     out.print(f"Next: gradtrace score {store_opts.out} QUERIES.jsonl --out SCORES_DIR")
     if opts.progress:
         console(stderr=True).print(phases.table())

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from .config import META_KEY, provenance, write_resolved
-from .data import make_batches, read_examples, token_ids
+from .dataset import read_dataset
 from .errors import CliError
 from .groups import DataOptions, ModelOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
@@ -51,7 +51,7 @@ class FitOptions:
     store: Path = field(metadata=cli("Gradient store the curvature is for (written by gradtrace collect).",
                                      argument=True, metavar="STORE"))
     data: Path | None = field(default=None, metadata=cli(
-        "Examples to fit on (.jsonl or .txt), usually the training data; not needed for --method logra.",
+        "Examples to fit on (read like collect's DATA), usually the training data; not needed for --method logra.",
         argument=True, metavar="DATA"))
     model: Path | None = field(default=None, metadata=cli(
         "Model directory (default: the one the store records).", "--model", "-m", metavar="MODEL_DIR"))
@@ -104,16 +104,14 @@ def run(opts: FitOptions) -> None:
                 raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
             model_dir = Path(recorded)
         projection = projection_from_spec(store.spec.projection, store.root)
-        with phases("read data"):
-            examples = read_examples(opts.data, data_opts.text_field, data_opts.id_field)
         with phases("load model"):
             tokenizer = load_tokenizer(model_dir)
             model = load_model(model_dir, device, model_opts.model_dtype)
-        with phases("tokenize"):
+        with phases("read data"):
             max_length = resolve_max_length(data_opts.max_length, model)
-            tokens, ids, _ = token_ids(examples, tokenizer, max_length, data_opts.truncate, source=opts.data)
-            batches = make_batches(tokens, ids, data_opts.batch_size, pad_id(tokenizer))
+            batches = read_dataset(opts.data, tokenizer, data_opts, max_length, pad_id(tokenizer))
             data_opts = replace(data_opts, max_length=max_length)
+        console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         kind = {"kfac": "kfac", "ekfac": "ekfac", "ggn": "fisher"}[cv.method]
         with phases("fit"):
             try:

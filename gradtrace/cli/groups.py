@@ -7,7 +7,10 @@ from typing import Literal
 
 from .options import Group, cli
 
-__all__ = ["DataOptions", "ModelOptions", "ProjectionOptions"]
+__all__ = ["DATA_HELP", "DataOptions", "GenerateOptions", "ModelOptions", "ProjectionOptions"]
+
+DATA_HELP = ("Training examples: .jsonl, .json, .parquet, .csv, .txt (one per line) or a save_to_disk directory; "
+             "formats text, prompt-completion or messages, detected from the fields (see --format).")
 
 
 @dataclass(kw_only=True)
@@ -23,18 +26,54 @@ class ModelOptions(Group):
 
 @dataclass(kw_only=True)
 class DataOptions(Group):
-    """How a dataset file is read, tokenized and batched."""
+    """How a dataset is read, tokenized and batched (see docs/data.md)."""
 
     panel = "Data"
-    text_field: str = field(default="text", metadata=cli("JSONL field holding each example's text."))
+    data_format: Literal["auto", "text", "prompt-completion", "messages"] = field(default="auto", metadata=cli(
+        "Dataset format: text, prompt-completion (strings or message lists) or messages (chat); auto: from the "
+        "fields, as TRL does.", "--format"))
+    text_field: str = field(default="text", metadata=cli("Field holding each example's text (format text)."))
+    prompt_field: str = field(default="prompt", metadata=cli("Field holding the prompt (format prompt-completion)."))
+    completion_field: str = field(default="completion", metadata=cli(
+        "Field holding the completion (format prompt-completion)."))
+    messages_field: str = field(default="messages", metadata=cli(
+        "Field holding the list of {role, content} messages (format messages)."))
     id_field: str = field(default="id", metadata=cli(
-        "JSONL field holding each example's id (optional; default ids are content hashes of the tokens)."))
+        "Field holding each example's id (optional; default ids are content hashes of the tokens)."))
+    split: str | None = field(default=None, metadata=cli(
+        "Split of a DatasetDict directory (save_to_disk) to read, e.g. train."))
+    loss_on: Literal["auto", "completion", "assistant", "all"] = field(default="auto", metadata=cli(
+        "Tokens in each example's loss: auto (text: all; prompt-completion: the completion; messages: the assistant "
+        "turns), completion, assistant, all."))
     batch_size: int = field(default=8, metadata=cli("Examples per forward/backward pass.", min=1))
     max_length: int | None = field(default=None, metadata=cli(
-        "Longest example in tokens (default: the model's context); longer ones are an error unless --truncate.",
-        min=2))
+        "Longest example in tokens (default: the model's context); longer prompts are cut from the left, a longer "
+        "text or completion is an error unless --truncate.", min=2))
     truncate: bool = field(default=False, metadata=cli(
-        "Cut examples longer than --max-length instead of stopping with an error."))
+        "Cut texts or completions longer than --max-length (on the right) instead of stopping with an error."))
+
+
+@dataclass(kw_only=True)
+class GenerateOptions(Group):
+    """The model's own answers as queries (gradtrace score --generate)."""
+
+    panel = "Generate"
+    generate: bool = field(default=False, metadata=cli(
+        "Answer each query prompt with the (first) model and attribute the loss of its answer; the answers are saved "
+        "with the scores."))
+    max_new_tokens: int = field(default=64, metadata=cli("Longest generated answer, in tokens.", min=1))
+    temperature: float = field(default=0.0, metadata=cli(
+        "0: greedy decoding; above 0: sample at this temperature (no top-k/top-p).", min=0.0))
+    generate_seed: int = field(default=0, metadata=cli("Seed of the sampling (same seed, same answers).", "--seed"))
+
+    def settings(self, model: object) -> object | None:
+        """A :class:`gradtrace.data.Generate` for ``model``, or None without --generate."""
+        from ..data import Generate
+
+        if not self.generate:
+            return None
+        return Generate(model, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
+                        seed=self.generate_seed)
 
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ from typing import Any, Literal
 from rich.table import Table
 
 from .config import read_resolved
-from .data import text_index
+from .dataset import dataset_texts
 from .errors import CliError
 from .models import load_tokenizer
 from .options import cli
@@ -33,8 +33,9 @@ class TopkOptions:
     bottom: bool = field(default=False, metadata=cli(
         "Show the lowest scores (the examples that hurt the query most) instead."))
     data: Path | None = field(default=None, metadata=cli(
-        "Training data (.jsonl/.txt) to show each training example's text."))
-    queries: Path | None = field(default=None, metadata=cli("Query data (.jsonl/.txt) to show each query's text."))
+        "Training data (as given to collect) to show each training example's text."))
+    queries: Path | None = field(default=None, metadata=cli(
+        "Query data (as given to score) to show each query's text."))
     text_field: str | None = field(default=None, metadata=cli(
         "JSONL text field of --data/--queries (default: as recorded when collecting/scoring, else 'text')."))
     id_field: str | None = field(default=None, metadata=cli(
@@ -70,6 +71,10 @@ def run(opts: TopkOptions) -> None:
         texts = _texts(opts.data, opts, _collect_config(score_config), what="data")
         for row in rows:
             row["train_text"] = texts.get(row["train_id"])
+    answers = scores.meta.get("answers") or {}  # gradtrace score --generate: the model's answers
+    if answers:
+        for row in rows:
+            row["answer"] = answers.get(row["query_id"])
     query_texts: dict[str, str] = {}
     if opts.queries is not None:
         query_texts = _texts(opts.queries, opts, score_config, what="queries")
@@ -122,7 +127,7 @@ def _texts(path: Path, opts: TopkOptions, recorded: dict[str, Any], what: str) -
         except CliError:
             if opts.model is not None:
                 raise
-    return text_index(path, text_field, id_field, tokenizer, recorded.get("max_length"), what=what)
+    return dataset_texts(path, tokenizer, recorded, text_field=text_field, id_field=id_field, what=what)
 
 
 def _snippet(text: str | None, width: int) -> str:
@@ -145,6 +150,8 @@ def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, qu
         title = f"query {query_id}"
         if query_id in query_texts:
             title += f": {_snippet(query_texts[query_id], opts.width)}"
+        if query_rows[0].get("answer") is not None:
+            title += f"\n  model's answer: {_snippet(query_rows[0]['answer'], opts.width)}"
         table = Table(title=title, title_justify="left", show_edge=False)
         table.add_column("rank", justify="right")
         table.add_column("train id", overflow="fold")

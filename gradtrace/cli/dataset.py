@@ -1,0 +1,42 @@
+"""The commands' data: :func:`gradtrace.data.load` with the ``Data`` options (one place for collect, fit and
+score), and the texts of a dataset for ``gradtrace topk``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .groups import DataOptions
+
+__all__ = ["data_kwargs", "dataset_texts", "read_dataset"]
+
+
+def data_kwargs(opts: DataOptions) -> dict[str, Any]:
+    """The ``gradtrace.data.load`` keyword arguments that select and read the examples."""
+    return {"format": opts.data_format, "split": opts.split, "text_field": opts.text_field,
+            "prompt_field": opts.prompt_field, "completion_field": opts.completion_field,
+            "messages_field": opts.messages_field, "id_field": opts.id_field, "loss_on": opts.loss_on}
+
+
+def read_dataset(path: Path, tokenizer: Any, opts: DataOptions, max_length: int | None, pad_id: int, *,
+                 what: str = "data", generate: Any = None) -> Any:
+    """Read, check and tokenize ``path`` into a :class:`gradtrace.data.TokenizedDataset` of batches
+    (``generate``: a :class:`gradtrace.data.Generate` to answer its prompts with the model)."""
+    from ..data import load
+
+    return load(path, tokenizer, max_length=max_length, truncate=opts.truncate, batch_size=opts.batch_size,
+                pad_id=pad_id, what=what, generate=generate, **data_kwargs(opts))
+
+
+def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *, text_field: str, id_field: str,
+                  what: str) -> dict[str, str]:
+    """``{id: text}`` of a dataset, read with the data options ``recorded`` when it was collected or scored
+    (format, fields, split, --max-length, --generate), ``text_field``/``id_field`` as given."""
+    from ..data import texts
+
+    defaults = DataOptions()
+    options = {key: recorded.get(name, getattr(defaults, name)) for key, name in
+               (("format", "data_format"), ("split", "split"), ("prompt_field", "prompt_field"),
+                ("completion_field", "completion_field"), ("messages_field", "messages_field"))}
+    return texts(path, tokenizer, max_length=recorded.get("max_length"), what=what, text_field=text_field,
+                 id_field=id_field, prompts=bool(recorded.get("generate")), **options)

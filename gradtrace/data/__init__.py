@@ -1,0 +1,18 @@
+"""Training and query data in: files, ``datasets`` datasets and lists of dicts -> batches for collection.
+
+``gradtrace.data.load(source, tokenizer)`` reads a source (``.jsonl``, ``.json``, ``.parquet``, ``.csv``,
+``.txt``, a ``save_to_disk`` directory, a ``datasets.Dataset`` or a list of dicts), detects its format
+(``text``, ``prompt-completion``, ``messages``; TRL's conventions), tokenizes it with the loss mask the
+model was trained with (completion-only, assistant-only, or every token), and returns a
+:class:`TokenizedDataset`: iterate it for ``gradtrace.collect`` batches, read ``.ids`` and
+``.summary.line()``.
+"""
+
+from .dataset import DataSummary, TokenizedDataset
+from .errors import DataError
+from .formats import FORMATS, Fields
+from .generate import Generate
+from .prepare import display_text, load, texts
+
+__all__ = ["DataError", "DataSummary", "FORMATS", "Fields", "Generate", "TokenizedDataset", "display_text", "load",
+           "texts"]
