@@ -132,8 +132,8 @@ def test_collect_names_single_token_examples(ws, runner, tmp_path):
                     + "\n")
     out = tmp_path / "store"
     result = invoke(runner, "collect", ws.model, data, "--out", out, "--rank", 4, "--no-progress")
-    assert ("Warning: 1 example has a single token, so nothing to predict: stored with a zero gradient "
-            '(first ids: ["one"]).') in " ".join(result.output.split())
+    assert ("Warning: 1 example has no token in the loss (a single token, or nothing after the prompt), so nothing "
+            'to predict: stored with a zero gradient (first ids: ["one"]).') in " ".join(result.output.split())
     opened = GradientStore.open(out)
     row = opened.ids.index("one")
     assert torch.equal(opened.read(row, row + 1), torch.zeros(1, opened.spec.dim))
