@@ -1,6 +1,8 @@
-"""Scoring: the blocked, streaming engine and the ``Scores`` container."""
+"""Scoring: the blocked, streaming engine, the ``Scores`` container, and index-shortlisted scoring."""
 
 from .engine import Attributor
+from .index import Index, IndexMismatch, build_index
 from .scores import Scores, TopK
+from .shortlist import score_with_index
 
-__all__ = ["Attributor", "Scores", "TopK"]
+__all__ = ["Attributor", "Index", "IndexMismatch", "Scores", "TopK", "build_index", "score_with_index"]
