@@ -196,6 +196,9 @@ def main() -> None:
         profile = approx.meta["profile"]
         print(f"|   of which search / re-scoring | {profile['search_top_s'] + profile['search_bottom_s']:.2f} s / "
               f"{profile['rerank_top_s'] + profile['rerank_bottom_s']:.2f} s |")
+        widened = approx.meta["index"]["widened"]
+        print(f"| queries searched with more cells (fewer than {TOPK} rows in {index.params.nprobe}) top / bottom | "
+              f"{widened.get('top', 0)} / {widened.get('bottom', 0)} |")
         print(f"| recall@{TOPK} top / bottom | **{recall(approx.top[1], exact.top[1]):.4f}** / "
               f"{recall(approx.bottom[1], exact.bottom[1]):.4f} (target >= 0.95) |")
         print(f"| max relative difference of scores at the same rank and row (index path vs exact) | "
