@@ -53,12 +53,14 @@ def index_normalization(method: Method) -> bool:
 
 
 def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tensor, k: int, *,
-                 largest: bool = True, chunk_values: int = 2**24) -> tuple[Tensor, Tensor]:
+                 largest: bool = True, chunk_values: int = 2**26) -> tuple[Tensor, Tensor]:
     """Exact top-``k`` among each query's candidate rows.
 
-    Each query is scored against its own candidates only (``Q * R`` dot products): the candidate rows of a
-    chunk of queries are read from the store once (deduplicated), gathered per query into ``[c, R, dim]`` and
-    multiplied batched with the prepared queries.
+    Queries are taken in chunks: the chunk's candidate rows are read from the store once (deduplicated, in row
+    order), scored against the chunk's queries in one matrix product ``[unique, dim] x [dim, chunk]``, and each
+    query keeps the scores of its own candidates. The chunk is sized so that its rows hold at most
+    ``chunk_values`` numbers (256 MiB of float32): the product then costs at most ``chunk`` times the ``Q * R``
+    dot products needed, and no row is materialized once per query.
 
     Args:
         attributor: supplies the method (``prepare_train``) and ``device``.
@@ -67,7 +69,7 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
         candidates: ``[Q, R]`` int64 store rows per query; ``-1`` marks no candidate.
         k: rows kept per query (each query needs at least ``k`` candidates).
         largest: keep the highest (True) or lowest scores.
-        chunk_values: bound on the numbers in a chunk's gathered ``[c, R, dim]`` rows (64 MiB of float32).
+        chunk_values: bound on the numbers in a chunk's rows.
     Returns:
         ``(values [Q, k], rows [Q, k])`` on the CPU, best first.
     """
@@ -85,8 +87,8 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
         cand = candidates[lo:lo + chunk]
         unique, inverse = torch.unique(cand.clamp(min=0), sorted=True, return_inverse=True)
         unique_rows = attributor.method.prepare_train(store.rows(unique.numpy(), attributor.device).to(torch.float32))
-        gathered = unique_rows[inverse.to(unique_rows.device)]  # [c, R, dim]
-        exact = torch.bmm(gathered, prepared[lo:lo + chunk].unsqueeze(2)).squeeze(2).cpu()  # [c, R]
+        unique_scores = (unique_rows @ prepared[lo:lo + chunk].t()).cpu()  # [unique, chunk]
+        exact = unique_scores[inverse, torch.arange(len(cand)).unsqueeze(1)]  # [chunk, R]: query i, its candidates
         exact.masked_fill_(~valid[lo:lo + chunk], fill)
         top, position = torch.topk(exact, k, dim=1, largest=largest)
         values.append(top)
