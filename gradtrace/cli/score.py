@@ -68,6 +68,12 @@ class ScoringOptions(Group):
         "Damping of the curvature (default: the one saved with the fit); no refit needed.", min=0))
     damping_mode: Literal["relative", "absolute"] | None = field(default=None, metadata=cli(
         "relative: damping times each block's mean eigenvalue; absolute: damping as is."))
+    index: Path | None = field(default=None, metadata=cli(
+        "Index of STORE (written by gradtrace index): shortlist --rerank rows per query from it, then score them "
+        "exactly from the store. Serves grad_dot, kfac, ekfac, ggn, logra; grad_cos needs a --normalize index.",
+        metavar="INDEX"))
+    rerank: int | None = field(default=None, metadata=cli(
+        "With --index: rows shortlisted per query and re-scored exactly (default: 10 x --topk).", min=1))
 
 
 @dataclass(kw_only=True)
@@ -150,6 +156,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                 if not path.exists():
                     raise CliError(f"store {path} does not exist")
             stores = [GradientStore.open(path) for path in store_paths]
+        index = _open_index(sc, stores[0], multi, world)
         models = _models(opts.model, stores)
         query_sets, max_length, dropped, answers = _query_gradients(opts, stores, models, device, phases,
                                                            opts.progress and rank == 0)
@@ -169,8 +176,9 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                                           device=device, **options)
         matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
         try:  # one process: attributor.score(); under torchrun: every rank scores its rows, top-k merged
-            scores = score_sharded(attributor, query_sets if multi else query_sets[0], topk=sc.topk or None,
-                                   matrix=matrix, progress=opts.progress)
+            scorer = score_sharded if index is None else _index_scorer(index, sc)  # --index: shortlist + re-score
+            scores = scorer(attributor, query_sets if multi else query_sets[0], topk=sc.topk or None,
+                            matrix=matrix, progress=opts.progress)
         except ValueError as err:  # curvature from other gradients, singular curvature, ...
             raise CliError(str(err)) from None
     phases.note("score", f"{attributor.profile.get('rows_per_s', 0):,.0f} training rows/s")
@@ -178,7 +186,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                     model=[m.absolute() for m in models],
                     scoring_options=replace(sc, out=sc.out.absolute(),
                                             export=sc.export.absolute() if sc.export else None,
-                                            curvature=sc.curvature.absolute() if sc.curvature else None),
+                                            curvature=sc.curvature.absolute() if sc.curvature else None,
+                                            index=sc.index.absolute() if sc.index else None),
                     checkpoint_options=replace(ck, checkpoint_stores=[p.absolute() for p in ck.checkpoint_stores]),
                     data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))
@@ -357,3 +366,44 @@ def _check_match(store: Any, queries: Any, model_dir: Path) -> None:
         console(stderr=True).print(
             f"[yellow]Warning: the weights of {model_dir} differ from those of the model that collected "
             f"{store.root}; the scores compare gradients taken at different weights.[/yellow]")
+
+
+# -- --index: shortlist from an approximate index, exact re-scoring (gradtrace.score.shortlist) -----------------
+def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
+    """The ``--index`` of the store, checked against it and the options (None without ``--index``)."""
+    if sc.index is None:
+        if sc.rerank is not None:
+            raise CliError("--rerank sets the shortlist of --index; pass --index INDEX (written by gradtrace index)")
+        return None
+    from ..score.index import FaissMissing, Index
+    from ..score.shortlist import index_normalization
+
+    if world > 1:
+        raise CliError("--index scores in one process; run it without torchrun")
+    if not sc.topk:
+        raise CliError("--index keeps a top-k only: pass --topk K (K > 0)")
+    if sc.matrix == "yes":
+        raise CliError("--index keeps a top-k only, not the full matrix: drop --matrix yes or --index")
+    if sc.rerank is not None and sc.rerank < sc.topk:
+        raise CliError(f"--rerank {sc.rerank} is smaller than --topk {sc.topk}: the shortlist must hold the top-k")
+    if multi:
+        raise CliError(f"--index serves one store; {sc.method} combines checkpoints: score it without --index")
+    try:
+        index = Index.load(sc.index)
+    except FaissMissing as err:
+        raise CliError(str(err)) from None
+    if index_normalization(get_method(sc.method)) != index.normalized:
+        raise CliError(f"--index {sc.index} holds {'normalized' if index.normalized else 'raw'} rows; --method "
+                       f"{sc.method} needs an index {'built with' if not index.normalized else 'without'} --normalize")
+    index.check_store(store)
+    return index
+
+
+def _index_scorer(index: Any, sc: ScoringOptions) -> Any:
+    """``score_sharded``'s signature, scoring through ``index`` with ``--rerank``."""
+    from ..score.shortlist import score_with_index
+
+    def score(attributor: Any, queries: Any, *, topk: int | None, matrix: Any, progress: bool) -> Any:
+        return score_with_index(attributor, queries, index, rerank=sc.rerank, topk=topk or 0)
+
+    return score

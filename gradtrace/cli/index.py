@@ -1,0 +1,109 @@
+"""``gradtrace index STORE --out INDEX``: an approximate nearest-neighbour index over a gradient store.
+
+``gradtrace score STORE QUERIES --index INDEX --rerank R`` then shortlists ``R`` rows per query from the index
+and re-scores them exactly from the store (see :mod:`gradtrace.score.shortlist`). One index of raw rows serves
+grad_dot and the influence methods (kfac, ekfac, ggn, logra: the curvature is applied to the query side);
+grad_cos needs an index built with ``--normalize``. Needs FAISS: ``pip install 'gradtrace[index]'``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+from .config import write_resolved
+from .errors import CliError
+from .options import Group, cli, resolved
+from .report import Phases, console, human_bytes
+
+__all__ = ["OPTIONS", "IndexOptions", "run"]
+
+
+@dataclass(kw_only=True)
+class BuildOptions(Group):
+    """What kind of index is built and how."""
+
+    panel = "Index"
+    kind: Literal["flat", "ivfpq"] = field(default="ivfpq", metadata=cli(
+        "flat: exact inner product over float32 copies of all rows (rows x dim x 4 bytes in memory); ivfpq: "
+        "inverted file of k-means cells with product-quantized rows (compact; trained on a sample)."))
+    normalize: bool = field(default=False, metadata=cli(
+        "Index unit-norm rows: the index for --method grad_cos (and only for it).", "--normalize"))
+    nlist: int | None = field(default=None, metadata=cli(
+        "ivfpq: number of k-means cells (default: sqrt(rows), at most train-rows / 39).", min=1))
+    m: int | None = field(default=None, metadata=cli(
+        "ivfpq: PQ sub-quantizers, a divisor of the store's dimension (default: the largest divisor <= dim/16).",
+        "--m", min=1))
+    nbits: int = field(default=8, metadata=cli("ivfpq: bits per sub-quantizer code.", min=1, max=16))
+    nprobe: int | None = field(default=None, metadata=cli(
+        "ivfpq: cells searched per query, saved with the index (default: min(nlist, 16)).", min=1))
+    train_rows: int = field(default=65536, metadata=cli(
+        "ivfpq: rows sampled uniformly from the store to train the quantizers.", min=1))
+    seed: int = field(default=0, metadata=cli("Seed of the training sample."))
+    block_rows: int = field(default=65536, metadata=cli("Store rows read and added per block (bounds memory).",
+                                                        min=1))
+
+
+@dataclass(kw_only=True)
+class IndexOptions:
+    """Options of ``gradtrace index``."""
+
+    store: Path = field(metadata=cli("Gradient store to index (written by gradtrace collect).", argument=True,
+                                     metavar="STORE"))
+    out: Path = field(metadata=cli("Directory to save the index in.", "--out", "-o", metavar="INDEX"))
+    build_options: BuildOptions
+    overwrite: bool = field(default=False, metadata=cli("Replace an index already saved in --out."))
+    progress: bool = field(default=True, metadata=cli("Show a progress bar.", "--progress/--no-progress"))
+
+
+OPTIONS = IndexOptions
+
+
+def run(opts: IndexOptions) -> None:
+    """Build an approximate index of a gradient store for gradtrace score --index.
+
+    The index shortlists rows; gradtrace score --index INDEX --rerank R re-scores the R shortlisted rows of each
+    query exactly from the store. It records the store's fingerprint and is refused once the store changes.
+
+    Example: gradtrace index ./store --out ./index --kind ivfpq
+    then:    gradtrace score ./store queries.jsonl --index ./index --rerank 1000 --out ./scores
+    """
+    from ..score.index import FaissMissing, build_index
+    from ..store import GradientStore
+
+    b = opts.build_options
+    if not opts.store.exists():
+        raise CliError(f"store {opts.store} does not exist")
+    if opts.out.exists() and not opts.out.is_dir():
+        raise CliError(f"--out {opts.out} exists and is not a directory")
+    if (opts.out / "index.json").exists() and not opts.overwrite:
+        raise CliError(f"{opts.out} already holds an index: pass --overwrite to replace it")
+    phases = Phases()
+    with phases("open store"):
+        store = GradientStore.open(opts.store)
+    try:
+        with phases("build"):
+            index = build_index(store, b.kind, normalize=b.normalize, nlist=b.nlist, m=b.m, nbits=b.nbits,
+                                nprobe=b.nprobe, train_rows=b.train_rows, seed=b.seed, block_rows=b.block_rows,
+                                progress=opts.progress)
+    except FaissMissing as err:
+        raise CliError(str(err)) from None
+    with phases("save"):
+        index.save(opts.out, overwrite=opts.overwrite)
+        final = replace(opts, store=opts.store.absolute(), out=opts.out.absolute())
+        written = write_resolved(opts.out, "index", resolved(final))
+    params = index.params
+    out = console()
+    detail = "exact inner product" if params.kind == "flat" else \
+        f"nlist {params.nlist}, PQ {params.m}x{params.nbits} bits, nprobe {params.nprobe}, trained on " \
+        f"{params.train_rows:,} rows"
+    size = sum(f.stat().st_size for f in opts.out.iterdir() if f.is_file())
+    out.print(f"Indexed {len(index):,} rows of {opts.store} ({params.kind}: {detail}); saved in {opts.out}")
+    rows = "normalized (for grad_cos)" if params.normalize else "raw (grad_dot, kfac, ekfac, ggn, logra)"
+    out.print(f"  rows        {rows}")
+    out.print(f"  size        {human_bytes(size)}")
+    out.print(f"  config      {written}")
+    out.print(f"Next: gradtrace score {opts.store} QUERIES --index {opts.out} --rerank 1000 --out SCORES_DIR")
+    if opts.progress:
+        console(stderr=True).print(phases.table())

@@ -1,0 +1,374 @@
+"""An approximate nearest-neighbour index over a gradient store (FAISS), for shortlisting large stores.
+
+``build_index(store, kind="ivfpq")`` streams the store's rows into a FAISS inner-product index and
+``Index.search(query_vectors, r)`` returns the ``r`` rows of highest approximate inner product with each
+query. The index only *shortlists*: :func:`gradtrace.score.shortlist.score_with_index` re-scores the
+shortlist exactly from the store, so every reported score is exact and only recall is approximate.
+
+Kinds:
+
+* ``"flat"`` -- exact inner product over float32 copies of all rows (``rows * dim * 4`` bytes in memory
+  and on disk): the reference, for stores that fit in memory;
+* ``"ivfpq"`` -- an inverted file of ``nlist`` k-means cells with product-quantized rows (``m``
+  sub-quantizers of ``nbits`` bits: ``m * nbits / 8`` bytes per row). The quantizers are trained on a
+  uniform sample of ``train_rows`` rows; rows are then added block by block, so the store is never in
+  memory whole. ``nprobe`` cells are visited per query (saved with the index, overridable per search).
+
+One index serves every method whose training side is the raw stored row (``grad_dot``, ``kfac``, ``ekfac``,
+``ggn``, ``logra``: influence methods precondition the *query* only), searched with the prepared query.
+``grad_cos`` needs an index of normalized rows (``normalize=True``). The index records the store's
+fingerprint (:func:`store_fingerprint`) and refuses a store that changed or another store.
+
+FAISS is an optional dependency: ``pip install 'gradtrace[index]'``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..store.layout import StoreError, atomic_write_json
+
+__all__ = [
+    "INDEX_FORMAT",
+    "KINDS",
+    "FaissMissing",
+    "Index",
+    "IndexMismatch",
+    "IndexParams",
+    "build_index",
+    "store_fingerprint",
+]
+
+INDEX_FORMAT = "gradtrace-index"
+INDEX_VERSION = 1
+KINDS = ("flat", "ivfpq")
+_META = "index.json"
+_DATA = "index.faiss"
+
+
+class IndexMismatch(StoreError):
+    """An index does not belong to (this version of) the store it is used with, is corrupted, or cannot serve
+    the requested method."""
+
+
+class FaissMissing(ImportError):
+    """FAISS is not installed (the ``[index]`` extra)."""
+
+
+def _faiss() -> Any:
+    try:
+        import faiss
+    except ImportError:
+        raise FaissMissing("gradient indexes need FAISS, which is not installed: pip install 'gradtrace[index]' "
+                           "(or pip install faiss-cpu)") from None
+    return faiss
+
+
+# -- store fingerprint -----------------------------------------------------------------------------
+def store_fingerprint(store: Any) -> dict[str, Any]:
+    """What identifies a store's content, from what :class:`GradientStore` exposes (no data is re-read).
+
+    ``{"spec", "rows", "shards": [{name, rows, files: {key: blake2b}}], "ids", "digest"}``: the manifest's
+    gradient spec, the row count, every committed shard with its files' checksums in row order, a hash of
+    the row ids, and one digest over all of it. Two stores with the same digest hold the same rows in the
+    same order (their shard checksums agree); a copied or moved store keeps its digest.
+    """
+    shards = [{"name": s.name, "rows": int(s.rows),
+               "files": {key: info.get("blake2b") for key, info in sorted(s.record.get("files", {}).items())}}
+              for s in store.shards]
+    ids = hashlib.blake2b("\n".join(store.ids).encode(), digest_size=16).hexdigest()
+    body = {"spec": store.spec.to_dict(), "rows": len(store), "shards": shards, "ids": ids}
+    digest = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
+    return {**body, "digest": digest}
+
+
+def _fingerprint_difference(recorded: dict[str, Any], current: dict[str, Any]) -> str:
+    """A few words on how two fingerprints differ (for the refusal message)."""
+    if recorded.get("spec") != current.get("spec"):
+        return "its gradients have another layout, model or projection"
+    if recorded.get("rows") != current.get("rows"):
+        return f"it held {recorded.get('rows')} rows, it now holds {current.get('rows')}"
+    old = {s["name"]: s for s in recorded.get("shards", [])}
+    changed = [s["name"] for s in current.get("shards", []) if old.get(s["name"]) != s]
+    if changed:
+        return f"shard {changed[0]} differs"
+    return "its row ids differ"
+
+
+# -- parameters ------------------------------------------------------------------------------------
+@dataclass
+class IndexParams:
+    """How an index is built and searched.
+
+    kind: ``"flat"`` or ``"ivfpq"``. normalize: index unit-norm rows (for ``grad_cos``).
+    nlist: IVF cells (ivfpq; default ``round(sqrt(rows))``, at most ``train_rows / 39``).
+    m: PQ sub-quantizers, a divisor of the dimension (default: the largest divisor ``<= dim / 16``).
+    nbits: bits per sub-quantizer code. nprobe: cells visited per query (default ``min(nlist, 16)``).
+    train_rows: rows sampled (uniformly, seeded) to train the quantizers. seed: the sample's seed.
+    """
+
+    kind: str = "flat"
+    normalize: bool = False
+    nlist: int | None = None
+    m: int | None = None
+    nbits: int = 8
+    nprobe: int | None = None
+    train_rows: int = 65536
+    seed: int = 0
+
+    def resolved(self, rows: int, dim: int) -> IndexParams:
+        """The parameters with defaults filled in for a store of ``rows x dim``; bad values are a ValueError."""
+        if self.kind not in KINDS:
+            raise ValueError(f"index kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "flat":
+            return IndexParams("flat", self.normalize, None, None, self.nbits, None, self.train_rows, self.seed)
+        train_rows = min(self.train_rows, rows)
+        nlist = self.nlist or max(1, min(round(math.sqrt(rows)), train_rows // 39))
+        m = self.m or max(d for d in range(1, max(1, dim // 16) + 1) if dim % d == 0)
+        nprobe = self.nprobe or min(nlist, 16)
+        if dim % m:
+            raise ValueError(f"PQ sub-quantizers m={m} must divide the store's dimension {dim}")
+        if not 1 <= self.nbits <= 16:
+            raise ValueError(f"nbits must be in 1..16, got {self.nbits}")
+        if nlist < 1 or nprobe < 1:
+            raise ValueError(f"nlist and nprobe must be positive, got nlist={nlist}, nprobe={nprobe}")
+        need = max(nlist, 2**self.nbits)
+        if train_rows < need:
+            raise ValueError(f"an ivfpq index with nlist={nlist} and nbits={self.nbits} needs at least {need} training "
+                             f"rows; the store has {rows} and train_rows={self.train_rows}: lower nlist/nbits or "
+                             "use kind='flat'")
+        return IndexParams("ivfpq", self.normalize, nlist, m, self.nbits, min(nprobe, nlist), train_rows, self.seed)
+
+    def factory(self) -> str:
+        """The FAISS ``index_factory`` string."""
+        return "Flat" if self.kind == "flat" else f"IVF{self.nlist},PQ{self.m}x{self.nbits}"
+
+
+# -- the index -------------------------------------------------------------------------------------
+class Index:
+    """A FAISS inner-product index over the rows of one gradient store.
+
+    Row ``j`` of the index is row ``j`` of the store (the store's global numbering). Attributes:
+    ``params`` (:class:`IndexParams`), ``fingerprint`` (of the store it was built from), ``meta`` (store
+    path, build time, ...), ``path`` (where it was saved or loaded from, else None).
+    """
+
+    def __init__(self, faiss_index: Any, params: IndexParams, fingerprint: dict[str, Any],
+                 meta: dict[str, Any] | None = None, path: Path | None = None) -> None:
+        self.faiss_index = faiss_index
+        self.params = params
+        self.fingerprint = fingerprint
+        self.meta = dict(meta or {})
+        self.path = path
+
+    def __len__(self) -> int:
+        return int(self.faiss_index.ntotal)
+
+    @property
+    def dim(self) -> int:
+        return int(self.faiss_index.d)
+
+    @property
+    def normalized(self) -> bool:
+        return self.params.normalize
+
+    def check_store(self, store: Any) -> None:
+        """Raise :class:`IndexMismatch` unless ``store`` holds exactly the rows this index was built from."""
+        current = store_fingerprint(store)
+        if current["digest"] == self.fingerprint.get("digest"):
+            return
+        built_from = self.meta.get("store", "?")
+        where = f"index {self.path}" if self.path else "this index"
+        same_place = str(Path(str(store.root)).resolve()) == built_from
+        what = (f"store {store.root} changed since {where} was built" if same_place
+                else f"{where} was built from another store ({built_from}), not {store.root}")
+        raise IndexMismatch(f"{what}: {_fingerprint_difference(self.fingerprint, current)}. Rebuild it: "
+                            f"gradtrace index {store.root} --out INDEX")
+
+    def search(self, query_vectors: Tensor, r: int, *, nprobe: int | None = None) -> tuple[Tensor, Tensor]:
+        """The ``r`` rows of highest approximate inner product with each query.
+
+        Args:
+            query_vectors: ``[Q, dim]`` float vectors, as they are (an index of normalized rows does not
+                normalize queries: pass prepared queries; for ``grad_cos`` they are unit-norm already).
+            r: candidates per query (at most the number of rows).
+            nprobe: IVF cells to visit (default: the one saved with the index).
+        Returns:
+            ``(approx_scores [Q, r] float32, rows [Q, r] int64)`` in decreasing approximate score; ``rows`` is
+            ``-1`` where an IVF search found fewer than ``r`` rows in the cells it visited.
+        """
+        if query_vectors.dim() != 2 or query_vectors.shape[1] != self.dim:
+            raise ValueError(f"expected [Q, {self.dim}] query vectors, got {tuple(query_vectors.shape)}")
+        if r < 1:
+            raise ValueError(f"r must be positive, got {r}")
+        queries = query_vectors.detach().to("cpu", torch.float32).contiguous()
+        finite = torch.isfinite(queries).all(dim=1)
+        if not bool(finite.all()):
+            bad = (~finite).nonzero().flatten().tolist()
+            raise ValueError(f"query vector(s) {bad[:5]} hold NaN/inf values; an index cannot rank them")
+        self._set_nprobe(nprobe or self.params.nprobe)
+        values, rows = self.faiss_index.search(queries.numpy(), min(r, len(self)))
+        return torch.from_numpy(values), torch.from_numpy(rows.astype(np.int64, copy=False))
+
+    def _set_nprobe(self, nprobe: int | None) -> None:
+        if self.params.kind == "ivfpq" and nprobe:
+            _faiss().extract_index_ivf(self.faiss_index).nprobe = int(min(nprobe, self.params.nlist or nprobe))
+
+    def nbytes(self) -> int:
+        """Size of the saved FAISS data."""
+        return len(_faiss().serialize_index(self.faiss_index))
+
+    # -- persistence -------------------------------------------------------------------------------
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
+        """Write ``path/index.faiss`` then ``path/index.json`` (each atomically; the JSON last, so a directory
+        with ``index.json`` always holds a whole index). An existing index is replaced only with ``overwrite``."""
+        faiss = _faiss()
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise IndexMismatch(f"{path} exists and is not a directory")
+        if (path / "manifest.json").exists():
+            raise IndexMismatch(f"{path} is a gradient store; save the index in another directory")
+        if (path / _META).exists() and not overwrite:
+            raise IndexMismatch(f"{path} already holds an index: pass overwrite=True (--overwrite) to replace it")
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = path / f".tmp-{_DATA}"
+        try:
+            faiss.write_index(self.faiss_index, str(tmp))
+            os.replace(tmp, path / _DATA)
+        finally:
+            tmp.unlink(missing_ok=True)
+        info = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "params": asdict(self.params), "rows": len(self),
+                "dim": self.dim, "metric": "inner_product", "fingerprint": self.fingerprint, "meta": self.meta}
+        atomic_write_json(path / _META, info)
+        self.path = path
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Index:
+        """Open an index saved by :meth:`save` (:class:`IndexMismatch` when it is not one or is damaged)."""
+        path = Path(path)
+        meta_path = path / _META
+        if not meta_path.is_file():
+            raise IndexMismatch(f"{path} holds no gradtrace index ({_META} missing): build one with gradtrace index "
+                                "STORE --out INDEX")
+        try:
+            info = json.loads(meta_path.read_text())
+            params = IndexParams(**info["params"])
+            fingerprint = dict(info["fingerprint"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise IndexMismatch(f"{meta_path} is corrupted: {err!r}") from None
+        if info.get("format") != INDEX_FORMAT:
+            raise IndexMismatch(f"{path} is not a gradtrace index (format {info.get('format')!r})")
+        if info.get("version") != INDEX_VERSION:
+            raise IndexMismatch(f"{path} has index version {info.get('version')}, this gradtrace reads "
+                                f"{INDEX_VERSION}: rebuild it with gradtrace index")
+        faiss = _faiss()
+        data = path / _DATA
+        if not data.is_file():
+            raise IndexMismatch(f"index {path}: {_DATA} is missing; rebuild it with gradtrace index")
+        try:
+            faiss_index = faiss.read_index(str(data))
+        except RuntimeError as err:
+            raise IndexMismatch(f"index {path}: {_DATA} is damaged ({str(err).splitlines()[0]}); rebuild it") from None
+        if faiss_index.ntotal != info.get("rows") or faiss_index.d != info.get("dim") \
+                or faiss_index.ntotal != fingerprint.get("rows"):
+            raise IndexMismatch(f"index {path}: {_DATA} holds {faiss_index.ntotal} x {faiss_index.d} rows, "
+                                f"{_META} says {info.get('rows')} x {info.get('dim')}; rebuild it")
+        return cls(faiss_index, params, fingerprint, info.get("meta"), path)
+
+    def __repr__(self) -> str:
+        where = f", path={str(self.path)!r}" if self.path else ""
+        return (f"Index(kind={self.params.kind!r}, rows={len(self)}, dim={self.dim}, "
+                f"normalize={self.params.normalize}{where})")
+
+
+# -- building --------------------------------------------------------------------------------------
+def _checked(block: Tensor, rows: int | np.ndarray, store: Any, normalize: bool) -> np.ndarray:
+    """A ``[n, dim]`` block as contiguous float32 numpy, normalized if asked; NaN/inf rows are refused.
+    ``rows``: the store row of the block's first row (a contiguous block), or of each of its rows."""
+    finite = torch.isfinite(block).all(dim=1)
+    if not bool(finite.all()):
+        first = int((~finite).nonzero()[0])
+        row = rows + first if isinstance(rows, int) else int(rows[first])
+        raise IndexMismatch(f"store {store.root}: row {row} (id {store.ids[row]!r}) holds NaN/inf values; an index "
+                            "cannot hold it. Recollect that example or rebuild the store without it")
+    if normalize:
+        block = block / block.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    return np.ascontiguousarray(block.numpy(), dtype=np.float32)
+
+
+def _training_sample(store: Any, params: IndexParams, block_rows: int) -> np.ndarray:
+    """``train_rows`` rows drawn uniformly without replacement (seeded), read in store order."""
+    rows = len(store)
+    gen = torch.Generator().manual_seed(params.seed)
+    picked = torch.randperm(rows, generator=gen)[:params.train_rows].sort().values.numpy()
+    parts = [_checked(store.rows(picked[i:i + block_rows]), picked[i:i + block_rows], store, params.normalize)
+             for i in range(0, len(picked), block_rows)]
+    return np.concatenate(parts)
+
+
+def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlist: int | None = None,
+                m: int | None = None, nbits: int = 8, nprobe: int | None = None, train_rows: int = 65536,
+                seed: int = 0, block_rows: int = 65536, progress: bool = False) -> Index:
+    """Build an inner-product index over every row of a gradient store, streaming it in blocks.
+
+    Args:
+        store: a :class:`gradtrace.GradientStore` (or its path).
+        kind: ``"flat"`` (exact; float32 copy of all rows in memory) or ``"ivfpq"`` (see the module doc).
+        normalize: index unit-norm rows: the index for ``grad_cos`` (and only for it).
+        nlist, m, nbits, nprobe, train_rows, seed: see :class:`IndexParams`.
+        block_rows: rows read and added per block (bounds memory while adding).
+        progress: show a progress bar over blocks.
+    """
+    from ..store import GradientStore
+
+    faiss = _faiss()
+    if isinstance(store, (str, Path)):
+        store = GradientStore.open(store)
+    if not isinstance(store, GradientStore):
+        raise TypeError(f"build_index needs a GradientStore (or its path), got {type(store).__name__}")
+    if len(store) == 0:
+        raise IndexMismatch(f"store {store.root} is empty: nothing to index")
+    if block_rows < 1:
+        raise ValueError("block_rows must be positive")
+    params = IndexParams(kind, normalize, nlist, m, nbits, nprobe, train_rows, seed).resolved(len(store), store.dim)
+    fingerprint = store_fingerprint(store)
+    start = time.perf_counter()
+    faiss_index = faiss.index_factory(store.dim, params.factory(), faiss.METRIC_INNER_PRODUCT)
+    if isinstance(faiss_index, faiss.IndexIVFPQ):  # the factory turns on polysemous training (annealing of the
+        faiss_index.do_polysemous_training = False  # code order of every sub-quantizer): minutes at m=256, and only
+        # the Hamming-filtered search, which this index never does, uses it
+    timings: dict[str, float] = {}
+    if not faiss_index.is_trained:
+        sample = _training_sample(store, params, block_rows)
+        faiss_index.train(sample)
+        del sample
+        timings["train_s"] = time.perf_counter() - start
+    blocks = store.iter_blocks(block_rows)
+    if progress:
+        from tqdm.auto import tqdm
+
+        blocks = tqdm(blocks, total=math.ceil(len(store) / block_rows), desc="index", unit="block")
+    added = time.perf_counter()
+    for offset, block in blocks:
+        faiss_index.add(_checked(block, offset, store, params.normalize))
+    timings["add_s"] = time.perf_counter() - added
+    from .. import __version__
+
+    meta = {"store": str(Path(str(store.root)).resolve()), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "build_s": time.perf_counter() - start, **timings, "gradtrace": __version__,
+            "factory": params.factory()}
+    index = Index(faiss_index, params, fingerprint, meta)
+    index._set_nprobe(params.nprobe)
+    return index

@@ -1,0 +1,196 @@
+"""Scoring through an index: an approximate shortlist per query, then exact re-scoring from the store.
+
+``score_with_index(attributor, queries, index, rerank=R)`` is the large-store counterpart of
+``attributor.score(queries)``:
+
+1. the method prepares the queries exactly as the engine does (:meth:`Method.prepare_queries`: for influence
+   methods the inverse curvature is applied here, to the query side only);
+2. the index returns the ``R`` rows of highest approximate inner product with each prepared query (and,
+   for the bottom-k, with its negation); a query whose visited IVF cells hold fewer than ``k`` rows is searched
+   again with more cells (:func:`search_enough`; counted in ``meta["index"]["widened"]``);
+3. those rows are read from the store (:meth:`GradientStore.rows`) and scored exactly
+   (``prepared_query @ prepare_train(rows)^T``), and the top-k of the exact scores is kept.
+
+Every reported score is therefore exact; only the membership of the top-k is approximate (recall@k of the
+index path). With ``R >= rows`` and a flat index the result equals exact streaming scoring.
+
+Training rows enter the score raw (``grad_dot``, ``kfac``, ``ekfac``, ``ggn``, ``logra``) or normalized
+(``grad_cos``, which needs an index built with ``normalize=True``); methods that transform training rows
+otherwise, or combine checkpoints, cannot be served by one index and are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..gradients import as_source
+from ..methods import Method
+from .index import Index, IndexMismatch
+from .scores import Scores
+
+__all__ = ["index_normalization", "rerank_exact", "score_with_index", "search_enough"]
+
+
+def index_normalization(method: Method) -> bool:
+    """Whether ``method`` needs an index of normalized rows (True) or of raw rows (False).
+
+    Raises ValueError for methods whose training side no single index can serve: multi-checkpoint methods
+    and methods with another per-row transform.
+    """
+    if method.multi_checkpoint:
+        raise ValueError(f"{method.name} combines several checkpoints; an index serves one store: score it "
+                         "without --index")
+    if getattr(type(method), "normalizes", False):
+        return True
+    if type(method).prepare_train is not Method.prepare_train:
+        raise ValueError(f"{method.name} transforms the training rows before scoring; an index of stored rows "
+                         "cannot shortlist for it: score it without --index")
+    return False
+
+
+def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tensor, k: int, *,
+                 largest: bool = True, chunk_values: int = 2**26) -> tuple[Tensor, Tensor]:
+    """Exact top-``k`` among each query's candidate rows.
+
+    Queries are taken in chunks: the chunk's candidate rows are read from the store once (deduplicated, in row
+    order), scored against the chunk's queries in one matrix product ``[unique, dim] x [dim, chunk]``, and each
+    query keeps the scores of its own candidates. The chunk is sized so that its rows hold at most
+    ``chunk_values`` numbers (256 MiB of float32): the product then costs at most ``chunk`` times the ``Q * R``
+    dot products needed, and no row is materialized once per query.
+
+    Args:
+        attributor: supplies the method (``prepare_train``) and ``device``.
+        store: the store the candidates index (global row numbers).
+        prepared: ``[Q, dim]`` prepared queries (on ``attributor.device``).
+        candidates: ``[Q, R]`` int64 store rows per query; ``-1`` marks no candidate.
+        k: rows kept per query (each query needs at least ``k`` candidates).
+        largest: keep the highest (True) or lowest scores.
+        chunk_values: bound on the numbers in a chunk's rows.
+    Returns:
+        ``(values [Q, k], rows [Q, k])`` on the CPU, best first.
+    """
+    valid = candidates >= 0
+    short = (valid.sum(dim=1) < k).nonzero().flatten()
+    if len(short):
+        q = int(short[0])
+        raise ValueError(f"the index returned {int(valid[q].sum())} candidates for query {q}, fewer than k={k}: "
+                         "search more IVF cells (nprobe) or raise rerank")
+    fill = float("-inf") if largest else float("inf")
+    num_q, r = candidates.shape
+    chunk = max(1, chunk_values // max(1, r * prepared.shape[1]))
+    values, rows = [], []
+    for lo in range(0, num_q, chunk):
+        cand = candidates[lo:lo + chunk]
+        unique, inverse = torch.unique(cand.clamp(min=0), sorted=True, return_inverse=True)
+        unique_rows = attributor.method.prepare_train(store.rows(unique.numpy(), attributor.device).to(torch.float32))
+        unique_scores = (unique_rows @ prepared[lo:lo + chunk].t()).cpu()  # [unique, chunk]
+        exact = unique_scores[inverse, torch.arange(len(cand)).unsqueeze(1)]  # [chunk, R]: query i, its candidates
+        exact.masked_fill_(~valid[lo:lo + chunk], fill)
+        top, position = torch.topk(exact, k, dim=1, largest=largest)
+        values.append(top)
+        rows.append(cand.gather(1, position))
+    return torch.cat(values), torch.cat(rows)
+
+
+def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | None = None
+                  ) -> tuple[Tensor, int]:
+    """``[Q, r]`` candidate rows per query from ``index``, each query with at least ``k`` candidates.
+
+    An IVF search returns fewer than ``r`` rows when the ``nprobe`` cells it visits hold fewer; the queries
+    left with fewer than ``k`` are searched again with twice the cells, up to all of them (then every row is
+    a candidate). Returns the candidates (``-1`` pads) and how many queries needed more cells.
+    """
+    _, rows = index.search(vectors, r, nprobe=nprobe)
+    probe = nprobe or index.params.nprobe or 1
+    nlist = index.params.nlist or 1
+    widened: set[int] = set()
+    short = ((rows >= 0).sum(dim=1) < k).nonzero().flatten()
+    while len(short) and index.params.kind == "ivfpq" and probe < nlist:
+        widened.update(short.tolist())
+        probe = min(2 * probe, nlist)
+        _, again = index.search(vectors[short], r, nprobe=probe)
+        rows[short] = again
+        short = short[(again >= 0).sum(dim=1) < k]
+    return rows, len(widened)
+
+
+def score_with_index(attributor: Any, queries: Any, index: Index | str, *, rerank: int | None = None,
+                     topk: int = 100, bottom: bool = True, nprobe: int | None = None) -> Scores:
+    """Top-k scores of ``queries`` from an index shortlist of ``rerank`` rows per query, re-scored exactly.
+
+    Args:
+        attributor: a single-checkpoint :class:`gradtrace.Attributor` over a :class:`gradtrace.GradientStore`.
+        queries: query gradients (as for :meth:`Attributor.score`).
+        index: an :class:`Index` of that store (or its path); refused when the store changed since it was
+            built, when it indexes another store, or when its normalization does not fit the method.
+        rerank: shortlist size per query (default ``10 * topk``; at most the store's rows, at least ``topk``).
+        topk: rows kept per query, highest and (``bottom=True``) lowest.
+        nprobe: IVF cells visited per query (default: the index's; doubled for a query whose cells hold fewer
+            than ``topk`` rows, see :func:`search_enough`).
+    Returns:
+        :class:`Scores` with ``top``/``bottom`` (no matrix), in the store's row numbering; ``meta["index"]``
+        records the index and shortlist size.
+    """
+    from ..store import GradientStore
+
+    if isinstance(index, (str, bytes)) or hasattr(index, "__fspath__"):
+        index = Index.load(index)
+    method = attributor.method
+    normalized = index_normalization(method)
+    store = attributor.train[0]
+    if not isinstance(store, GradientStore):
+        raise ValueError("scoring through an index re-reads the shortlisted rows from a GradientStore; the "
+                         f"training gradients here are a {type(store).__name__}")
+    if normalized != index.normalized:
+        built = "normalized rows (for grad_cos)" if index.normalized else "raw rows"
+        need = "normalized rows: build it with normalize=True (--normalize)" if normalized else \
+            "raw rows: build it without normalize (--normalize is for grad_cos)"
+        where = index.path or "the index"
+        raise IndexMismatch(f"{where} holds {built}; {method.name} needs an index of {need}")
+    if topk < 1:
+        raise ValueError(f"topk must be positive, got {topk}")
+    method.check_ready()
+    if hasattr(method, "bind"):
+        method.bind(attributor.spec)
+    index.check_store(store)
+    start = time.perf_counter()
+    query_set = as_source(queries)
+    store.spec.check_compatible(query_set.spec, "queries vs training gradients")
+    if len(query_set) == 0:
+        raise ValueError("no query gradients")
+    prepared = method.prepare_queries(query_set.read(0, len(query_set), attributor.device).to(torch.float32))
+    finite = torch.isfinite(prepared).all(dim=1).cpu()
+    if not bool(finite.all()):
+        bad = [query_set.ids[i] for i in (~finite).nonzero().flatten().tolist()]
+        raise ValueError(f"query {bad[0]!r} ({len(bad)} in all) has NaN/inf values in its prepared gradient; "
+                         "recompute it (a NaN loss, or a singular curvature: raise the damping)")
+    num_train = len(store)
+    k = min(topk, num_train)
+    shortlist = min(rerank if rerank is not None else 10 * k, num_train)
+    if shortlist < k:
+        raise ValueError(f"rerank={rerank} is smaller than topk={k}: the shortlist must hold at least k rows")
+    profile = {"prepare_queries_s": time.perf_counter() - start}
+    kept: dict[str, tuple[Tensor, Tensor]] = {}
+    widened: dict[str, int] = {}
+    for name, sign, largest in (("top", 1.0, True), ("bottom", -1.0, False))[:2 if bottom else 1]:
+        searched = time.perf_counter()
+        candidates, widened[name] = search_enough(index, prepared.cpu() * sign, shortlist, k, nprobe)
+        profile[f"search_{name}_s"] = time.perf_counter() - searched
+        reranked = time.perf_counter()
+        kept[name] = rerank_exact(attributor, store, prepared, candidates, k, largest=largest)
+        profile[f"rerank_{name}_s"] = time.perf_counter() - reranked
+    profile["total_s"] = time.perf_counter() - start
+    attributor.profile.update(profile)
+    meta = {"method": method.name, "options": method.options(), "spec": {
+        "projection": store.spec.projection, "convention": store.spec.convention, "dim": store.spec.dim,
+        "model": store.spec.model}, "checkpoints": 1, "profile": profile,
+        "index": {"path": str(index.path) if index.path else None, "kind": index.params.kind,
+                  "factory": index.params.factory(), "normalize": index.params.normalize,
+                  "nprobe": nprobe or index.params.nprobe, "rerank": shortlist,
+                  "widened": widened, "store_digest": index.fingerprint.get("digest")}}
+    return Scores(train_ids=list(store.ids), query_ids=list(query_set.ids), method=method.name, top=kept["top"],
+                  bottom=kept.get("bottom"), meta=meta)

@@ -1,0 +1,100 @@
+"""``gradtrace index`` and ``gradtrace score --index --rerank``: the same top-k as exact scoring when the shortlist
+covers it, and one clear error line for a changed or another store, a mismatched index, bad options, no FAISS."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+import gradtrace
+from gradtrace.store.layout import checksum
+from tests.cli.conftest import copy_store, error_line, flat, invoke
+
+pytest.importorskip("faiss")
+
+
+@pytest.fixture(scope="module")
+def flat_index(ws, runner, store):
+    out = ws.root / "index-flat"
+    if not (out / "index.json").exists():
+        invoke(runner, "index", store, "--out", out, "--kind", "flat", "--no-progress")
+    return out
+
+
+def test_index_writes_index_and_config(ws, runner, store, flat_index):
+    info = json.loads((flat_index / "index.json").read_text())
+    assert info["format"] == "gradtrace-index" and info["rows"] == 24 and info["params"]["kind"] == "flat"
+    assert info["fingerprint"]["digest"] == \
+        gradtrace.score.index.store_fingerprint(gradtrace.GradientStore.open(store))["digest"]
+    resolved = yaml.safe_load((flat_index / "gradtrace-index.yaml").read_text())
+    assert resolved["kind"] == "flat" and resolved["store"] == str(store.absolute())
+
+
+def test_score_through_index_equals_exact_topk(ws, runner, store, scores_dir, flat_index, fresh):
+    """A shortlist of 5 rows from a flat index: the exact top-5 and bottom-5, with the exact values."""
+    result = invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", flat_index, "--rerank", 5,
+                    "--topk", 5, "--out", fresh / "sc", "--no-progress")
+    assert "top/bottom 5" in result.stdout
+    got, exact = gradtrace.Scores.load(fresh / "sc"), gradtrace.Scores.load(scores_dir)
+    assert got.matrix is None and got.meta["index"]["rerank"] == 5 and got.meta["index"]["kind"] == "flat"
+    assert got.topk(5).ids == exact.topk(5).ids and got.topk(5, largest=False).ids == exact.topk(5, largest=False).ids
+    scale = float(exact.matrix.abs().max())
+    torch.testing.assert_close(got.top[0], exact.matrix.gather(1, got.top[1]), rtol=1e-5, atol=1e-5 * scale)
+    assert yaml.safe_load((fresh / "sc" / "gradtrace-score.yaml").read_text())["index"] == str(flat_index.absolute())
+
+
+def test_ivfpq_index_from_the_cli(ws, runner, store, scores_dir, fresh):
+    dim = gradtrace.GradientStore.open(store).dim
+    m = next(d for d in (4, 3, 2, 1) if dim % d == 0)
+    out = flat(invoke(runner, "index", store, "--out", fresh / "ivf", "--nlist", 2, "--m", m, "--nbits", 4,
+                      "--nprobe", 2, "--no-progress").stdout)
+    assert "Indexed 24 rows" in out and f"PQ {m}x4 bits" in out
+    invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", fresh / "ivf", "--rerank", 24,
+           "--topk", 5, "--out", fresh / "sc", "--no-progress")
+    # every row is a candidate (2 of 2 cells, rerank 24 = rows): exact top-5
+    assert gradtrace.Scores.load(fresh / "sc").topk(5).ids == gradtrace.Scores.load(scores_dir).topk(5).ids
+
+
+def test_index_of_changed_store_is_refused(ws, runner, store, flat_index, fresh):
+    other = copy_store(store, fresh / "store")
+    record_path = other / "shards" / "r00000-000000.json"
+    record = json.loads(record_path.read_text())
+    data = other / "shards" / record["files"]["data"]["name"]
+    values = np.fromfile(data, dtype=np.float32)
+    values[0] += 1.0
+    values.tofile(data)
+    record["files"]["data"]["blake2b"] = checksum(values.tobytes())
+    record_path.write_text(json.dumps(record))
+    line = error_line(invoke(runner, "score", other, ws.queries, "--model", ws.model, "--index", flat_index,
+                             "--out", fresh / "sc", "--no-progress", code=2))
+    assert "was built from another store" in line and "shard r00000-000000 differs" in line
+    assert "gradtrace index" in line and not (fresh / "sc" / "scores.json").exists()
+
+
+def test_index_option_errors(ws, runner, store, flat_index, fresh):
+    def error(*args):
+        return error_line(invoke(runner, "score", store, ws.queries, "--model", ws.model, "--out", fresh / "sc",
+                                 "--no-progress", *args, code=2))
+
+    assert "--rerank sets the shortlist of --index" in error("--rerank", 10)
+    assert "--rerank 3 is smaller than --topk 5" in error("--index", flat_index, "--rerank", 3, "--topk", 5)
+    assert "needs an index built with --normalize" in error("--index", flat_index, "--method", "grad_cos")
+    assert "not the full matrix" in error("--index", flat_index, "--matrix", "yes")
+    assert "holds no gradtrace index" in error("--index", fresh)
+    assert "already holds an index: pass --overwrite" in error_line(
+        invoke(runner, "index", store, "--out", flat_index, "--kind", "flat", "--no-progress", code=2))
+    assert "needs at least 256 training rows" in error_line(
+        invoke(runner, "index", store, "--out", fresh / "i", "--nlist", 2, "--m", 1, "--no-progress", code=2))
+    assert not (fresh / "i" / "index.json").exists()
+
+
+def test_missing_faiss_names_the_extra(ws, runner, store, fresh, monkeypatch):
+    monkeypatch.setitem(sys.modules, "faiss", None)
+    line = error_line(invoke(runner, "index", store, "--out", fresh / "i", "--kind", "flat", "--no-progress",
+                             code=2))
+    assert "pip install 'gradtrace[index]'" in line

@@ -1,0 +1,274 @@
+"""FAISS index + exact re-scoring: equal to exact streaming scoring when the shortlist covers the top-k, for
+grad_dot, grad_cos and K-FAC influence; a changed store, another store, a mismatched normalization, non-finite
+rows or queries and a missing FAISS are refused with one clear error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import gradtrace
+from gradtrace.curvature import Curvature
+from gradtrace.score.index import FaissMissing, Index, IndexMismatch, build_index, store_fingerprint
+from gradtrace.score.shortlist import score_with_index
+from gradtrace.store import GradientStore, ShardWriter
+from gradtrace.store.layout import checksum
+
+pytest.importorskip("faiss")
+
+V1 = Path(__file__).parent.parent / "fixtures" / "v1"
+ROWS = 600
+
+
+def _clustered(rows: int, dim: int, seed: int) -> torch.Tensor:
+    """Rows in 12 clusters with log-normal norms: a top-k decided by norms and noise within clusters."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(12, dim, generator=gen)
+    which = torch.randint(0, 12, (rows,), generator=gen)
+    norms = torch.exp(0.5 * torch.randn(rows, 1, generator=gen))
+    return norms * (centres[which] + 0.8 * torch.randn(rows, dim, generator=gen))
+
+
+@pytest.fixture(scope="module")
+def spec():
+    """The layout of the checked-in v1 K-FAC curvature (so that its influence method applies to these rows)."""
+    return GradientStore.open(V1 / "store", verify=False).spec
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory, spec) -> GradientStore:
+    """600 float32 rows of the v1 layout in 5 shards (the last one ragged)."""
+    root = tmp_path_factory.mktemp("index") / "store"
+    vectors = _clustered(ROWS, spec.dim, seed=1)
+    stored = gradtrace.GradientSet(vectors, [f"t{i}" for i in range(ROWS)], spec).save(root, shard_rows=128)
+    return stored
+
+
+@pytest.fixture(scope="module")
+def queries(store, spec) -> gradtrace.GradientSet:
+    gen = torch.Generator().manual_seed(2)
+    rows = store.read(0, len(store))
+    picks = torch.randint(0, ROWS, (6,), generator=gen)
+    vectors = rows[picks] + 0.5 * rows[picks.flip(0)] + 0.3 * torch.randn(6, spec.dim, generator=gen)
+    return gradtrace.GradientSet(vectors, [f"q{i}" for i in range(6)], spec)
+
+
+@pytest.fixture(scope="module")
+def flat(store) -> Index:
+    return build_index(store, "flat", block_rows=100)
+
+
+def _exact(method: str, store, queries, **options):
+    return gradtrace.Attributor(method, store, block_rows=128, **options).score(queries, topk=10, matrix=True)
+
+
+def test_flat_search_is_exact_inner_product(store, queries, flat):
+    values, rows = flat.search(queries.vectors, 7)
+    truth = queries.vectors @ store.read(0, len(store)).t()
+    want_values, want_rows = torch.topk(truth, 7, dim=1)
+    assert torch.equal(rows, want_rows)
+    # FAISS's and torch's float32 GEMMs sum in different orders: round-off of a D-term dot product
+    torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5 * float(truth.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["grad_dot", "grad_cos", "kfac"])
+def test_shortlist_then_rerank_equals_exact_topk(store, queries, flat, method):
+    options = {"curvature": Curvature.load(V1 / "curvature")} if method == "kfac" else {}
+    index = build_index(store, "flat", normalize=True) if method == "grad_cos" else flat
+    exact = _exact(method, store, queries, **options)
+    attr = gradtrace.Attributor(method, store, block_rows=128, **options)
+    # a shortlist of exactly k rows: equal to the exact top-k only if the index was searched with the *prepared*
+    # query (the preconditioned one for kfac), since a flat index ranks by that query's exact inner product
+    for rerank in (10, ROWS):
+        approx = score_with_index(attr, queries, index, rerank=rerank, topk=10)
+        assert approx.matrix is None and approx.train_ids == store.ids and approx.query_ids == queries.ids
+        for got, want in ((approx.top, exact.top), (approx.bottom, exact.bottom)):
+            assert torch.equal(got[1], want[1])
+            # the values are exact re-scores: the same entries of the exact matrix, to float32 round-off
+            scale = float(exact.matrix.abs().max())
+            torch.testing.assert_close(got[0], exact.matrix.gather(1, got[1]), rtol=1e-5, atol=1e-6 * scale)
+        assert approx.topk(10).ids == exact.topk(10).ids
+        assert approx.meta["index"]["rerank"] == rerank and approx.meta["method"] == method
+
+
+def test_kfac_ranks_differently_from_grad_dot(store, queries):
+    """The K-FAC test above is not grad_dot in disguise: the preconditioned query changes the top-k."""
+    kfac = _exact("kfac", store, queries, curvature=Curvature.load(V1 / "curvature"))
+    dot = _exact("grad_dot", store, queries)
+    assert kfac.topk(10).ids != dot.topk(10).ids
+
+
+def test_ivfpq_streams_the_store_and_recalls_the_exact_topk(store, queries, tmp_path):
+    """IVF-PQ: trained on a sample, rows added in blocks (no read larger than a block); the index path finds the
+    exact top-10 with a shortlist of 100, with exact values; a saved and loaded index searches the same."""
+    reads: list[int] = []
+    original = GradientStore.read
+
+    def counting_read(self, start, stop, device=None):
+        reads.append(min(stop, len(self)) - start)
+        return original(self, start, stop, device)
+
+    GradientStore.read = counting_read
+    try:
+        index = build_index(store, "ivfpq", nlist=8, m=8, nbits=6, nprobe=4, train_rows=300, block_rows=64)
+    finally:
+        GradientStore.read = original
+    assert max(reads) <= 64 and sum(reads) == ROWS  # every row added once, in blocks
+    assert len(index) == ROWS and index.params.factory() == "IVF8,PQ8x6"
+    assert not index.faiss_index.do_polysemous_training  # minutes of annealing at m=256, for a search never used
+    exact = _exact("grad_dot", store, queries)
+    approx = score_with_index(gradtrace.Attributor("grad_dot", store), queries, index, rerank=100, topk=10)
+    hits = [len(set(a) & set(b)) for a, b in zip(approx.top[1].tolist(), exact.top[1].tolist())]
+    assert sum(hits) / 60 >= 0.9, hits
+    scale = float(exact.matrix.abs().max())
+    torch.testing.assert_close(approx.top[0], exact.matrix.gather(1, approx.top[1]), rtol=1e-5, atol=1e-6 * scale)
+    index.save(tmp_path / "index")
+    loaded = Index.load(tmp_path / "index")
+    assert loaded.params == index.params and loaded.fingerprint == store_fingerprint(store)
+    for a, b in zip(loaded.search(queries.vectors, 50), index.search(queries.vectors, 50)):
+        assert torch.equal(a, b)
+
+
+def test_queries_whose_cells_hold_too_few_rows_search_more_cells(store, queries):
+    """32 cells of ~19 rows and nprobe=1 cannot give 40 candidates: those queries are searched with more cells
+    (recorded), and the kept scores are exact."""
+    index = build_index(store, "ivfpq", nlist=32, m=8, nbits=4, nprobe=1, train_rows=ROWS)
+    _, rows = index.search(queries.vectors, 100)
+    assert ((rows >= 0).sum(dim=1) < 40).any()
+    approx = score_with_index(gradtrace.Attributor("grad_dot", store), queries, index, rerank=100, topk=40)
+    assert approx.meta["index"]["widened"]["top"] > 0
+    exact = _exact("grad_dot", store, queries)
+    assert len(set(approx.top[1][0].tolist())) == 40
+    scale = float(exact.matrix.abs().max())
+    for got in (approx.top, approx.bottom):
+        torch.testing.assert_close(got[0], exact.matrix.gather(1, got[1]), rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_training_sample_is_seeded_and_within_size(store):
+    rows_read: list[np.ndarray] = []
+    original = GradientStore.rows
+
+    def counting_rows(self, index, device=None):
+        rows_read.append(np.asarray(index))
+        return original(self, index, device)
+
+    GradientStore.rows = counting_rows
+    try:
+        build_index(store, "ivfpq", nlist=4, m=4, nbits=4, train_rows=200, block_rows=64, seed=3)
+        first = np.concatenate(rows_read)
+        rows_read.clear()
+        build_index(store, "ivfpq", nlist=4, m=4, nbits=4, train_rows=200, block_rows=64, seed=3)
+    finally:
+        GradientStore.rows = original
+    assert len(first) == 200 and len(set(first.tolist())) == 200 and np.array_equal(first, np.concatenate(rows_read))
+
+
+def test_changed_store_is_refused(store, flat, queries, tmp_path):
+    root = tmp_path / "store"
+    shutil.copytree(store.root, root)
+    copy = GradientStore.open(root)
+    flat.check_store(copy)  # a copy holds the same rows: accepted
+    index = build_index(copy, "flat")
+    index.save(tmp_path / "index")
+    writer = ShardWriter(root, copy.spec, rank=0, world_size=1, resume=True)
+    writer.put(["new"], torch.ones(1, copy.dim))
+    writer.close()
+    grown = GradientStore.open(root)
+    with pytest.raises(IndexMismatch, match=r"store .* changed since index .* was built: it held 600 rows, it now "
+                                            r"holds 601.*gradtrace index"):
+        score_with_index(gradtrace.Attributor("grad_dot", grown), queries, Index.load(tmp_path / "index"))
+
+
+def test_index_of_another_store_is_refused(store, spec, flat, queries, tmp_path):
+    other = gradtrace.GradientSet(_clustered(ROWS, spec.dim, seed=7), store.ids, spec).save(tmp_path / "other")
+    with pytest.raises(IndexMismatch, match=r"built from another store .*shard r00000-000000 differs"):
+        score_with_index(gradtrace.Attributor("grad_dot", other), queries, flat)
+
+
+@pytest.mark.parametrize("method, normalize", [("grad_cos", False), ("grad_dot", True)])
+def test_normalization_must_fit_the_method(store, queries, method, normalize):
+    index = build_index(store, "flat", normalize=normalize)
+    with pytest.raises(IndexMismatch, match=f"{method} needs an index of "
+                                            f"{'normalized' if method == 'grad_cos' else 'raw'} rows"):
+        score_with_index(gradtrace.Attributor(method, store), queries, index)
+
+
+def test_multi_checkpoint_method_is_refused(store, queries, flat):
+    attr = gradtrace.Attributor("tracin", [store, store], weights=[1.0, 1.0])
+    with pytest.raises(ValueError, match="tracin combines several checkpoints"):
+        score_with_index(attr, [queries, queries], flat)
+
+
+def test_nonfinite_query_is_refused(store, queries, flat, spec):
+    vectors = queries.vectors.clone()
+    vectors[3, 5] = float("nan")
+    bad = gradtrace.GradientSet(vectors, queries.ids, spec)
+    with pytest.raises(ValueError, match=r"query 'q3' .*NaN/inf"):
+        score_with_index(gradtrace.Attributor("grad_dot", store), bad, flat)
+    with pytest.raises(ValueError, match=r"query vector\(s\) \[3\] hold NaN/inf"):
+        flat.search(vectors, 5)
+
+
+def test_nonfinite_store_row_is_refused_and_names_it(store, tmp_path):
+    """A store whose row 130 holds a NaN (written by another tool, checksums consistent) cannot be indexed."""
+    root = tmp_path / "store"
+    shutil.copytree(store.root, root)
+    record_path = root / "shards" / "r00000-000001.json"
+    record = json.loads(record_path.read_text())
+    data = root / "shards" / record["files"]["data"]["name"]
+    values = np.fromfile(data, dtype=np.float32).reshape(record["rows"], -1)
+    values[2, 0] = np.nan  # row 128 + 2
+    values.tofile(data)
+    record["files"]["data"]["blake2b"] = checksum(values.tobytes())
+    record_path.write_text(json.dumps(record))
+    with pytest.raises(IndexMismatch, match=r"row 130 \(id 't130'\) holds NaN/inf"):
+        build_index(GradientStore.open(root), "flat")
+    with pytest.raises(IndexMismatch, match=r"row 130 \(id 't130'\) holds NaN/inf"):
+        build_index(GradientStore.open(root), "ivfpq", nlist=2, m=4, nbits=4, train_rows=ROWS)
+
+
+def test_save_refuses_to_replace_and_keeps_the_old_index(store, flat, tmp_path):
+    flat.save(tmp_path / "index")
+    other = build_index(store, "flat", normalize=True)
+    with pytest.raises(IndexMismatch, match="already holds an index: pass overwrite=True"):
+        other.save(tmp_path / "index")
+    assert not Index.load(tmp_path / "index").normalized
+    other.save(tmp_path / "index", overwrite=True)
+    assert Index.load(tmp_path / "index").normalized
+    with pytest.raises(IndexMismatch, match="is a gradient store"):
+        flat.save(store.root)
+
+
+def test_damaged_or_missing_index_is_refused(flat, tmp_path):
+    with pytest.raises(IndexMismatch, match="holds no gradtrace index"):
+        Index.load(tmp_path / "nothing")
+    flat.save(tmp_path / "index")
+    (tmp_path / "index" / "index.faiss").write_bytes(b"not an index")
+    with pytest.raises(IndexMismatch, match=r"index\.faiss is damaged"):
+        Index.load(tmp_path / "index")
+
+
+def test_bad_parameters_are_refused(store):
+    with pytest.raises(ValueError, match="m=7 must divide the store's dimension 232"):
+        build_index(store, "ivfpq", nlist=4, m=7, train_rows=300)
+    with pytest.raises(ValueError, match="needs at least 256 training rows"):
+        build_index(store, "ivfpq", nlist=4, m=8, nbits=8, train_rows=100)
+    with pytest.raises(ValueError, match="index kind must be one of"):
+        build_index(store, "hnsw")
+
+
+def test_shortlist_smaller_than_k_is_refused(store, queries, flat):
+    with pytest.raises(ValueError, match="rerank=5 is smaller than topk=10"):
+        score_with_index(gradtrace.Attributor("grad_dot", store), queries, flat, rerank=5, topk=10)
+
+
+def test_missing_faiss_names_the_extra(store, monkeypatch):
+    monkeypatch.setitem(sys.modules, "faiss", None)  # import faiss raises ImportError
+    with pytest.raises(FaissMissing, match=r"pip install 'gradtrace\[index\]'"):
+        build_index(store, "flat")
