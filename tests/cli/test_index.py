@@ -14,6 +14,7 @@ import yaml
 import gradtrace
 from gradtrace.store.layout import checksum
 from tests.cli.conftest import copy_store, error_line, flat, invoke
+from tests.store.common import reseal_record
 
 pytest.importorskip("faiss")
 
@@ -69,7 +70,7 @@ def test_index_of_changed_store_is_refused(ws, runner, store, flat_index, fresh)
     values[0] += 1.0
     values.tofile(data)
     record["files"]["data"]["blake2b"] = checksum(values.tobytes())
-    record_path.write_text(json.dumps(record))
+    reseal_record(other, record)
     line = error_line(invoke(runner, "score", other, ws.queries, "--model", ws.model, "--index", flat_index,
                              "--out", fresh / "sc", "--no-progress", code=2))
     assert "was built from another store" in line and "shard r00000-000000 differs" in line

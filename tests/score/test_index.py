@@ -19,6 +19,7 @@ from gradtrace.score.index import FaissMissing, Index, IndexMismatch, build_inde
 from gradtrace.score.shortlist import score_with_index
 from gradtrace.store import GradientStore, ShardWriter
 from gradtrace.store.layout import checksum
+from tests.store.common import reseal_record
 
 pytest.importorskip("faiss")
 
@@ -226,7 +227,7 @@ def test_nonfinite_store_row_is_refused_and_names_it(store, tmp_path):
     values[2, 0] = np.nan  # row 128 + 2
     values.tofile(data)
     record["files"]["data"]["blake2b"] = checksum(values.tobytes())
-    record_path.write_text(json.dumps(record))
+    reseal_record(root, record)
     with pytest.raises(IndexMismatch, match=r"row 130 \(id 't130'\) holds NaN/inf"):
         build_index(GradientStore.open(root), "flat")
     with pytest.raises(IndexMismatch, match=r"row 130 \(id 't130'\) holds NaN/inf"):

@@ -48,3 +48,18 @@ def write(path: Path, ids: list[str], rows: torch.Tensor, *, chunks: list[int] |
 
 def status(path: Path, rank: int = 0) -> dict:
     return json.loads((Path(path) / f"rank-{rank:05d}.json").read_text())
+
+
+def reseal_record(root: Path, record: dict) -> None:
+    """Rewrite shard ``record`` as a writer would commit it: its file, and its checksum in the rank file's list
+    (the store then opens as if another tool had written it that way: a consistent change, not a corruption)."""
+    from gradtrace.store.layout import checksum
+
+    raw = json.dumps(record).encode()
+    (Path(root) / "shards" / f"{record['name']}.json").write_bytes(raw)
+    rank_path = Path(root) / f"rank-{int(record['rank']):05d}.json"
+    status = json.loads(rank_path.read_text())
+    for entry in status["committed"]:
+        if entry["name"] == record["name"]:
+            entry["record"] = checksum(raw)
+    rank_path.write_text(json.dumps(status))
