@@ -6,6 +6,7 @@ from .influence import EKFAC, GGN, KFAC, LoGraInfluence
 from .less import Less as Less
 from .similarity import GradCos, GradDot
 from .tracin import TracIn
+from .trak import TRAK
 from .whole_model import Arnoldi, ConjugateGradient, DenseGGN
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
            "Method",
            "MissingStage",
            "TracIn", "KFAC", "EKFAC", "GGN", "LoGraInfluence", "Arnoldi", "ConjugateGradient", "DenseGGN",
+           "TRAK",
            "available_methods",
            "get_method",
            "register_method",
