@@ -76,7 +76,8 @@ def test_whole_model_scores_equal_dense_ggn_inverse(method, options):
 
 
 def test_cg_float32_within_float32_accuracy():
-    """float32 products: the error is bounded by float32 rounding amplified by the condition number."""
+    """float32 products: the error is bounded by the residual (tolerance and float32 rounding) times the condition
+    number."""
     model, batches, queries, x, _ = _classifier(1)
     train = gradtrace.collect(model, batches, classification_loss)
     query = gradtrace.collect(model, queries, classification_loss)
@@ -86,7 +87,8 @@ def test_cg_float32_within_float32_accuracy():
     want, lam = _inverse(G, query.vectors)
     eig = torch.linalg.eigvalsh(G)
     cond = float((eig.max() + lam) / (eig.min().clamp(min=0) + lam))
-    assert _rel(got, want) <= 10 * cond * torch.finfo(torch.float32).eps
+    # relative error <= cond x relative residual: CG's stopping tolerance plus float32 rounding of the products
+    assert _rel(got, want) <= cond * (attr.method.tol + 4 * torch.finfo(torch.float32).eps)
 
 
 def test_arnoldi_low_rank_equals_truncated_eigendecomposition():
