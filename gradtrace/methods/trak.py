@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..curvature.curvature import CurvatureError, eigh
+from ..curvature.curvature import CurvatureError
 from ..curvature.hvp import loss_kind, memory_text
 from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, register_method
@@ -103,7 +103,7 @@ class TRAK(Method):
         self.examples = 0
 
     def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None) -> None:
-        """Accumulate ``Phi^T Phi`` from the training store (one pass) and eigendecompose it in float64."""
+        """Accumulate ``Phi^T Phi`` from the training store (one pass) and eigendecompose it (float64, kept)."""
         spec = attributor.spec
         dim = spec.dim
         if dim > self.max_dim:
@@ -120,8 +120,8 @@ class TRAK(Method):
             kernel += block.t() @ block
         if len(source) == 0:
             raise ValueError("trak: the training store is empty")
-        self.values, self.vectors = eigh(kernel)
-        self.values, self.vectors = self.values.to(torch.float64), self.vectors.to(torch.float64)
+        values, self.vectors = torch.linalg.eigh(kernel)  # kept in float64: D x D, small in the projected space
+        self.values = values.clamp(min=0)
         self.spec, self.examples = spec, len(source)
 
     def _weights(self, source: Any, model: Any, data: Any, loss_fn: Any) -> Tensor | None:
@@ -170,7 +170,7 @@ class TRAK(Method):
                                "fit it on these")
 
     def prepare_queries(self, queries: Tensor, checkpoint: int = 0) -> Tensor:
-        """``(Phi^T Phi + lambda I)^-1 g_q`` (float64 eigenbasis)."""
+        """``(Phi^T Phi + lambda I)^-1 g_q`` in the float64 eigenbasis."""
         self.check_ready()
         lam = self.lam
         if float(self.values.min()) + lam <= 0:
