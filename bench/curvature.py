@@ -5,9 +5,14 @@ Model: an MLP ``width -> width -> width -> 10`` (tanh), random inputs and labels
 setting: ``fit`` = ``Attributor(method, train).fit(model, data)`` (K-FAC: one pass; EK-FAC: two passes;
 logra: from the stored LoGra-32 gradients, no model pass) and ``score`` = scoring 64 queries against all
 training examples (query-side inverse once + one streamed matrix product). Exact gradients for kfac/ekfac
-(dimension ~2 width^2), LoGra rank 32 for logra.
+(dimension ~2 width^2), LoGra rank 32 for logra and trak.
+
+The whole-model methods (``arnoldi``, ``cg``, ``ggn_full``) run with their default options (the exact Gauss-Newton
+matrix from products with the model; ``arnoldi`` rank 128 with 256 iterations), the others with the empirical
+Fisher; ``trak``'s fit includes the forward pass for the 1 - p weights. ``--sizes`` picks (width, N) settings.
 
     python bench/curvature.py
+    python bench/curvature.py --methods arnoldi cg trak --sizes 64x1024,128x1024,256x256,256x1024
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from torch import nn
 import gradtrace
 from gradtrace.losses import classification_loss
 
+WHOLE_MODEL = ("arnoldi", "cg", "ggn_full")
+SIZES = [(256, 256), (256, 1024), (256, 4096), (64, 1024), (128, 1024), (512, 1024)]
+
 
 def _setup(width: int, n: int, seed: int = 0):
     torch.manual_seed(seed)
@@ -36,10 +44,11 @@ def _setup(width: int, n: int, seed: int = 0):
 
 def _measure(method: str, width: int, n: int) -> tuple[float, float, int]:
     model, data, queries = _setup(width, n)
-    projection = gradtrace.LoGra(rank=32) if method == "logra" else None
+    projection = gradtrace.LoGra(rank=32) if method in ("logra", "trak") else None
     train = gradtrace.collect(model, data, classification_loss, projection=projection)
     q = gradtrace.collect(model, queries, classification_loss, projection=projection)
-    attr = gradtrace.Attributor(method, train, fisher="empirical")
+    options = {} if method in (*WHOLE_MODEL, "trak") else {"fisher": "empirical"}
+    attr = gradtrace.Attributor(method, train, **options)
     start = time.perf_counter()
     if method == "logra":
         attr.fit()
@@ -55,13 +64,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--methods", nargs="+", default=["kfac", "ekfac", "logra"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--sizes", default=None, help="comma-separated WIDTHxN settings (default: the six above)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"# {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} threads; MLP "
           "width->width->width->10, batch 64, 64 queries, fp32")
     print(f"{'method':<7}{'width':>7}{'N':>7}{'dim':>10}{'fit s':>9}{'score s':>9}{'fit us/example':>16}")
     for method in args.methods:
-        for width, n in [(256, 256), (256, 1024), (256, 4096), (64, 1024), (128, 1024), (512, 1024)]:
+        sizes = ([tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",")] if args.sizes
+                 else SIZES)
+        for width, n in sizes:
             fit, score, dim = _measure(method, width, n)
             print(f"{method:<7}{width:>7}{n:>7}{dim:>10,}{fit:>9.2f}{score:>9.2f}{fit / n * 1e6:>16.0f}", flush=True)
 

@@ -13,7 +13,7 @@ For each task the LDS ground truth (random half-size subsets, one retraining eac
 is built once and cached under ``--cache`` (refused and rebuilt only if the task's configuration changes:
 delete the directory). Every method in ``gradtrace.available_methods()`` that the harness can run is
 scored with default options on exact per-example gradients at the model trained on all the data (``logra``
-on LoGra-projected ones, ``--rank``), plus a ``random`` baseline; the others are listed with the reason.
+and ``trak`` on LoGra-projected ones, ``--rank``), plus a ``random`` baseline; the others are listed with the reason.
 Prints one markdown table per task (LDS mean ± standard error over queries, and fit + score seconds).
 
     python bench/quality.py                       # every task, all methods (builds the cache the first time)
@@ -45,11 +45,17 @@ from gradtrace.eval import (
 )
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
-PROJECTED = {"logra"}  # methods that score LoGra-projected gradients
-ORDER = ["grad_dot", "grad_cos", "tracin", "less", "dvemb", "logra", "kfac", "ekfac", "ggn"]  # table order
+PROJECTED = {"logra", "trak"}  # methods that score LoGra-projected gradients
+ORDER = ["grad_dot", "grad_cos", "tracin", "less", "dvemb", "logra", "trak", "kfac", "ekfac", "ggn", "arnoldi", "cg",
+         "ggn_full"]  # table order
 SKIP = {  # (task, method): why the harness does not run it there
     ("tinylm", "ggn"): "the dense per-parameter Fisher (blocks up to 65,536 entries) includes the 32,768-entry "
                        "embedding matrix; fitting it was killed at 23 GB of memory on this machine",
+    ("tinylm", "ggn_full"): "the dense matrix of all 87k parameters would take 2 x 87k^2 x 8 bytes = 113 GiB",
+    ("tinylm", "arnoldi"): "its Gauss-Newton products need forward-mode differentiation, which the GPT-2's CPU "
+                           "scaled-dot-product attention does not have (a model loaded with "
+                           "attn_implementation='eager' would work)",
+    ("tinylm", "cg"): "as arnoldi: no forward-mode derivative of the CPU scaled-dot-product attention",
 }
 
 

@@ -6,13 +6,16 @@ from .influence import EKFAC, GGN, KFAC, LoGraInfluence
 from .less import Less as Less
 from .similarity import GradCos, GradDot
 from .tracin import TracIn
+from .trak import TRAK
+from .whole_model import Arnoldi, ConjugateGradient, DenseGGN
 
 __all__ = [
            "GradCos",
            "GradDot",
            "Method",
            "MissingStage",
-           "TracIn", "KFAC", "EKFAC", "GGN", "LoGraInfluence",
+           "TracIn", "KFAC", "EKFAC", "GGN", "LoGraInfluence", "Arnoldi", "ConjugateGradient", "DenseGGN",
+           "TRAK",
            "available_methods",
            "get_method",
            "register_method",
