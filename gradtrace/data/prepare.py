@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from ..capture.context import content_hash
 from . import sources
 from .chat import check_chat_template
 from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
 from .formats import FORMATS, Fields, LossOn, detect, has_fields, loss_targets, missing_fields_error, validate
 from .generate import Generate, generate_chunk, prompt_of
+from .ids import ContentIds, content_hash
 from .sources import Source, open_source
 from .tokenize import TokenChunk, tokenize_chunk
 
@@ -99,7 +99,7 @@ class _State:
     first_where: str = ""
     id_rule: tuple[int, bool] | None = None  # (location, has an id) of the first record
     seen_ids: dict[str, int] = field(default_factory=dict)
-    hashes: dict[str, int] = field(default_factory=dict)
+    content_ids: ContentIds = field(default_factory=ContentIds)
     ids: list[str] = field(default_factory=list)
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -163,13 +163,9 @@ class _State:
             self.cut += int(too_long.sum()) if truncate else 0
             self.too_long += [(wheres[i], user_ids[i], int(needed[i])) for i in np.flatnonzero(too_long)]
         offsets = tokens.offsets
-        for i, ident in enumerate(user_ids):
-            if ident is None:
-                digest = content_hash(tokens.tokens[offsets[i]:offsets[i + 1]])
-                repeat = self.hashes.get(digest, 0)
-                self.hashes[digest] = repeat + 1
-                ident = digest if repeat == 0 else f"{digest}#{repeat}"
-            self.ids.append(ident)
+        hashed = [i for i, ident in enumerate(user_ids) if ident is None]
+        numbered = iter(self.content_ids.number(content_hash(tokens.tokens[offsets[i]:offsets[i + 1]]) for i in hashed))
+        self.ids += [next(numbered) if ident is None else ident for ident in user_ids]
         self.parts.append((tokens.tokens.astype(np.int32), tokens.loss, tokens.lengths))
         if keep_text and answers is not None:
             self.texts += [_prompt_text(prompt_of(r, self.fields, w)) + a for r, w, a in zip(records, wheres, answers)]
