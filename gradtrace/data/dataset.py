@@ -10,7 +10,7 @@ the loss (plain text), which the loss then treats the same way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,23 +106,35 @@ class TokenizedDataset:
 
     def batch(self, start: int, stop: int) -> dict[str, Any]:
         """Examples ``start:stop`` as one right-padded batch."""
-        lengths = self.lengths[start:stop]  # [B]
+        return self.rows(np.arange(start, stop))
+
+    def rows(self, examples: np.ndarray) -> dict[str, Any]:
+        """The examples of index array ``examples`` ``[B]``, in that order, as one right-padded batch."""
+        lengths = self.lengths[examples]  # [B]
         width = int(lengths.max())
         columns = np.arange(width)
         valid = columns[None, :] < lengths[:, None]  # [B, T]
-        index = np.where(valid, self.offsets[start:stop, None] + columns[None, :], 0)  # [B, T]
+        index = np.where(valid, self.offsets[examples, None] + columns[None, :], 0)  # [B, T]
         input_ids = np.where(valid, self.tokens[index], self.pad_id).astype(np.int64)
         batch: dict[str, Any] = {"input_ids": torch.from_numpy(input_ids),
                                  "attention_mask": torch.from_numpy(valid.astype(np.int64))}
         if self.masked:
             labels = np.where(valid & self.loss[index], input_ids, IGNORE_INDEX)
             batch["labels"] = torch.from_numpy(labels)
-        batch["id"] = list(self.ids[start:stop])
+        batch["id"] = [self.ids[i] for i in examples.tolist()]
         return batch
 
+    def batches(self, order: Sequence[int] | np.ndarray | None = None) -> Iterator[dict[str, Any]]:
+        """Batches of ``batch_size`` examples taken in ``order`` (a permutation or subset of example indices, e.g.
+        one training epoch's shuffle; default: file order), each padded as it is reached."""
+        examples = np.arange(len(self.ids)) if order is None else np.asarray(order, dtype=np.int64)
+        if examples.ndim != 1 or (len(examples) and not (examples.min() >= 0 and examples.max() < len(self.ids))):
+            raise IndexError(f"order must be a 1-d array of example indices in [0, {len(self.ids)})")
+        for start in range(0, len(examples), self.batch_size):
+            yield self.rows(examples[start:start + self.batch_size])
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for start in range(0, len(self.ids), self.batch_size):
-            yield self.batch(start, min(start + self.batch_size, len(self.ids)))
+        return self.batches()
 
     def __repr__(self) -> str:
         return f"TokenizedDataset({self.summary.line()})"
