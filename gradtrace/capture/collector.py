@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..data.ids import ContentIds
 from ..grad.batch import GradBatch, LossConvention, ParamGrad
 from ..grad.projection import LoGra, Projector, check_projection_size, unmatched_ranks
 from ..store.spec import IdCollision
@@ -188,7 +189,7 @@ class Capture:
         self.num_backward = 0
         self._ids = iter(ids) if ids is not None else None
         self._ids_given = ids is not None
-        self._hash_counts: dict[str, int] = {}
+        self._content_ids = ContentIds()
         self._id_kind: tuple[str, Any] | None = None  # type of the first user id and that id (see _id_strings)
         self._handles: list[Any] = []
         self._hooked: dict[int, Tensor] = {}  # parameters with a gradient hook (kept alive: ids stay unique)
@@ -298,7 +299,7 @@ class Capture:
 
     def reset_ids(self) -> None:
         """Forget seen content hashes (a new epoch: repeated content is the same example again)."""
-        self._hash_counts.clear()
+        self._content_ids.reset()
 
     def report(self) -> CaptureReport:
         """What is captured, what is left out and why (printable)."""
@@ -607,12 +608,8 @@ class Capture:
                 raise ValueError(f"gradtrace: the ids list ran out: {count} examples in this batch but only "
                                  f"{len(taken)} ids left")
             return self._id_strings(taken), digests
-        ids = []
-        for digest in context.content_ids() if digests is None else digests:  # raises when nothing can be hashed
-            seen = self._hash_counts.get(digest, 0)
-            self._hash_counts[digest] = seen + 1
-            ids.append(digest if seen == 0 else f"{digest}#{seen}")
-        return ids, digests
+        hashed = context.content_ids() if digests is None else digests  # raises when nothing can be hashed
+        return self._content_ids.number(hashed), digests
 
     def _id_strings(self, ids: Sequence[Any]) -> list[str]:
         """User ids as strings; ids of two types in one run (``1`` and ``"1"``) would become the same string

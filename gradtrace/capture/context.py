@@ -14,7 +14,6 @@ derives, without Python loops over tokens:
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..data.ids import content_hash  # the one id rule, shared with gradtrace.data
 from ..grad.batch import LossConvention
 
 __all__ = ["BatchInfo", "ForwardContext", "content_hash"]
@@ -54,14 +54,6 @@ class ContextSettings:
     causal: bool
     ignore_index: int
     packing: bool
-
-
-def content_hash(array: np.ndarray) -> str:
-    """A 16-hex-digit content hash of an array's dtype and bytes."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(str(array.dtype).encode())
-    h.update(np.ascontiguousarray(array).tobytes())
-    return h.hexdigest()
 
 
 class ForwardContext:

@@ -15,7 +15,8 @@ def data_kwargs(opts: DataOptions) -> dict[str, Any]:
     """The ``gradtrace.data.load`` keyword arguments that select and read the examples."""
     return {"format": opts.data_format, "split": opts.split, "text_field": opts.text_field,
             "prompt_field": opts.prompt_field, "completion_field": opts.completion_field,
-            "messages_field": opts.messages_field, "id_field": opts.id_field, "loss_on": opts.loss_on}
+            "messages_field": opts.messages_field, "id_field": opts.id_field, "loss_on": opts.loss_on,
+            "add_eos": opts.eos}
 
 
 def read_dataset(path: Path, tokenizer: Any, opts: DataOptions, max_length: int | None, pad_id: int, *,
@@ -31,12 +32,12 @@ def read_dataset(path: Path, tokenizer: Any, opts: DataOptions, max_length: int 
 def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *, text_field: str, id_field: str,
                   what: str) -> dict[str, str]:
     """``{id: text}`` of a dataset, read with the data options ``recorded`` when it was collected or scored
-    (format, fields, split, --max-length, --generate), ``text_field``/``id_field`` as given."""
+    (format, fields, split, --eos, --max-length, --generate), ``text_field``/``id_field`` as given."""
     from ..data import texts
 
     defaults = DataOptions()
     options = {key: recorded.get(name, getattr(defaults, name)) for key, name in
                (("format", "data_format"), ("split", "split"), ("prompt_field", "prompt_field"),
-                ("completion_field", "completion_field"), ("messages_field", "messages_field"))}
+                ("completion_field", "completion_field"), ("messages_field", "messages_field"), ("add_eos", "eos"))}
     return texts(path, tokenizer, max_length=recorded.get("max_length"), what=what, text_field=text_field,
                  id_field=id_field, prompts=bool(recorded.get("generate")), **options)

@@ -51,6 +51,9 @@ class DataOptions(Group):
         "text or completion is an error unless --truncate.", min=2))
     truncate: bool = field(default=False, metadata=cli(
         "Cut texts or completions longer than --max-length (on the right) instead of stopping with an error."))
+    eos: bool = field(default=False, metadata=cli(
+        "Format text: end each text with the tokenizer's EOS token, as TRL's SFTTrainer does (off by default: "
+        "content-hash ids change with it). Completions always get one."))
 
 
 @dataclass(kw_only=True)

@@ -4,8 +4,9 @@
 ``.txt``, a ``save_to_disk`` directory, a ``datasets.Dataset`` or a list of dicts), detects its format
 (``text``, ``prompt-completion``, ``messages``; TRL's conventions), tokenizes it with the loss mask the
 model was trained with (completion-only, assistant-only, or every token), and returns a
-:class:`TokenizedDataset`: iterate it for ``gradtrace.collect`` batches, read ``.ids`` and
-``.summary.line()``.
+:class:`TokenizedDataset`: iterate it for ``gradtrace.collect`` batches (``.batches(order)`` for another
+order), read ``.ids`` and ``.summary.line()``. Content-hash ids follow the one rule of :mod:`.ids`, which the
+capture and the Hugging Face Trainer callback use too.
 """
 
 from .dataset import DataSummary, TokenizedDataset

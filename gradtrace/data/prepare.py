@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from ..capture.context import content_hash
 from . import sources
 from .chat import check_chat_template
 from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
 from .formats import FORMATS, Fields, LossOn, detect, has_fields, loss_targets, missing_fields_error, validate
 from .generate import Generate, generate_chunk, prompt_of
+from .ids import ContentIds, content_hash
 from .sources import Source, open_source
 from .tokenize import TokenChunk, tokenize_chunk
 
@@ -31,7 +31,7 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
          prompt_field: str = "prompt", completion_field: str = "completion", messages_field: str = "messages",
          id_field: str = "id", loss_on: LossOn = "auto", max_length: int | None = None, truncate: bool = False,
          batch_size: int = 8, pad_id: int | None = None, keep_text: bool = False, generate: Generate | None = None,
-         what: str = "data") -> TokenizedDataset:
+         add_eos: bool = False, what: str = "data") -> TokenizedDataset:
     """Read, check, tokenize and identify a dataset; iterate the result for :func:`gradtrace.collect` batches.
 
     Args:
@@ -51,6 +51,9 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
         keep_text: keep each example's text (``.texts``) for display.
         generate: a :class:`Generate` (the model and decoding settings) to answer each record's prompt with the
             model and make the answer the example's loss (``.answers`` holds the decoded answers).
+        add_eos: format text only: append the tokenizer's EOS token to each text (unless it ends with it), as
+            TRL's ``SFTTrainer`` does for language modelling. Off by default: the EOS token then is a target
+            of every example, and content-hash ids change with the tokens. (Completions always get it.)
         what: what the data is, in error messages ("data", "queries").
 
     Returns:
@@ -61,6 +64,8 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
         raise DataError(f"unknown format {format!r}; use auto, {', '.join(FORMATS)}")
     if max_length is not None and max_length < 2:
         raise DataError(f"--max-length {max_length}: an example needs at least 2 tokens (one target)")
+    if add_eos and generate is not None:
+        raise DataError("--eos (add_eos) applies to text examples; --generate makes prompt/answer examples: drop --eos")
     fields = Fields(text_field, prompt_field, completion_field, messages_field, id_field)
     src = open_source(source, split=split, text_field=text_field, what=what, chunk_rows=sources.CHUNK_ROWS)
     state = _State(src, fields, "text" if src.text_only else format)
@@ -80,9 +85,14 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
             state.targets = loss_targets(state.format, loss_on, state.conversational)  # type: ignore[arg-type]
             if state.conversational:
                 check_chat_template(tokenizer, f"{what} {src.name}")
+            if add_eos and state.format != "text":
+                raise DataError(f"{what} file {src.name} is {state.format} data: --eos (add_eos) applies to text "
+                                "examples only (completions always end with EOS; chat templates end the turns); "
+                                "drop it")
         tokens = tokenize_chunk(chunk.records, wheres, tokenizer, state.format, state.conversational, state.targets,
-                                fields)
+                                fields, add_eos)
         state.add(tokens, chunk.records, wheres, max_length, truncate, keep_text)
+    state.eos_added = add_eos
     return state.finish(tokenizer, max_length, truncate, batch_size, pad_id, what)
 
 
@@ -99,7 +109,7 @@ class _State:
     first_where: str = ""
     id_rule: tuple[int, bool] | None = None  # (location, has an id) of the first record
     seen_ids: dict[str, int] = field(default_factory=dict)
-    hashes: dict[str, int] = field(default_factory=dict)
+    content_ids: ContentIds = field(default_factory=ContentIds)
     ids: list[str] = field(default_factory=list)
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
@@ -108,6 +118,7 @@ class _State:
     too_long: list[tuple[str, str | None, int]] = field(default_factory=list)
     prompt_truncated: int = 0
     cut: int = 0
+    eos_added: bool = False
 
     def check(self, records: list[dict[str, Any]], locations: list[int], wheres: list[str]) -> None:
         """One format per source (the first record's), each record valid; ids all-or-none and unique."""
@@ -163,13 +174,9 @@ class _State:
             self.cut += int(too_long.sum()) if truncate else 0
             self.too_long += [(wheres[i], user_ids[i], int(needed[i])) for i in np.flatnonzero(too_long)]
         offsets = tokens.offsets
-        for i, ident in enumerate(user_ids):
-            if ident is None:
-                digest = content_hash(tokens.tokens[offsets[i]:offsets[i + 1]])
-                repeat = self.hashes.get(digest, 0)
-                self.hashes[digest] = repeat + 1
-                ident = digest if repeat == 0 else f"{digest}#{repeat}"
-            self.ids.append(ident)
+        hashed = [i for i, ident in enumerate(user_ids) if ident is None]
+        numbered = iter(self.content_ids.number(content_hash(tokens.tokens[offsets[i]:offsets[i + 1]]) for i in hashed))
+        self.ids += [next(numbered) if ident is None else ident for ident in user_ids]
         self.parts.append((tokens.tokens.astype(np.int32), tokens.loss, tokens.lengths))
         if keep_text and answers is not None:
             self.texts += [_prompt_text(prompt_of(r, self.fields, w)) + a for r, w, a in zip(records, wheres, answers)]
@@ -192,7 +199,8 @@ class _State:
         targets[np.concatenate([[0], np.cumsum(lengths)[:-1]])[lengths > 0]] = False  # a first token is never a target
         summary = DataSummary(self.source.name, len(self.ids), self.format, self.conversational, self.targets or "all",
                               int(targets.sum()), len(tokens), self.prompt_truncated, self.cut,
-                              self.fields.id if self.id_rule and self.id_rule[1] else None, bool(self.answers))
+                              self.fields.id if self.id_rule and self.id_rule[1] else None, bool(self.answers),
+                              self.eos_added)
         if pad_id is None:
             pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
         return TokenizedDataset(tokens, loss, lengths, self.ids, summary, batch_size=batch_size, pad_id=pad_id,

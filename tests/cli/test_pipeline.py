@@ -11,16 +11,21 @@ import torch
 import yaml
 
 import gradtrace
-from gradtrace.cli.data import make_batches
 from tests.cli.conftest import error_line, invoke
 
 
 def _api_batches(ws, texts, ids, batch_size):
+    """The reference the CLI is checked against: the tokenizer's own right-padded batches, without gradtrace.data."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(ws.model), local_files_only=True)
-    tokens = tokenizer(texts)["input_ids"]
-    return make_batches(tokens, ids, batch_size, tokenizer.pad_token_id)
+    tokenizer.padding_side = "right"
+    batches = []
+    for start in range(0, len(texts), batch_size):
+        enc = tokenizer(texts[start:start + batch_size], padding=True, return_tensors="pt")
+        batches.append({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+                        "id": list(ids[start:start + batch_size])})
+    return batches
 
 
 def _model(path):

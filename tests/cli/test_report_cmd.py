@@ -12,7 +12,7 @@ import torch
 from markupsafe import escape
 
 import gradtrace
-from gradtrace.cli.data import read_examples, text_index
+import gradtrace.data as gd
 from gradtrace.cli.models import load_tokenizer
 from tests.cli.conftest import error_line, flat, invoke
 from tests.report.helpers import parse, section
@@ -28,8 +28,8 @@ def test_report_from_recorded_data(ws, runner, scores_dir, fresh):
     assert f"written to {out}" in flat(result.output)
     html = out.read_text(encoding="utf-8")
     scores = gradtrace.Scores.load(scores_dir)
-    query_texts = text_index(ws.queries, "text", "id", load_tokenizer(ws.model), 48)
-    train_texts = {r.id: r.text for r in read_examples(ws.train)}
+    query_texts = gd.texts(ws.queries, load_tokenizer(ws.model), max_length=48)
+    train_texts = gd.texts(ws.train)
     helpful, harmful = scores.topk(3), scores.topk(3, largest=False)
     page = parse(html)
     for q, qid in enumerate(scores.query_ids):
@@ -51,8 +51,8 @@ def test_default_out_is_beside_the_scores(runner, scores_dir, fresh):
 def test_data_and_queries_options(ws, runner, scores_dir, fresh):
     scores = gradtrace.Scores.load(scores_dir)
     data, queries = fresh / "train.jsonl", fresh / "queries.jsonl"
-    data.write_text("".join(json.dumps({"key": r.id, "body": f"text of {r.id}"}) + "\n"
-                            for r in read_examples(ws.train)))
+    data.write_text("".join(json.dumps({"key": ident, "body": f"text of {ident}"}) + "\n"
+                            for ident in gd.texts(ws.train)))
     queries.write_text("".join(json.dumps({"key": q, "body": f"query text {n}"}) + "\n"
                                for n, q in enumerate(scores.query_ids)))
     invoke(runner, "report", scores_dir, "--out", fresh / "r.html", "--data", data, "--queries", queries,
