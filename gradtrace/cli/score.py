@@ -74,6 +74,9 @@ class ScoringOptions(Group):
         metavar="INDEX"))
     rerank: int | None = field(default=None, metadata=cli(
         "With --index: rows shortlisted per query and re-scored exactly (default: 10 x --topk).", min=1))
+    modules: bool = field(default=False, metadata=cli(
+        "Also split the score of every top-k and bottom-k pair by parameter block (saved with the scores; "
+        "Scores.modules(query, train_id) and the HTML report show them)."))
 
 
 @dataclass(kw_only=True)
@@ -151,6 +154,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     with agreed("preparing the scoring"):  # no collective inside: an error on one rank is raised on all
         _check_out(sc)
         _check_checkpoints(sc.method, multi, store_paths, ck)
+        if sc.modules and not sc.topk:
+            raise CliError("--modules splits the top-k pairs of each query: pass --topk K (K > 0)")
         with phases("open stores"):
             for path in store_paths:
                 if not path.exists():
@@ -182,6 +187,9 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         except ValueError as err:  # curvature from other gradients, singular curvature, ...
             raise CliError(str(err)) from None
     phases.note("score", f"{attributor.profile.get('rows_per_s', 0):,.0f} training rows/s")
+    if sc.modules:
+        with phases("modules"):  # every rank: the same pairs, no collective
+            attributor.module_scores(query_sets if multi else query_sets[0], scores, k=sc.topk)
     final = replace(opts, store=opts.store.absolute(), queries=opts.queries.absolute(),
                     model=[m.absolute() for m in models],
                     scoring_options=replace(sc, out=sc.out.absolute(),

@@ -218,6 +218,18 @@ class Attributor:
         qids = [query_set.ids[i] for i in qrows]
         return {(qid, tid): shares[i, :, j].clone() for i, tid in enumerate(train_ids) for j, qid in enumerate(qids)}
 
+    def module_scores(self, queries: Any, scores: Scores, k: int | None = None) -> list[dict[str, Any]]:
+        """Split the score of the top and bottom ``k`` pairs of every query (default: as many as ``scores`` kept)
+        by parameter block, and record them in ``scores.meta["modules"]`` (read back with
+        :meth:`Scores.modules`). ``queries`` are the query gradients ``scores`` came from. Each pair's blocks sum
+        to its score up to float32 round-off; influence methods split the preconditioned query. See
+        :func:`gradtrace.score.pairs.module_attributions`."""
+        from .pairs import module_attributions
+
+        records = module_attributions(self, queries, scores, k)
+        scores.meta["modules"] = records
+        return records
+
     def self_scores(self) -> Tensor:
         """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot, ``g^T H^-1 g`` for
         influence functions): high self-influence flags mislabeled or outlying examples."""

@@ -109,6 +109,25 @@ class Scores:
         ids = [[self.train_ids[j] for j in row] for row in indices.tolist()]
         return TopK(values, indices, ids)
 
+    # -- pair attributions (meta["modules"] / meta["tokens"], shapes in docs/report.md) ------------------
+    def _pair_record(self, key: str, query: str, train_id: str, computed_by: str) -> dict[str, Any]:
+        records = self.meta.get(key)
+        if not records:
+            raise ScoresError(f"these scores hold no {key[:-1]}-level attributions: compute them with "
+                              f"{computed_by}")
+        for record in records:
+            if record.get("query_id") == str(query) and record.get("train_id") == str(train_id):
+                return record
+        raise KeyError(f"no {key[:-1]}-level attribution for query {query!r} and training example {train_id!r}: only "
+                       "the top and bottom k pairs of each query are decomposed")
+
+    def modules(self, query: str, train_id: str) -> dict[str, float]:
+        """The score of pair (``query``, ``train_id``) split by parameter block: ``{block name: share}``, summing
+        to the pair's score (``gradtrace score --modules`` or :meth:`Attributor.module_scores`)."""
+        record = self._pair_record("modules", query, train_id, "gradtrace score --modules or "
+                                   "Attributor.module_scores(queries, scores)")
+        return {str(name): float(value) for name, value in record["modules"].items()}
+
     # -- exports -----------------------------------------------------------------------------------
     def to_records(self, k: int | None = 10, largest: bool = True) -> list[dict[str, Any]]:
         """Long format rows ``{query_id, rank, train_id, score}``; ``k=None`` exports every pair."""
