@@ -230,6 +230,23 @@ class Attributor:
         scores.meta["modules"] = records
         return records
 
+    def token_attributions(self, queries: Any, scores: Scores, *, train_tokens: Any = None, query_side: bool = True,
+                           tokens: Any = None, k: int | None = None) -> list[dict[str, Any]]:
+        """Per-token attribution of the top and bottom ``k`` pairs of every query (default: as many as ``scores``
+        kept), recorded in ``scores.meta["tokens"]`` (read back with :meth:`Scores.tokens`).
+
+        ``queries`` are the query gradients ``scores`` came from, collected with ``keep_tokens=True`` for the
+        query side; ``train_tokens`` the pairs' training examples re-collected with ``keep_tokens=True`` for the
+        training side (None: none); ``tokens`` maps example ids to their tokens as strings (each side is cut
+        to them; None: positions). Each side sums to the pair's score. See
+        :func:`gradtrace.score.pairs.token_attributions`."""
+        from .pairs import token_attributions, token_records
+
+        shares = token_attributions(self, queries, scores, query_side=query_side, train_tokens=train_tokens, k=k)
+        records = token_records(shares, tokens)
+        scores.meta["tokens"] = records
+        return records
+
     def self_scores(self) -> Tensor:
         """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot, ``g^T H^-1 g`` for
         influence functions): high self-influence flags mislabeled or outlying examples."""

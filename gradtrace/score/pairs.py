@@ -16,7 +16,7 @@ matrix product per parameter block over the distinct training rows involved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -24,7 +24,8 @@ from torch import Tensor
 
 from .scores import Scores
 
-__all__ = ["PairRows", "module_attributions", "pair_rows", "read_rows"]
+__all__ = ["PairRows", "kept_scores", "module_attributions", "pair_rows", "read_rows", "sum_tolerance",
+           "token_attributions", "token_records"]
 
 
 class PairRows:
@@ -107,3 +108,149 @@ def module_attributions(attributor: Any, queries: Any, scores: Scores, k: int | 
              "modules": dict(zip(names, row))}
             for q, t, row in zip(pairs.queries.tolist(), pairs.train.tolist(), shares.tolist())]
 
+
+
+def sum_tolerance(parts: Tensor, total: Tensor) -> Tensor:
+    """``[P]`` float32 summation bound of ``n`` parts (``[P, n]``) against their totals ``[P]``:
+    ``4 * eps32 * n * (sum |parts| + |total|)``, the rule the HTML report checks decompositions with."""
+    eps = torch.finfo(torch.float32).eps
+    return 4 * eps * max(parts.shape[1], 1) * (parts.abs().sum(1) + total.abs())
+
+
+def _check_decomposition(side: str, shares: Tensor, totals: Tensor, pairs: PairRows, scores: Scores,
+                         hint: str) -> None:
+    """Refuse per-token shares ``[P, T]`` that do not sum to the pairs' scores ``[P]``, naming the first pair."""
+    gap = (shares.double().sum(1) - totals.double()).abs()
+    bad = gap > sum_tolerance(shares.double(), totals.double())
+    if bool(bad.any()):
+        p = int(bad.nonzero()[0])
+        raise ValueError(f"{side} token shares of query {scores.query_ids[int(pairs.queries[p])]!r} and training "
+                         f"example {scores.train_ids[int(pairs.train[p])]!r} sum to {float(shares[p].sum()):.6g}, not "
+                         f"the pair's score {float(totals[p]):.6g}: {hint}")
+
+
+def _selected_batch(tokens: Any, ids: Sequence[str], what: str) -> Any:
+    """The token-level :class:`GradBatch` of ``ids`` (in that order) from a set collected with
+    ``keep_tokens=True`` (ValueError naming a missing id)."""
+    batch = tokens.token_batch()
+    where = {ident: i for i, ident in enumerate(batch.ids)}
+    missing = [i for i in ids if i not in where]
+    if missing:
+        raise ValueError(f"{what} {missing[:3]} are not among the token-level gradients given; collect them with "
+                         "keep_tokens=True")
+    return batch.select([where[i] for i in ids])
+
+
+def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_side: bool = True,
+                       train_tokens: Any = None, k: int | None = None) -> dict[tuple[str, str], dict[str, Tensor]]:
+    """Per-token attribution of the top and bottom ``k`` pairs of every query of ``scores``.
+
+    queries: the query gradients ``scores`` came from; for the query side (``query_side=True``) collected
+        with ``keep_tokens=True``: ``score(q, i) = sum_t score(q_t, i)``.
+    train_tokens: gradients of (at least) the pairs' training examples collected with ``keep_tokens=True``
+        (re-captured for those rows: a store keeps one vector per example), for the training side
+        ``score(q, i) = sum_s score(q, i_s)``; None: no training side.
+
+    Returns ``{(query id, train id): {"query": [T_q], "train": [T_i]}}`` over the token positions of each
+    example's captured (right-padded) batch; padding positions carry zero. Each side is checked to sum to the
+    pair's score kept in ``scores`` (:func:`sum_tolerance`): a re-captured training gradient that does not
+    reproduce the stored one (other weights, a bf16/int8 store) is an error naming the pair.
+
+    The query side needs the method's query map ``P`` to be linear and symmetric (grad_dot, influence methods:
+    ``<P g_q, x> = sum_t <g_qt, P x>``) or a normalization (grad_cos); the training side needs a training
+    transform that scales each example (identity or normalization). Both hold for every one-checkpoint method
+    the engine ships; anything else fails the sum check instead of giving wrong shares.
+    """
+    from ..grad.ops import token_inner
+    from .engine import vectors_to_batch
+
+    method = attributor.method
+    if len(attributor.train) != 1:
+        raise ValueError(f"{method.name} combines checkpoints; token-level attribution takes one checkpoint")
+    if not query_side and train_tokens is None:
+        raise ValueError("nothing to decompose: query_side=False and no train_tokens")
+    method.check_ready()
+    if hasattr(method, "bind"):
+        method.bind(attributor.spec)
+    source, query_set = attributor.train[0], attributor._query_sets(queries)[0]
+    source.spec.check_compatible(query_set.spec, "queries vs training gradients")
+    if list(scores.train_ids) != attributor.train_ids:
+        raise ValueError("the scores were computed against other training gradients than this attributor's")
+    pairs = pair_rows(scores, k)
+    unique, inverse = torch.unique(pairs.train, return_inverse=True)  # [U] training rows, [P] into them
+    totals = kept_scores(scores, pairs)  # [P]
+    raw_queries = query_set.read(0, len(query_set)).to(torch.float32)[_query_positions(query_set.ids, scores)]
+    prepared = method.prepare_queries(raw_queries)  # [Q, D]
+    normalizes = bool(getattr(type(method), "normalizes", False))
+    out: dict[tuple[str, str], dict[str, Tensor]] = {
+        (scores.query_ids[q], scores.train_ids[t]): {} for q, t in zip(pairs.queries.tolist(), pairs.train.tolist())}
+    if query_side:
+        batch = _selected_batch(query_set, list(scores.query_ids), "queries")
+        prepared_rows = method.prepare_train(read_rows(source, unique))  # [U, D]
+        # <P g_q, y> = sum_t <g_qt, P y> for a symmetric linear P; a normalization divides by |g_q| instead
+        right = prepared_rows if normalizes else method.prepare_queries(prepared_rows)
+        shares = token_inner(batch, vectors_to_batch(right, batch))  # [Q, T_q, U]
+        if normalizes:
+            shares = shares / raw_queries.norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
+        per_pair = shares[pairs.queries, :, inverse]  # [P, T_q]
+        _check_decomposition("query-side", per_pair, totals, pairs, scores,
+                             f"{method.name}'s query map is not linear and symmetric, or these are not the query "
+                             "gradients the scores came from")
+        for key, row in zip(out, per_pair):
+            out[key]["query"] = row
+    if train_tokens is not None:
+        source.spec.check_compatible(train_tokens.spec, "token-level training gradients vs the training gradients")
+        ids = [scores.train_ids[t] for t in unique.tolist()]
+        batch = _selected_batch(train_tokens, ids, "training examples")
+        recaptured = train_tokens.read(0, len(train_tokens)).to(torch.float32)[train_tokens.index_of(ids)]  # [U, D]
+        shares = token_inner(batch, vectors_to_batch(prepared, batch))  # [U, T_i, Q]
+        plain = recaptured @ prepared.t()  # [U, Q]; the training transform scales each example:
+        scaled = method.prepare_train(recaptured) @ prepared.t()
+        nonzero = plain != 0
+        factor = torch.where(nonzero, scaled / plain.where(nonzero, torch.ones_like(plain)), torch.zeros_like(plain))
+        per_pair = shares[inverse, :, pairs.queries] * factor[inverse, pairs.queries].unsqueeze(1)  # [P, T_i]
+        _check_decomposition("training-side", per_pair, totals, pairs, scores,
+                             "the re-captured gradient does not reproduce the stored one (other weights, data "
+                             "options, or a bf16/int8 store)")
+        for key, row in zip(out, per_pair):
+            out[key]["train"] = row
+    return out
+
+
+def kept_scores(scores: Scores, pairs: PairRows) -> Tensor:
+    """``[P]`` the pairs' scores as kept in ``scores`` (the matrix, else the top/bottom-k they came from)."""
+    if scores.matrix is not None:
+        return scores.matrix[pairs.queries, pairs.train]
+    values = torch.cat([scores.top[0], scores.bottom[0]], dim=1)[pairs.queries]  # type: ignore[index]  # [P, 2k]
+    indices = torch.cat([scores.top[1], scores.bottom[1]], dim=1)[pairs.queries]  # type: ignore[index]
+    first = (indices == pairs.train.unsqueeze(1)).to(torch.int8).argmax(1, keepdim=True)  # pairs come from them
+    return values.gather(1, first).squeeze(1)
+
+
+def token_records(shares: dict[tuple[str, str], dict[str, Tensor]],
+                  tokens: Mapping[str, Sequence[str]] | None = None) -> list[dict[str, Any]]:
+    """``Scores.meta["tokens"]`` records (``docs/report.md``) of :func:`token_attributions`' shares.
+
+    tokens: each example's tokens as strings (query and training ids), in order; each side's shares are cut to
+    that many positions (batches are right-padded: the rest is padding, zero). None: positions as labels.
+    """
+    records = []
+    for (qid, tid), sides in shares.items():
+        record: dict[str, Any] = {"query_id": qid, "train_id": tid}
+        for side, ident in (("query", qid), ("train", tid)):
+            if side not in sides:
+                continue
+            values = sides[side]
+            if tokens is not None:
+                if ident not in tokens:
+                    raise ValueError(f"no tokens given for {side} example {ident!r}")
+                names = list(tokens[ident])
+                if len(names) > values.numel():
+                    raise ValueError(f"{side} example {ident!r}: {len(names)} tokens but {values.numel()} token "
+                                     "positions were captured; pass the tokens it was collected with")
+                values = values[:len(names)]
+            else:
+                names = [str(t) for t in range(values.numel())]
+            record[f"{side}_tokens"], record[f"{side}_scores"] = names, values.tolist()
+        records.append(record)
+    return records

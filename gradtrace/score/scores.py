@@ -128,6 +128,14 @@ class Scores:
                                    "Attributor.module_scores(queries, scores)")
         return {str(name): float(value) for name, value in record["modules"].items()}
 
+    def tokens(self, query: str, train_id: str) -> dict[str, list]:
+        """The score of pair (``query``, ``train_id``) split by token: ``{"query_tokens", "query_scores",
+        "train_tokens", "train_scores"}`` (the sides that were computed), each side's scores summing to the pair's
+        score (``gradtrace score --tokens`` or :meth:`Attributor.token_attributions`)."""
+        record = self._pair_record("tokens", query, train_id, "gradtrace score --tokens or "
+                                   "Attributor.token_attributions(queries, scores, ...)")
+        return {key: list(value) for key, value in record.items() if key not in ("query_id", "train_id")}
+
     # -- exports -----------------------------------------------------------------------------------
     def to_records(self, k: int | None = 10, largest: bool = True) -> list[dict[str, Any]]:
         """Long format rows ``{query_id, rank, train_id, score}``; ``k=None`` exports every pair."""

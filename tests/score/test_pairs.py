@@ -94,3 +94,102 @@ def test_modules_from_a_store_survive_save_and_load(tmp_path):
     bare = gradtrace.Attributor("grad_dot", store).score(queries, topk=2)
     with pytest.raises(ScoresError, match="--modules"):
         bare.modules(qid, tid)
+
+
+def _token_vectors(token_set) -> torch.Tensor:
+    """Brute force: ``[E, T, D]`` per-token gradient vectors, each term materialized token by token (a layer used
+    ``m`` times per forward folded onto its token positions), in the spec's parameter order."""
+    batch = token_set.token_batch()
+    length = batch.num_tokens
+    parts = []
+    for name, _ in token_set.spec.params:
+        total = 0
+        for term in batch.params[name].terms:
+            per_token = term.token_materialize().double().reshape(len(batch), -1, batch.params[name].numel)
+            if per_token.shape[1] != length:
+                per_token = per_token.reshape(len(batch), -1, length, per_token.shape[2]).sum(1)
+            total = total + per_token
+        parts.append(total)
+    out = torch.cat(parts, dim=2)
+    torch.testing.assert_close(out.sum(1), token_set.vectors.double(), rtol=1e-5, atol=1e-6)  # the layout is right
+    return out
+
+
+def _tok_setup(method, projection, seed=1):
+    model = tiny.gpt2()
+    _, train_batches = _data([5, 8, 3, 7, 6], seed=seed)
+    _, query_batches = _data([6, 4, 7], seed=2)
+    train = gradtrace.collect(model, train_batches, projection=projection, keep_tokens=True)
+    queries = gradtrace.collect(model, query_batches, projection=projection, keep_tokens=True)
+    attributor = gradtrace.Attributor(method, train, **({"fisher": "empirical"} if method == "kfac" else {}))
+    if method == "kfac":
+        attributor.fit(model, train_batches)
+    return model, train, queries, attributor
+
+
+@pytest.mark.parametrize("projection", [None, gradtrace.LoGra(rank=4)], ids=["exact", "logra"])
+@pytest.mark.parametrize("method", ["grad_dot", "grad_cos", "kfac"])
+def test_tokens_sum_to_score_and_equal_brute_force(method, projection):
+    _, train, queries, attributor = _tok_setup(method, projection)
+    scores = attributor.score(queries, topk=2, matrix=True)
+    records = attributor.token_attributions(queries, scores, train_tokens=train)
+    assert scores.meta["tokens"] is records and len(records) == len({(r["query_id"], r["train_id"]) for r in records})
+    query_tokens, train_tokens = _token_vectors(queries), _token_vectors(train)  # [Q, T_q, D], [N, T, D]
+    method_ = attributor.method
+    prepared = method_.prepare_queries(queries.vectors).double()  # [Q, D]
+    rows = method_.prepare_train(train.vectors).double()  # [N, D]
+    for record in records:
+        q, i = queries.ids.index(record["query_id"]), train.ids.index(record["train_id"])
+        total = float(scores.matrix[q, i])
+        if method == "grad_cos":  # the query map is a normalization: g_qt / |g_q|
+            want_q = query_tokens[q] @ rows[i] / queries.vectors[q].double().norm()
+            want_t = train_tokens[i] @ prepared[q] / train.vectors[i].double().norm()
+        else:  # a linear map, applied to each token's gradient (no symmetry assumed here)
+            want_q = method_.prepare_queries(query_tokens[q].float()).double() @ rows[i]
+            want_t = train_tokens[i] @ prepared[q]
+        got = scores.tokens(record["query_id"], record["train_id"])
+        for side, want in (("query", want_q), ("train", want_t)):
+            values = torch.tensor(got[f"{side}_scores"], dtype=torch.float64)
+            assert got[f"{side}_tokens"] == [str(t) for t in range(len(values))]
+            magnitude = (values.abs().sum() + abs(total)).item()
+            # float32 token products of D terms, and float32 sums over T tokens
+            bound = 4 * EPS32 * (prepared.shape[1] + len(values)) * magnitude
+            assert torch.allclose(values, want[:len(values)], rtol=0, atol=bound), (side, record)
+            assert abs(values.sum().item() - total) <= 4 * EPS32 * len(values) * magnitude
+
+
+def test_tokens_of_a_store_from_recaptured_rows(tmp_path):
+    model, train, queries, attributor = _tok_setup("grad_dot", gradtrace.LoGra(rank=4))
+    store = train.save(tmp_path / "store")
+    attributor = gradtrace.Attributor("grad_dot", store, block_rows=2)
+    scores = attributor.score(queries, topk=1, matrix=False)
+    kept = sorted({tid for r in scores.to_records(1) for tid in [r["train_id"]]}
+                  | {tid for r in scores.to_records(1, largest=False) for tid in [r["train_id"]]})
+    # re-capture only the pairs' training examples, in other batches than the store was written with
+    _, batches = _data([5, 8, 3, 7, 6], seed=1, batch_size=1)
+    rows = [b for b in batches if gradtrace.collect(model, [b]).ids[0] in kept]
+    recaptured = gradtrace.collect(model, rows, projection=gradtrace.LoGra(rank=4), keep_tokens=True)
+    assert sorted(recaptured.ids) == kept and len(recaptured) < len(train)
+    tokens = {ident: [f"tok{n}" for n in range(3)] for ident in [*queries.ids, *kept]}
+    attributor.token_attributions(queries, scores, train_tokens=recaptured, tokens=tokens)
+    loaded = gradtrace.Scores.load(scores.save(tmp_path / "scores"))
+    record = loaded.tokens(loaded.query_ids[0], loaded.topk(1).ids[0][0])
+    assert record["train_tokens"] == ["tok0", "tok1", "tok2"] and len(record["query_scores"]) == 3
+    with pytest.raises(ScoresError, match="--tokens"):
+        gradtrace.Attributor("grad_dot", store).score(queries, topk=1).tokens(loaded.query_ids[0], "x")
+
+
+def test_tokens_refuse_gradients_that_do_not_add_up():
+    model, train, queries, attributor = _tok_setup("grad_dot", None)
+    scores = attributor.score(queries, topk=2, matrix=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # other weights than the store's
+    _, batches = _data([5, 8, 3, 7, 6], seed=1)
+    other = gradtrace.collect(model, batches, keep_tokens=True)
+    with pytest.raises(ValueError, match=r"training-side token shares of query .* re-captured gradient"):
+        attributor.token_attributions(queries, scores, query_side=False, train_tokens=other)
+    plain = gradtrace.collect(tiny.gpt2(), _data([6, 4, 7], seed=2)[1])
+    with pytest.raises(ValueError, match="keep_tokens=True"):
+        gradtrace.Attributor("grad_dot", train).token_attributions(plain, gradtrace.Attributor(
+            "grad_dot", train).score(plain, topk=1))
