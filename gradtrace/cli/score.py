@@ -77,6 +77,10 @@ class ScoringOptions(Group):
     modules: bool = field(default=False, metadata=cli(
         "Also split the score of every top-k and bottom-k pair by parameter block (saved with the scores; "
         "Scores.modules(query, train_id) and the HTML report show them)."))
+    tokens: bool = field(default=False, metadata=cli(
+        "Also split the score of every top-k and bottom-k pair by token, on the query side and the training side "
+        "(the pairs' training examples are re-read from the store's data and re-captured with their tokens; "
+        "Scores.tokens(query, train_id) and the HTML report show them)."))
 
 
 @dataclass(kw_only=True)
@@ -154,8 +158,11 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     with agreed("preparing the scoring"):  # no collective inside: an error on one rank is raised on all
         _check_out(sc)
         _check_checkpoints(sc.method, multi, store_paths, ck)
-        if sc.modules and not sc.topk:
-            raise CliError("--modules splits the top-k pairs of each query: pass --topk K (K > 0)")
+        for flag, wanted in (("--modules", sc.modules), ("--tokens", sc.tokens)):
+            if wanted and not sc.topk:
+                raise CliError(f"{flag} splits the top-k pairs of each query: pass --topk K (K > 0)")
+        if sc.tokens and multi:
+            raise CliError(f"--tokens splits one checkpoint's scores; {sc.method} combines checkpoints")
         with phases("open stores"):
             for path in store_paths:
                 if not path.exists():
@@ -163,8 +170,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
             stores = [GradientStore.open(path) for path in store_paths]
         index = _open_index(sc, stores[0], multi, world)
         models = _models(opts.model, stores)
-        query_sets, max_length, dropped, answers = _query_gradients(opts, stores, models, device, phases,
-                                                           opts.progress and rank == 0)
+        query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, device, phases,
+                                                                       opts.progress and rank == 0)
         if "curvature" in get_method(sc.method).needs:
             if sc.curvature is None:
                 raise CliError(f"--method {sc.method} needs a fitted curvature: run gradtrace fit {opts.store} "
@@ -190,6 +197,14 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     if sc.modules:
         with phases("modules"):  # every rank: the same pairs, no collective
             attributor.module_scores(query_sets if multi else query_sets[0], scores, k=sc.topk)
+    if sc.tokens:
+        from .pair_tokens import token_attributions
+
+        with phases("tokens"):  # every rank: the same pairs re-captured, no collective
+            token_attributions(attributor, query_sets[0], query_data, scores, store=stores[0], model_dir=models[0],
+                               projection=projection_from_spec(stores[0].spec.projection, stores[0].root),
+                               device=device, model_dtype=model_opts.model_dtype, k=sc.topk,
+                               progress=opts.progress and rank == 0)
     final = replace(opts, store=opts.store.absolute(), queries=opts.queries.absolute(),
                     model=[m.absolute() for m in models],
                     scoring_options=replace(sc, out=sc.out.absolute(),
@@ -245,11 +260,12 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
 
 def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], device: str,
                      phases: Phases, progress: bool
-                     ) -> tuple[list[Any], int | None, list[str], dict[str, str] | None]:
+                     ) -> tuple[list[Any], int | None, list[str], dict[str, str] | None, Any]:
     """The queries' gradients at every checkpoint, each with its store's projection; the resolved
     ``--max-length``; the ids of the queries left out for NaN/inf gradients (an error unless
-    ``--allow-partial``); with --generate, the first model's answer to each query by id. The queries are
-    tokenized (and answered) once, with the first model's tokenizer."""
+    ``--allow-partial``); with --generate, the first model's answer to each query by id; the tokenized queries.
+    The queries are tokenized (and answered) once, with the first model's tokenizer; with --tokens their
+    gradients keep their token-level factors."""
     import gradtrace
     from gradtrace.collect import NonFiniteError
 
@@ -269,7 +285,8 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
             console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("query gradients"):
             try:
-                queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress)
+                queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress,
+                                            keep_tokens=opts.scoring_options.tokens)
             except NonFiniteError as err:
                 raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None
         _check_match(store, queries, model_dir)
@@ -277,7 +294,7 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
         query_sets.append(queries)
         del model
     answers = dict(zip(batches.ids, batches.answers)) if batches.answers is not None else None
-    return query_sets, max_length, list(getattr(query_sets[0], "dropped", [])), answers
+    return query_sets, max_length, list(getattr(query_sets[0], "dropped", [])), answers, batches
 
 
 def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreOptions, earlier: list[Any]) -> None:

@@ -192,7 +192,7 @@ class Attributor:
         batches) and a method whose training-side transform is a per-example scaling (dot, cosine, TracIn
         at one checkpoint).
         """
-        from ..grad.ops import token_inner
+        from .pairs import _token_shares
 
         if len(self.train) != 1:
             raise ValueError("per-token scores are computed for one checkpoint at a time")
@@ -204,12 +204,11 @@ class Attributor:
         train.spec.check_compatible(query_set.spec, "queries vs training gradients")
         rows = train.index_of(train_ids)
         qrows = list(range(len(query_set))) if query_ids is None else query_set.index_of(query_ids)
-        batch = train.token_batch()
-        by_id = {ident: i for i, ident in enumerate(batch.ids)}
-        sub = batch.select([by_id[train.ids[r]] for r in rows])
         q = self.method.prepare_queries(query_set.read(0, len(query_set)).to(torch.float32))[qrows]
         raw_vectors = train.read(0, len(train))[rows]
-        shares = token_inner(sub, vectors_to_batch(q, sub))  # [n, T, Q]
+        # batch by batch: each captured batch keeps its own token layout (concatenating batches of other widths
+        # misplaces the tokens of a layer used twice per forward, e.g. a tied embedding)
+        shares = _token_shares(train, [train.ids[r] for r in rows], q, "training examples")  # [n, T, Q]
         raw = raw_vectors @ q.t()
         scaled = self.method.prepare_train(raw_vectors) @ q.t()
         factor = torch.where(raw.abs() > 0, scaled / raw.where(raw.abs() > 0, torch.ones_like(raw)),

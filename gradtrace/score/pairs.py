@@ -129,16 +129,44 @@ def _check_decomposition(side: str, shares: Tensor, totals: Tensor, pairs: PairR
                          f"the pair's score {float(totals[p]):.6g}: {hint}")
 
 
-def _selected_batch(tokens: Any, ids: Sequence[str], what: str) -> Any:
-    """The token-level :class:`GradBatch` of ``ids`` (in that order) from a set collected with
-    ``keep_tokens=True`` (ValueError naming a missing id)."""
-    batch = tokens.token_batch()
-    where = {ident: i for i, ident in enumerate(batch.ids)}
-    missing = [i for i in ids if i not in where]
+def _token_shares(token_set: Any, ids: Sequence[str], dense: Tensor, what: str) -> Tensor:
+    """``[len(ids), T, F]``: each token of the examples ``ids`` (from a set collected with ``keep_tokens=True``)
+    against the ``[F, D]`` vectors ``dense``, one captured batch at a time -- each batch keeps its own token
+    layout (a layer used several times per forward lays its uses out per batch length) -- right-padded with
+    zeros to the longest batch."""
+    from ..grad.ops import token_inner
+    from .engine import vectors_to_batch
+
+    if not getattr(token_set, "batches", None):
+        raise ValueError(f"token-level attribution needs the {what}' token-level gradients: collect them with "
+                         "keep_tokens=True")
+    position = {ident: n for n, ident in enumerate(ids)}
+    parts, rows = [], []
+    for batch in token_set.batches:
+        members = [i for i, ident in enumerate(batch.ids) if ident in position]
+        if not members:
+            continue
+        sub = batch.select(members)
+        parts.append(token_inner(sub, vectors_to_batch(dense, sub)))  # [n_b, T_b, F]
+        rows += [position[sub.ids[i]] for i in range(len(members))]
+    found = set(rows)
+    missing = [ident for ident in ids if position[ident] not in found]
     if missing:
         raise ValueError(f"{what} {missing[:3]} are not among the token-level gradients given; collect them with "
                          "keep_tokens=True")
-    return batch.select([where[i] for i in ids])
+    length = max(p.shape[1] for p in parts)
+    out = torch.zeros(len(ids), length, dense.shape[0], dtype=torch.float32)
+    for part, index in zip(parts, _split(rows, [p.shape[0] for p in parts])):
+        out[torch.tensor(index), :part.shape[1]] = part.to(out.device)
+    return out
+
+
+def _split(rows: list[int], sizes: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(rows[start:start + size])
+        start += size
+    return out
 
 
 def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_side: bool = True,
@@ -161,9 +189,6 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
     transform that scales each example (identity or normalization). Both hold for every one-checkpoint method
     the engine ships; anything else fails the sum check instead of giving wrong shares.
     """
-    from ..grad.ops import token_inner
-    from .engine import vectors_to_batch
-
     method = attributor.method
     if len(attributor.train) != 1:
         raise ValueError(f"{method.name} combines checkpoints; token-level attribution takes one checkpoint")
@@ -185,11 +210,10 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
     out: dict[tuple[str, str], dict[str, Tensor]] = {
         (scores.query_ids[q], scores.train_ids[t]): {} for q, t in zip(pairs.queries.tolist(), pairs.train.tolist())}
     if query_side:
-        batch = _selected_batch(query_set, list(scores.query_ids), "queries")
         prepared_rows = method.prepare_train(read_rows(source, unique))  # [U, D]
         # <P g_q, y> = sum_t <g_qt, P y> for a symmetric linear P; a normalization divides by |g_q| instead
         right = prepared_rows if normalizes else method.prepare_queries(prepared_rows)
-        shares = token_inner(batch, vectors_to_batch(right, batch))  # [Q, T_q, U]
+        shares = _token_shares(query_set, list(scores.query_ids), right, "queries")  # [Q, T_q, U]
         if normalizes:
             shares = shares / raw_queries.norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
         per_pair = shares[pairs.queries, :, inverse]  # [P, T_q]
@@ -201,9 +225,8 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
     if train_tokens is not None:
         source.spec.check_compatible(train_tokens.spec, "token-level training gradients vs the training gradients")
         ids = [scores.train_ids[t] for t in unique.tolist()]
-        batch = _selected_batch(train_tokens, ids, "training examples")
         recaptured = train_tokens.read(0, len(train_tokens)).to(torch.float32)[train_tokens.index_of(ids)]  # [U, D]
-        shares = token_inner(batch, vectors_to_batch(prepared, batch))  # [U, T_i, Q]
+        shares = _token_shares(train_tokens, ids, prepared, "training examples")  # [U, T_i, Q]
         plain = recaptured @ prepared.t()  # [U, Q]; the training transform scales each example:
         scaled = method.prepare_train(recaptured) @ prepared.t()
         nonzero = plain != 0

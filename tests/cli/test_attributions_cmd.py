@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import gradtrace
 from tests.cli.conftest import error_line, invoke
 
@@ -35,3 +38,52 @@ def test_modules_need_a_topk(ws, runner, store, fresh):
 
 def store_dim(store) -> int:
     return gradtrace.GradientStore.open(store).spec.dim
+
+
+def _sum_ok(parts: list[float], total: float) -> bool:
+    """The report's rule: float32 summation error of ``n`` parts."""
+    return abs(sum(parts) - total) <= 4 * EPS32 * max(len(parts), 1) * (sum(map(abs, parts)) + abs(total)) + 1e-30
+
+
+def test_score_tokens_saved_and_reported(ws, runner, store, fresh):
+    import gradtrace.data as gd
+    from gradtrace.cli.models import load_tokenizer
+
+    out = fresh / "scores"
+    invoke(runner, "score", store, ws.queries, "--model", ws.model, "--out", out, "--topk", 2, "--tokens",
+           "--modules", "--no-progress")
+    scores = gradtrace.Scores.load(out)
+    tokenizer = load_tokenizer(ws.model)
+    train = gd.load(ws.train, tokenizer, max_length=48)
+    queries = gd.load(ws.queries, tokenizer, max_length=48)
+    top, bottom = scores.topk(2), scores.topk(2, largest=False)
+    for q, qid in enumerate(scores.query_ids):
+        for tid, value in zip(top.ids[q] + bottom.ids[q], top.values[q].tolist() + bottom.values[q].tolist()):
+            record = scores.tokens(qid, tid)
+            for side, data, ident in (("query", queries, qid), ("train", train, tid)):
+                ids = data.example(data.ids.index(ident))[0].tolist()
+                assert record[f"{side}_tokens"] == [tokenizer.decode([t]) for t in ids]
+                assert len(record[f"{side}_scores"]) == len(ids)
+                assert _sum_ok(record[f"{side}_scores"], value), (side, qid, tid)
+    invoke(runner, "report", out, "--out", fresh / "r.html", "--k", 2)
+    html = (fresh / "r.html").read_text(encoding="utf-8")
+    assert html.count('class="heat"') >= len(scores.query_ids) * 4  # every training row and query drawn as heat
+
+
+def test_tokens_bad_input(ws, runner, store, fresh):
+    copy = shutil.copytree(store, fresh / "store")
+    manifest = copy / "manifest.json"
+    info = json.loads(manifest.read_text())
+    moved = fresh / "gone.jsonl"
+    info["config"]["data"] = str(moved)
+    manifest.write_text(json.dumps(info))
+    result = invoke(runner, "score", copy, ws.queries, "--model", ws.model, "--out", fresh / "s", "--tokens",
+                    "--no-progress", code=2)
+    line = error_line(result)
+    assert "--tokens" in line and str(moved) in line and "no longer exists" in line
+    lines = ws.train.read_text().splitlines()
+    moved.write_text("\n".join(lines[:2]) + "\n")  # the data changed: most ids are gone
+    result = invoke(runner, "score", copy, ws.queries, "--model", ws.model, "--out", fresh / "s2", "--tokens",
+                    "--topk", 3, "--no-progress", code=2)
+    line = error_line(result)
+    assert "are not in" in line and str(moved) in line and "data changed" in line

@@ -96,29 +96,43 @@ def test_modules_from_a_store_survive_save_and_load(tmp_path):
         bare.modules(qid, tid)
 
 
-def _token_vectors(token_set) -> torch.Tensor:
-    """Brute force: ``[E, T, D]`` per-token gradient vectors, each term materialized token by token (a layer used
-    ``m`` times per forward folded onto its token positions), in the spec's parameter order."""
-    batch = token_set.token_batch()
-    length = batch.num_tokens
-    parts = []
-    for name, _ in token_set.spec.params:
-        total = 0
-        for term in batch.params[name].terms:
-            per_token = term.token_materialize().double().reshape(len(batch), -1, batch.params[name].numel)
-            if per_token.shape[1] != length:
-                per_token = per_token.reshape(len(batch), -1, length, per_token.shape[2]).sum(1)
-            total = total + per_token
-        parts.append(total)
-    out = torch.cat(parts, dim=2)
-    torch.testing.assert_close(out.sum(1), token_set.vectors.double(), rtol=1e-5, atol=1e-6)  # the layout is right
+def _token_vectors(token_set) -> dict[str, torch.Tensor]:
+    """Brute force: ``{id: [T, D]}`` per-token gradient vectors, each captured batch's terms materialized token by
+    token (a layer used ``m`` times per forward -- GPT-2's tied embedding -- folded onto the batch's token
+    positions), in the spec's parameter order."""
+    out = {}
+    for batch in token_set.batches:
+        length = batch.num_tokens
+        parts = []
+        for name, _ in token_set.spec.params:
+            total = 0
+            for term in batch.params[name].terms:
+                per_token = term.token_materialize().double().reshape(len(batch), -1, batch.params[name].numel)
+                if per_token.shape[1] != length:
+                    per_token = per_token.reshape(len(batch), -1, length, per_token.shape[2]).sum(1)
+                total = total + per_token
+            parts.append(total)
+        out.update(zip(batch.ids, torch.cat(parts, dim=2)))
+    vectors = torch.stack([out[i].sum(0) for i in token_set.ids])
+    torch.testing.assert_close(vectors, token_set.vectors.double(), rtol=1e-5, atol=1e-6)  # the layout is right
+    return out
+
+
+def _own_width(batches):
+    """Each batch cut to its own longest example: batches of different token widths (the token layout of a
+    layer used twice per forward, GPT-2's tied embedding, then differs between batches)."""
+    out = []
+    for batch in batches:
+        keep = batch["attention_mask"].bool().any(0)
+        out.append({key: value[:, keep] for key, value in batch.items()})
     return out
 
 
 def _tok_setup(method, projection, seed=1):
     model = tiny.gpt2()
-    _, train_batches = _data([5, 8, 3, 7, 6], seed=seed)
-    _, query_batches = _data([6, 4, 7], seed=2)
+    train_batches = _own_width(_data([5, 8, 3, 7, 6], seed=seed)[1])
+    query_batches = _own_width(_data([6, 4, 7], seed=2, batch_size=2)[1])
+    assert [b["input_ids"].shape[1] for b in train_batches] == [8, 7]
     train = gradtrace.collect(model, train_batches, projection=projection, keep_tokens=True)
     queries = gradtrace.collect(model, query_batches, projection=projection, keep_tokens=True)
     attributor = gradtrace.Attributor(method, train, **({"fisher": "empirical"} if method == "kfac" else {}))
@@ -134,7 +148,7 @@ def test_tokens_sum_to_score_and_equal_brute_force(method, projection):
     scores = attributor.score(queries, topk=2, matrix=True)
     records = attributor.token_attributions(queries, scores, train_tokens=train)
     assert scores.meta["tokens"] is records and len(records) == len({(r["query_id"], r["train_id"]) for r in records})
-    query_tokens, train_tokens = _token_vectors(queries), _token_vectors(train)  # [Q, T_q, D], [N, T, D]
+    query_tokens, train_tokens = _token_vectors(queries), _token_vectors(train)  # {id: [T, D]}
     method_ = attributor.method
     prepared = method_.prepare_queries(queries.vectors).double()  # [Q, D]
     rows = method_.prepare_train(train.vectors).double()  # [N, D]
@@ -142,11 +156,11 @@ def test_tokens_sum_to_score_and_equal_brute_force(method, projection):
         q, i = queries.ids.index(record["query_id"]), train.ids.index(record["train_id"])
         total = float(scores.matrix[q, i])
         if method == "grad_cos":  # the query map is a normalization: g_qt / |g_q|
-            want_q = query_tokens[q] @ rows[i] / queries.vectors[q].double().norm()
-            want_t = train_tokens[i] @ prepared[q] / train.vectors[i].double().norm()
+            want_q = query_tokens[record["query_id"]] @ rows[i] / queries.vectors[q].double().norm()
+            want_t = train_tokens[record["train_id"]] @ prepared[q] / train.vectors[i].double().norm()
         else:  # a linear map, applied to each token's gradient (no symmetry assumed here)
-            want_q = method_.prepare_queries(query_tokens[q].float()).double() @ rows[i]
-            want_t = train_tokens[i] @ prepared[q]
+            want_q = method_.prepare_queries(query_tokens[record["query_id"]].float()).double() @ rows[i]
+            want_t = train_tokens[record["train_id"]] @ prepared[q]
         got = scores.tokens(record["query_id"], record["train_id"])
         for side, want in (("query", want_q), ("train", want_t)):
             values = torch.tensor(got[f"{side}_scores"], dtype=torch.float64)
@@ -154,7 +168,8 @@ def test_tokens_sum_to_score_and_equal_brute_force(method, projection):
             magnitude = (values.abs().sum() + abs(total)).item()
             # float32 token products of D terms, and float32 sums over T tokens
             bound = 4 * EPS32 * (prepared.shape[1] + len(values)) * magnitude
-            assert torch.allclose(values, want[:len(values)], rtol=0, atol=bound), (side, record)
+            want = torch.cat([want, want.new_zeros(len(values) - len(want))])  # shorter batches: padded on the right
+            assert torch.allclose(values, want, rtol=0, atol=bound), (side, record)
             assert abs(values.sum().item() - total) <= 4 * EPS32 * len(values) * magnitude
 
 

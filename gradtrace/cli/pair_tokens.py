@@ -1,0 +1,75 @@
+"""``gradtrace score --tokens``: per-token attribution of the top-k pairs, with the training examples re-captured.
+
+A store keeps one vector per training example, so the training side re-reads the store's own data (the file
+and data options it records), selects the pairs' training examples by id, and collects only those rows with
+token-level factors, with the store's projection and the scoring model. The query side uses the queries'
+gradients, collected with their tokens. Both are checked to sum to the kept scores
+(:func:`gradtrace.score.pairs.token_attributions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .dataset import read_dataset
+from .errors import CliError
+from .groups import DataOptions
+from .models import load_model, load_tokenizer, pad_id
+
+__all__ = ["recorded_data", "token_attributions"]
+
+
+def recorded_data(store: Any) -> tuple[Path, DataOptions]:
+    """The training data file and data options a store records (written by ``gradtrace collect``)."""
+    recorded = store.manifest.get("config") or {}
+    data = recorded.get("data")
+    if not data:
+        raise CliError(f"--tokens re-captures the top-k training examples from the store's data, but store "
+                       f"{store.root} does not record its data file; collect it with gradtrace collect")
+    if not Path(data).exists():
+        raise CliError(f"--tokens re-captures the top-k training examples from {data}, the data store "
+                       f"{store.root} was collected from, which no longer exists; put it back there")
+    known = {f.name for f in fields(DataOptions)}
+    return Path(data), DataOptions(**{name: value for name, value in recorded.items() if name in known})
+
+
+def _token_strings(dataset: Any, ids: list[str], tokenizer: Any) -> dict[str, list[str]]:
+    """``{id: [token text, ...]}`` of examples of a tokenized dataset (each token decoded on its own)."""
+    where = {ident: i for i, ident in enumerate(dataset.ids)}
+    return {ident: tokenizer.batch_decode(dataset.example(where[ident])[0].reshape(-1, 1).tolist())
+            for ident in ids}
+
+
+def token_attributions(attributor: Any, queries: Any, query_data: Any, scores: Any, *, store: Any, model_dir: Path,
+                       projection: Any, device: str, model_dtype: str, k: int, progress: bool) -> None:
+    """Record ``scores.meta["tokens"]`` for the top and bottom ``k`` pairs of every query (both sides)."""
+    import gradtrace
+    from gradtrace.score.pairs import pair_rows
+
+    data_path, data_opts = recorded_data(store)
+    tokenizer = load_tokenizer(model_dir)
+    train_data = read_dataset(data_path, tokenizer, data_opts, data_opts.max_length, pad_id(tokenizer),
+                              what="training data")
+    pairs = pair_rows(scores, k)
+    wanted = [scores.train_ids[t] for t in np.unique(pairs.train.numpy()).tolist()]
+    where = {ident: i for i, ident in enumerate(train_data.ids)}
+    missing = [ident for ident in wanted if ident not in where]
+    if missing:
+        raise CliError(f"training examples {missing[:3]} of the scores are not in {data_path} (read with the "
+                       f"store's data options): the data changed since store {store.root} was collected")
+    rows = np.asarray([where[ident] for ident in wanted], dtype=np.int64)
+    size = data_opts.batch_size
+    batches = [train_data.rows(rows[start:start + size]) for start in range(0, len(rows), size)]
+    model = load_model(model_dir, device, model_dtype)
+    recaptured = gradtrace.collect(model, batches, projection=projection, keep_tokens=True, device=device,
+                                   progress=progress)
+    tokens = {**_token_strings(query_data, list(scores.query_ids), tokenizer),
+              **_token_strings(train_data, wanted, tokenizer)}
+    try:
+        attributor.token_attributions(queries, scores, train_tokens=recaptured, tokens=tokens, k=k)
+    except ValueError as err:
+        raise CliError(f"--tokens: {err}") from None
