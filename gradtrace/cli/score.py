@@ -27,19 +27,23 @@ from .report import Phases, console
 
 __all__ = ["OPTIONS", "ScoreOptions", "projection_from_spec", "run"]
 
-MethodName = Literal[tuple(available_methods())]  # type: ignore[valid-type]
+CLI_METHODS = ("grad_dot", "grad_cos", "tracin", "kfac", "ekfac", "ggn", "logra")
+"""The methods the command line runs end to end (their stages: none, learning rates, or ``gradtrace fit``). The
+others (``less``, ``dvemb``, ``trak``, ``arnoldi``, ``cg``, ``ggn_full``) fit from a model and data in Python."""
+MethodName = Literal[tuple(m for m in CLI_METHODS if m in available_methods())]  # type: ignore[valid-type]
 EXPORT_SUFFIXES = (".csv", ".json", ".parquet")
 
 
 def _method_help() -> str:
     parts = []
-    for name in available_methods():
+    for name in (m for m in CLI_METHODS if m in available_methods()):
         try:
             description = get_method(name).description
         except Exception:  # a method that needs options to be built: list its name only
             description = ""
         parts.append(f"{name} ({description})" if description else name)
-    return "Attribution method: " + "; ".join(parts) + "."
+    return ("Attribution method: " + "; ".join(parts) + ". Others (less, dvemb, trak, arnoldi, cg, ggn_full) are "
+            "fitted from a model and data with the Python API (gradtrace.Attributor).")
 
 
 @dataclass(kw_only=True)
