@@ -49,6 +49,10 @@ class CollectOptions:
     model_options: ModelOptions
     progress: bool = field(default=True, metadata=cli("Show a progress bar and the time profile.",
                                                       "--progress/--no-progress"))
+    dry_run: bool = field(default=False, metadata=cli(
+        "Print the plan (examples, tokens, dims and bytes per example, store size against free disk, time) and "
+        "stop: nothing is written."))
+    force: bool = field(default=False, metadata=cli("Collect even when the planned store exceeds the free disk."))
 
 
 OPTIONS = CollectOptions
@@ -83,6 +87,16 @@ def run(opts: CollectOptions) -> None:
                   if proj.projection == "logra" else None)
     if already:
         _check_resume(store_opts, projection, model)
+    with phases("plan"):
+        planned = gradtrace.plan(model, batches, projection=projection, dtype=store_opts.dtype, store=store_opts.out,
+                                 device=device)
+    console().print(plan_lines(planned, store_opts.out), markup=False, highlight=False, soft_wrap=True)
+    if opts.dry_run:
+        return
+    if not planned.fits and not opts.force:
+        raise CliError(f"the store needs about {human_bytes(planned.store_bytes)} but {store_opts.out} has "
+                       f"{human_bytes(planned.free_bytes or 0)} free: free space, choose another --out, store "
+                       "--dtype int8 or a smaller --rank, or pass --force")
     final = replace(opts, model=opts.model.absolute(), data=opts.data.absolute(),
                     store_options=replace(store_opts, out=store_opts.out.absolute()),
                     data_options=replace(data_opts, max_length=max_length),
@@ -133,6 +147,18 @@ def _interrupt_reported(out: Path) -> Iterator[None]:
             rows = "nothing is"
         raise CliError(f"interrupted by {signal.Signals(signum).name}: {rows} committed in {out} (marked interrupted); "
                        "run the same command with --resume to finish it", exit_code=128 + signum) from None
+
+
+def plan_lines(planned: Any, out: Path) -> str:
+    """The printed plan: what will be collected and what it takes."""
+    tokens = "" if planned.tokens is None else f", {planned.tokens:,} tokens"
+    free = "" if planned.free_bytes is None else f" ({human_bytes(planned.free_bytes)} free there)"
+    return "\n".join([
+        f"Plan: {planned.examples:,} examples{tokens}; {planned.params:,} captured parameters",
+        f"  per example {planned.dim:,} dims, {human_bytes(planned.bytes_per_example)} ({planned.dtype})",
+        f"  store       about {human_bytes(planned.store_bytes)} in {out}{free}",
+        f"  time        about {planned.seconds:,.0f} s ({planned.seconds_per_example * 1e3:,.1f} ms/example, "
+        "from a warm-up)"])
 
 
 def _check_target(store_opts: StoreOptions) -> int:

@@ -14,7 +14,8 @@ from tests.cli.conftest import error_line, invoke
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# the real CLI in a subprocess whose data sends the process SIGTERM when batch KILL_AT is asked for
+# the real CLI in a subprocess whose data sends the process SIGTERM when batch KILL_AT is asked for (the plan's
+# warm-up runs the first 2 batches through run_capture too: KILL_AT must be larger)
 SIGTERM_AT_BATCH = """
 import os, signal, sys
 collect_module = sys.modules[__import__("gradtrace.collect").collect.__module__]
@@ -73,3 +74,22 @@ def test_shard_options_are_refused_together_or_below_one_row(ws, runner, fresh):
     line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "b", "--rank", 4, "--dtype",
                              "int8", "--shard-bytes", 10, "--no-progress", code=2))
     assert "shard_bytes=10 is smaller than one row" in line and "bytes:" in line
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(ws, runner, store, fresh):
+    result = invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "s", "--rank", 4, "--dry-run",
+                    "--no-progress")
+    dim = GradientStore.open(store).dim
+    assert "Plan: 24 examples" in result.stdout and f"per example {dim:,} dims" in result.stdout
+    assert not (fresh / "s").exists()
+
+
+def test_a_store_larger_than_the_free_disk_is_refused_unless_forced(ws, runner, fresh, monkeypatch):
+    plan_module = sys.modules["gradtrace.plan"]
+    monkeypatch.setattr(plan_module, "free_space", lambda path: 1000)
+    line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "s", "--rank", 4,
+                             "--no-progress", code=2))
+    assert line.startswith("Error: the store needs about ") and "has 1000 B free" in line and "--force" in line
+    assert not (fresh / "s").exists()
+    invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "s", "--rank", 4, "--no-progress", "--force")
+    assert len(GradientStore.open(fresh / "s")) == 24
