@@ -52,11 +52,15 @@ from .layout import (
 from .reader import scan_shards
 from .spec import GradientSpec, IdCollision, SpecMismatch, model_fingerprint
 
-__all__ = ["DEFAULT_SHARD_BYTES", "ShardWriter", "StoreWriteError", "StoreWriter", "batch_digests", "dist_rank",
-           "row_bytes", "rows_per_shard"]
+__all__ = ["DEFAULT_MAX_SHARD_ROWS", "DEFAULT_SHARD_BYTES", "ShardWriter", "StoreWriteError", "StoreWriter",
+           "batch_digests", "dist_rank", "row_bytes", "rows_per_shard"]
 
 DEFAULT_SHARD_BYTES = 256 * 2**20
 """Default size of a shard's files (data + scales): what a hard kill can lose at most."""
+
+DEFAULT_MAX_SHARD_ROWS = 65536
+"""With the default shard size, rows per shard are capped too: a shard's ids and per-row fields are held in
+memory until its record is written, so small rows must not make a shard of millions of ids."""
 
 _QUANT_MODE = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
 
@@ -88,20 +92,21 @@ def row_bytes(dim: int, dtype: str) -> int:
 
 def rows_per_shard(dim: int, dtype: str, shard_rows: int | None = None, shard_bytes: int | None = None) -> int:
     """Rows per shard: ``shard_rows`` when given, else as many rows as fit in ``shard_bytes`` (default
-    :data:`DEFAULT_SHARD_BYTES`). Raises ``ValueError`` for both given, a non-positive size, or ``shard_bytes``
-    smaller than one row."""
+    :data:`DEFAULT_SHARD_BYTES`, then at most :data:`DEFAULT_MAX_SHARD_ROWS` rows). Raises ``ValueError`` for
+    both given, a non-positive size, or ``shard_bytes`` smaller than one row."""
     if shard_rows is not None and shard_bytes is not None:
         raise ValueError("pass shard_rows or shard_bytes, not both")
     if shard_rows is not None:
         if shard_rows < 1:
             raise ValueError("shard_rows must be positive")
         return shard_rows
-    limit = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
     one = row_bytes(dim, dtype)
-    if limit < one:
-        raise ValueError(f"shard_bytes={limit:,} is smaller than one row ({one:,} bytes: {dim:,} values in {dtype}); "
-                         f"pass at least {one:,}")
-    return limit // max(1, one)
+    if shard_bytes is None:
+        return max(1, min(DEFAULT_MAX_SHARD_ROWS, DEFAULT_SHARD_BYTES // max(1, one)))
+    if shard_bytes < one:
+        raise ValueError(f"shard_bytes={shard_bytes:,} is smaller than one row ({one:,} bytes: {dim:,} values in "
+                         f"{dtype}); pass at least {one:,}")
+    return shard_bytes // max(1, one)
 
 
 class _OpenShard:

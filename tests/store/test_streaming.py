@@ -8,7 +8,7 @@ import torch
 
 from gradtrace.grad.quantize import quantize
 from gradtrace.store import GradientStore, ShardWriter
-from gradtrace.store.writer import DEFAULT_SHARD_BYTES, row_bytes
+from gradtrace.store.writer import DEFAULT_MAX_SHARD_ROWS, DEFAULT_SHARD_BYTES, row_bytes, rows_per_shard
 from tests.store.common import DIM, make_rows, make_spec, write
 
 INT8_ROW = DIM + 4  # int8 values and one float32 scale
@@ -19,11 +19,12 @@ def test_row_bytes_counts_values_and_the_int8_scale():
     assert row_bytes(DIM, "int8") == INT8_ROW
 
 
-def test_default_shard_is_256_mib_of_rows(tmp_path):
+def test_default_shard_is_256_mib_of_rows_at_most_65536_rows(tmp_path):
+    assert DEFAULT_SHARD_BYTES == 256 * 2**20 and DEFAULT_MAX_SHARD_ROWS == 65536
+    assert rows_per_shard(109_696, "int8") == DEFAULT_SHARD_BYTES // (109_696 + 4) == 2446  # the rows
+    assert rows_per_shard(128, "float32") == 65536  # 512 B rows: the record's ids cap the shard, not its bytes
     write(tmp_path, *make_rows(3), dtype="int8", shard_rows=None)
-    manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert DEFAULT_SHARD_BYTES == 256 * 2**20
-    assert manifest["shard_rows"] == DEFAULT_SHARD_BYTES // INT8_ROW
+    assert json.loads((tmp_path / "manifest.json").read_text())["shard_rows"] == 65536
 
 
 def test_shard_bytes_sets_the_rows_per_shard_and_the_bytes_match_a_store_by_rows(tmp_path):
