@@ -14,6 +14,7 @@ from .gradients import GradientSet
 from .methods import available_methods
 from .methods.dvemb import data_value_embeddings
 from .methods.less import less_features, less_query_features
+from .plan import Plan, plan
 from .score import Attributor, Scores
 from .store import GradientSpec, GradientStore, StoreWriter
 from .train import TrajectoryWriter
@@ -24,5 +25,5 @@ __all__ = [
     "capture", "Capture", "CaptureCallback", "CaptureReport", "collect", "GradBatch", "ParamGrad", "LoGra",
     "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
     "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
-    "__version__",
+    "plan", "Plan", "__version__",
 ]

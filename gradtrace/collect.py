@@ -9,7 +9,9 @@ one included -- are never computed. ``param.grad`` is left untouched.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,46 @@ from .gradients import GradientSet
 from .losses import default_loss, default_loss_labels
 from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
 
-__all__ = ["NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters", "run_capture"]
+__all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",
+           "run_capture", "terminate_as_interrupt"]
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 class NonFiniteError(ValueError):
     """NaN/inf where gradients need finite numbers: in the model's parameters, or in every example's gradient."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by SIGTERM (as by Ctrl-C): the store it was writing was closed as interrupted, every row
+    written so far committed. ``signum``: the signal received."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"stopped by signal {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Interrupted` in the main thread (as SIGINT raises
+    ``KeyboardInterrupt``), so that a store being written is closed cleanly -- its open shard committed and
+    the store marked interrupted -- instead of the process dying with the shard's rows. Only when SIGTERM has
+    its default action and this is the main thread; a handler of the caller's is left alone. Further SIGTERMs
+    while the store closes are ignored (the close is short)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: let the clean-up finish
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def nonfinite_parameters(model: nn.Module) -> list[str]:
@@ -126,7 +161,8 @@ def context_limit(model: nn.Module) -> int | None:
 def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None, *,
             projection: LoGra | None = None, layers: Sequence[Any] | None = None,
             exclude: Sequence[Any] | None = None, store: str | Path | None = None, dtype: str = "float32",
-            resume: bool = False, overwrite: bool = False, shard_rows: int = 4096, ids: Sequence[Any] | None = None,
+            resume: bool = False, overwrite: bool = False, shard_rows: int | None = None,
+            shard_bytes: int | None = None, ids: Sequence[Any] | None = None,
             id_key: str = "id", keep_tokens: bool = False, weight_grads: bool = False,
             device: torch.device | str | None = None, eval_mode: bool = True, progress: bool = False,
             total: int | None = None, config: dict[str, Any] | None = None) -> GradientSet | GradientStore:
@@ -146,7 +182,10 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
         projection: ``gradtrace.LoGra(...)`` to project at capture time (recommended beyond toy models).
         layers, exclude: which modules to capture (see :func:`gradtrace.capture`).
         store: write to a gradient store at this path (returned opened) instead of returning a
-            :class:`GradientSet`. dtype, shard_rows, resume, overwrite: store options.
+            :class:`GradientSet`. dtype, shard_rows, shard_bytes, resume, overwrite: store options (see
+            :class:`~gradtrace.store.ShardWriter`; shards of 256 MiB by default). SIGTERM or Ctrl-C while
+            writing commits every row captured so far, marks the store interrupted and raises
+            ``KeyboardInterrupt`` (:class:`Interrupted` for SIGTERM); ``resume=True`` continues it.
         ids: one id per example, in order; by default ``batch[id_key]`` when present, else content hashes.
         keep_tokens: keep token-level factors (in-memory only) for per-token scores.
         weight_grads: run a full ``backward()`` (also computing parameter gradients, restored afterwards)
@@ -158,8 +197,8 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
     if store is None and (resume or overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
     check_finite_parameters(model)
-    writer = StoreWriter(store, dtype=dtype, shard_rows=shard_rows, resume=resume, overwrite=overwrite,
-                         config=config) if store is not None else None
+    writer = StoreWriter(store, dtype=dtype, shard_rows=shard_rows, shard_bytes=shard_bytes, resume=resume,
+                         overwrite=overwrite, config=config) if store is not None else None
     stored: set[str] = set()
     if store is not None and resume and (Path(store) / "manifest.json").exists():
         stored = set(GradientStore.open(store, verify=False, allow_incomplete=True).ids)
@@ -170,8 +209,9 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
     cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum",
                   projection=projection, callbacks=[writer, tally] if writer is not None else [tally],
                   keep_batches=writer is None, isolate_padding=True)
-    run_capture(model, data, loss_fn, cap, ids=ids, id_key=id_key, skip=stored, device=device,
-                weight_grads=weight_grads, eval_mode=eval_mode, progress=progress, total=total)
+    with terminate_as_interrupt() if writer is not None else contextlib.nullcontext():
+        run_capture(model, data, loss_fn, cap, ids=ids, id_key=id_key, skip=stored, device=device,
+                    weight_grads=weight_grads, eval_mode=eval_mode, progress=progress, total=total)
     tally.check(f"nothing new was stored in {store} (it keeps what it held)" if store is not None
                 else "no gradient is left")
     if writer is not None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +31,9 @@ class StoreOptions(Group):
         "Storage precision of the vectors (int8: one float32 scale per row)."))
     resume: bool = field(default=False, metadata=cli("Add to an existing store, skipping the ids it already holds."))
     overwrite: bool = field(default=False, metadata=cli("Replace an existing store at --out."))
-    shard_rows: int = field(default=4096, metadata=cli("Rows per shard file.", min=1))
+    shard_bytes: int | None = field(default=None, metadata=cli(
+        "Bytes per shard file (default 256 MiB): as many rows as fit. A hard kill loses at most one shard.", min=1))
+    shard_rows: int | None = field(default=None, metadata=cli("Rows per shard file, instead of --shard-bytes.", min=1))
 
 
 @dataclass(kw_only=True)
@@ -44,6 +49,10 @@ class CollectOptions:
     model_options: ModelOptions
     progress: bool = field(default=True, metadata=cli("Show a progress bar and the time profile.",
                                                       "--progress/--no-progress"))
+    dry_run: bool = field(default=False, metadata=cli(
+        "Print the plan (examples, tokens, dims and bytes per example, store size against free disk, time) and "
+        "stop: nothing is written."))
+    force: bool = field(default=False, metadata=cli("Collect even when the planned store exceeds the free disk."))
 
 
 OPTIONS = CollectOptions
@@ -78,16 +87,26 @@ def run(opts: CollectOptions) -> None:
                   if proj.projection == "logra" else None)
     if already:
         _check_resume(store_opts, projection, model)
+    with phases("plan"):
+        planned = gradtrace.plan(model, batches, projection=projection, dtype=store_opts.dtype, store=store_opts.out,
+                                 device=device)
+    console().print(plan_lines(planned, store_opts.out), markup=False, highlight=False, soft_wrap=True)
+    if opts.dry_run:
+        return
+    if not planned.fits and not opts.force:
+        raise CliError(f"the store needs about {human_bytes(planned.store_bytes)} but {store_opts.out} has "
+                       f"{human_bytes(planned.free_bytes or 0)} free: free space, choose another --out, store "
+                       "--dtype int8 or a smaller --rank, or pass --force")
     final = replace(opts, model=opts.model.absolute(), data=opts.data.absolute(),
                     store_options=replace(store_opts, out=store_opts.out.absolute()),
                     data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))
     values = resolved(final)
-    with phases("gradients"):
+    with phases("gradients"), _interrupt_reported(store_opts.out):
         store = gradtrace.collect(model, batches, projection=projection, store=store_opts.out, dtype=store_opts.dtype,
                                   resume=store_opts.resume, overwrite=store_opts.overwrite,
-                                  shard_rows=store_opts.shard_rows, device=device, progress=opts.progress,
-                                  config={META_KEY: provenance("collect"), **values})
+                                  shard_rows=store_opts.shard_rows, shard_bytes=store_opts.shard_bytes, device=device,
+                                  progress=opts.progress, config={META_KEY: provenance("collect"), **values})
     seconds = phases.seconds["gradients"]
     phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
     written = write_resolved(store_opts.out, "collect", values)
@@ -112,12 +131,44 @@ def run(opts: CollectOptions) -> None:
         console(stderr=True).print(phases.table())
 
 
+@contextmanager
+def _interrupt_reported(out: Path) -> Iterator[None]:
+    """Ctrl-C or SIGTERM during the capture: one line saying what is committed and how to go on; exit code
+    128 + the signal's number (130, 143), as a shell reports a process stopped by it."""
+    try:
+        yield
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", signal.SIGINT)
+        from ..store import GradientStore, StoreError
+
+        try:
+            rows = f"{len(GradientStore.open(out, verify=False, allow_incomplete=True)):,} rows are"
+        except (StoreError, ValueError, OSError):
+            rows = "nothing is"
+        raise CliError(f"interrupted by {signal.Signals(signum).name}: {rows} committed in {out} (marked interrupted); "
+                       "run the same command with --resume to finish it", exit_code=128 + signum) from None
+
+
+def plan_lines(planned: Any, out: Path) -> str:
+    """The printed plan: what will be collected and what it takes."""
+    tokens = "" if planned.tokens is None else f", {planned.tokens:,} tokens"
+    free = "" if planned.free_bytes is None else f" ({human_bytes(planned.free_bytes)} free there)"
+    return "\n".join([
+        f"Plan: {planned.examples:,} examples{tokens}; {planned.params:,} captured parameters",
+        f"  per example {planned.dim:,} dims, {human_bytes(planned.bytes_per_example)} ({planned.dtype})",
+        f"  store       about {human_bytes(planned.store_bytes)} in {out}{free}",
+        f"  time        about {planned.seconds:,.0f} s ({planned.seconds_per_example * 1e3:,.1f} ms/example, "
+        "from a warm-up)"])
+
+
 def _check_target(store_opts: StoreOptions) -> int:
     """Refuse, before any data or model work, a store another run is writing, and an existing store without
     --resume/--overwrite; returns the rows it already holds."""
     out = store_opts.out
     if store_opts.resume and store_opts.overwrite:
         raise CliError("--resume and --overwrite contradict each other; pass one of them")
+    if store_opts.shard_rows is not None and store_opts.shard_bytes is not None:
+        raise CliError("--shard-rows and --shard-bytes both size the shards; pass one of them")
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
     _check_not_locked(out)

@@ -1,8 +1,10 @@
 """Writing gradient stores: a background shard writer and the capture callback around it.
 
 The backward pass never waits on disk: :meth:`ShardWriter.put` hands rows to a bounded queue and a
-background thread quantizes them and writes full shards atomically. The queue is bounded, so a disk that
-is slower than training eventually applies back-pressure instead of exhausting memory. An error in the
+background thread quantizes each batch and appends it to the open shard's temporary files (checksummed as
+they grow); a full shard is committed atomically (rename, then its record). Memory is bounded by the queue
+(``queue_size`` batches), whatever the shard size or the number of rows: shards are sized in bytes
+(:data:`DEFAULT_SHARD_BYTES`), so a hard kill loses at most one shard's rows. An error in the
 thread (a full disk, a vanished directory) is raised at the next ``put``/``close`` with the state of the
 store: every shard committed before it stays readable, and a later run can resume.
 """
@@ -10,7 +12,9 @@ store: every shard committed before it stays readable, and a later run can resum
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 import queue
 import shutil
 import threading
@@ -18,7 +22,7 @@ import warnings
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor
@@ -32,8 +36,8 @@ from .layout import (
     SCHEMA_VERSION,
     SHARD_FILE,
     StoreError,
+    _fsync_dir,
     acquire_lock,
-    atomic_write_bytes,
     atomic_write_json,
     checksum,
     create_exclusive,
@@ -48,7 +52,17 @@ from .layout import (
 from .reader import scan_shards
 from .spec import GradientSpec, IdCollision, SpecMismatch, model_fingerprint
 
-__all__ = ["ShardWriter", "StoreWriteError", "StoreWriter", "batch_digests", "dist_rank"]
+__all__ = ["DEFAULT_MAX_SHARD_ROWS", "DEFAULT_SHARD_BYTES", "ShardWriter", "StoreWriteError", "StoreWriter",
+           "batch_digests", "dist_rank", "row_bytes", "rows_per_shard"]
+
+DEFAULT_SHARD_BYTES = 256 * 2**20
+"""Default size of a shard's files (data + scales): what a hard kill can lose at most."""
+
+DEFAULT_MAX_SHARD_ROWS = 65536
+"""With the default shard size, rows per shard are capped too: a shard's ids and per-row fields are held in
+memory until its record is written, so small rows must not make a shard of millions of ids."""
+
+_QUANT_MODE = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
 
 
 class StoreWriteError(StoreError):
@@ -69,6 +83,92 @@ def batch_digests(batch: GradBatch) -> list[str | None] | None:
     if not isinstance(digests, list) or len(digests) != len(batch.ids):
         return None
     return digests
+
+
+def row_bytes(dim: int, dtype: str) -> int:
+    """Bytes one stored row takes on disk: ``dim`` values in ``dtype``, plus a float32 scale for int8."""
+    return dim * DTYPES[dtype][1] + (4 if dtype == "int8" else 0)
+
+
+def rows_per_shard(dim: int, dtype: str, shard_rows: int | None = None, shard_bytes: int | None = None) -> int:
+    """Rows per shard: ``shard_rows`` when given, else as many rows as fit in ``shard_bytes`` (default
+    :data:`DEFAULT_SHARD_BYTES`, then at most :data:`DEFAULT_MAX_SHARD_ROWS` rows). Raises ``ValueError`` for
+    both given, a non-positive size, or ``shard_bytes`` smaller than one row."""
+    if shard_rows is not None and shard_bytes is not None:
+        raise ValueError("pass shard_rows or shard_bytes, not both")
+    if shard_rows is not None:
+        if shard_rows < 1:
+            raise ValueError("shard_rows must be positive")
+        return shard_rows
+    one = row_bytes(dim, dtype)
+    if shard_bytes is None:
+        return max(1, min(DEFAULT_MAX_SHARD_ROWS, DEFAULT_SHARD_BYTES // max(1, one)))
+    if shard_bytes < one:
+        raise ValueError(f"shard_bytes={shard_bytes:,} is smaller than one row ({one:,} bytes: {dim:,} values in "
+                         f"{dtype}); pass at least {one:,}")
+    return shard_bytes // max(1, one)
+
+
+class _OpenShard:
+    """The shard being written: its temporary files, their running checksums and sizes, its ids and fields."""
+
+    def __init__(self, shards: Path, name: str, seq: int, scaled: bool) -> None:
+        self.name, self.seq, self.rows = name, seq, 0
+        self.ids: list[str] = []
+        self.fields: dict[str, list] = {}
+        self.parts = ("data", "scale") if scaled else ("data",)
+        self.tmp = {part: shards / f".tmp-{name}.{part}" for part in self.parts}
+        self.final = {part: shards / f"{name}.{part}" for part in self.parts}
+        self.files: dict[str, IO[bytes]] = {}  # raw (unbuffered) files
+        try:
+            for part in self.parts:
+                # unbuffered: each batch goes to the file at once (one write), nothing is held back in memory
+                self.files[part] = open(self.tmp[part], "wb", buffering=0)  # noqa: SIM115 - closed by finish/abandon
+        except BaseException:
+            self.abandon()
+            raise
+        self.hashes = {part: hashlib.blake2b(digest_size=16) for part in self.parts}
+        self.sizes = dict.fromkeys(self.parts, 0)
+
+    def append(self, part: str, values: Tensor) -> None:
+        """Append ``values`` (a CPU tensor) to ``part``'s file, without copying it to ``bytes``."""
+        view = memoryview(values.contiguous().numpy()).cast("B")
+        done = 0
+        while done < len(view):  # a raw write may be short
+            done += self.files[part].write(view[done:])
+        self.hashes[part].update(view)
+        self.sizes[part] += len(view)
+
+    def add_rows(self, ids: list[str], fields: dict[str, list]) -> None:
+        """Record the ids and per-row fields of rows just appended (a field some rows lack: None for them)."""
+        for key in self.fields.keys() - fields.keys():
+            self.fields[key].extend([None] * len(ids))
+        for key, values in fields.items():
+            self.fields.setdefault(key, [None] * self.rows).extend(values)
+        self.ids += ids
+        self.rows += len(ids)
+
+    def finish(self) -> dict[str, dict[str, Any]]:
+        """Fsync, close and rename the files to their final names; returns the record's ``files`` entry."""
+        for part in self.parts:
+            handle = self.files.pop(part)
+            with handle:
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(self.tmp[part], self.final[part])
+        _fsync_dir(next(iter(self.final.values())).parent)
+        return {part: {"name": self.final[part].name, "bytes": self.sizes[part],
+                       "blake2b": self.hashes[part].hexdigest()} for part in self.parts}
+
+    def abandon(self) -> None:
+        """Close and remove the temporary files (a failed writer leaves no partial shard behind)."""
+        for handle in self.files.values():
+            with contextlib.suppress(OSError):
+                handle.close()
+        self.files.clear()
+        for path in self.tmp.values():
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
 
 
 def _now() -> str:
@@ -100,7 +200,11 @@ def _delete_store(root: Path, own_lock: Path) -> None:
 
 
 class ShardWriter:
-    """Appends per-example vectors of one rank to a store, in shards of ``shard_rows`` rows.
+    """Appends per-example vectors of one rank to a store, in shards of ``shard_bytes`` (or ``shard_rows``).
+
+    Rows are written as they come: each batch is appended to the open shard's temporary files, and a shard
+    is committed (renamed, then its record written) when it is full or the writer closes, so memory holds
+    at most the queued batches.
 
     Rows whose id the store already holds (stored by an earlier run, by another rank before this writer
     opened, or put earlier by this writer) and rows with NaN/inf values are not written; they are counted
@@ -114,7 +218,9 @@ class ShardWriter:
         root: store directory (created if missing).
         spec: the layout of the vectors; an existing store must have the same one.
         rank, world_size: this process's shard namespace (``torch.distributed`` values by default).
-        shard_rows: rows per shard file.
+        shard_rows: rows per shard (instead of ``shard_bytes``).
+        shard_bytes: size of a shard's files (default :data:`DEFAULT_SHARD_BYTES`, 256 MiB): as many rows
+            as fit; at least one row's size. A hard kill loses at most one shard.
         queue_size: batches that may wait for the writer thread before ``put`` blocks.
         resume: append to an existing store, skipping ids it already holds (see :attr:`stored_ids`).
         overwrite: delete an existing store first. In a multi-rank run only rank 0 deletes, and it refuses
@@ -123,12 +229,14 @@ class ShardWriter:
     """
 
     def __init__(self, root: str | Path, spec: GradientSpec, *, rank: int | None = None,
-                 world_size: int | None = None, shard_rows: int = 4096, queue_size: int = 8,
-                 resume: bool = False, overwrite: bool = False, config: dict[str, Any] | None = None) -> None:
+                 world_size: int | None = None, shard_rows: int | None = None, shard_bytes: int | None = None,
+                 queue_size: int = 8, resume: bool = False, overwrite: bool = False,
+                 config: dict[str, Any] | None = None) -> None:
         if spec.dtype not in DTYPES:
             raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
-        if shard_rows < 1:
-            raise ValueError("shard_rows must be positive")
+        shard_rows = rows_per_shard(spec.dim, spec.dtype, shard_rows, shard_bytes)
+        if queue_size < 1:
+            raise ValueError("queue_size must be positive")
         if resume and overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other; pass one of them")
         auto_rank, auto_world = dist_rank()
@@ -160,8 +268,7 @@ class ShardWriter:
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._error: BaseException | None = None
         self._closed = False
-        self._buffer: list[tuple[list[str], Tensor, dict[str, list]]] = []
-        self._buffered = 0
+        self._open: _OpenShard | None = None  # the shard being appended to (writer thread only)
         self._thread = threading.Thread(target=self._run, name=f"gradtrace-store-r{self.rank}", daemon=True)
         self._thread.start()
 
@@ -400,13 +507,15 @@ class ShardWriter:
             while True:
                 item = self._queue.get()
                 if item is None:
-                    self._flush(final=True)
+                    if self._open is not None:
+                        self._commit()
                     return
-                self._buffer.append(item)
-                self._buffered += len(item[0])
-                self._flush(final=False)
+                self._append(*item)
         except BaseException as err:  # surfaced to the caller by put()/close()
             self._error = err
+            if self._open is not None:
+                self._open.abandon()
+                self._open = None
             while True:  # drain so that a blocked put() returns and sees the error
                 try:
                     if self._queue.get_nowait() is None:
@@ -414,46 +523,44 @@ class ShardWriter:
                 except queue.Empty:
                     break
 
-    def _flush(self, final: bool) -> None:
-        while self._buffered >= self.shard_rows or (final and self._buffered > 0):
-            take = min(self.shard_rows, self._buffered)
-            ids, vecs, fields = [], [], {}
-            while len(ids) < take:
-                b_ids, b_vecs, b_fields = self._buffer[0]
-                need = take - len(ids)
-                got = min(need, len(b_ids))
-                for k in fields.keys() - b_fields.keys():  # a field some puts did not give: None for their rows
-                    fields[k].extend([None] * got)
-                for k, v in b_fields.items():
-                    fields.setdefault(k, [None] * len(ids)).extend(v[:need])
-                ids += b_ids[:need]
-                vecs.append(b_vecs[:need])
-                if need >= len(b_ids):
-                    self._buffer.pop(0)
-                else:
-                    self._buffer[0] = (b_ids[need:], b_vecs[need:], {k: v[need:] for k, v in b_fields.items()})
-            self._buffered -= take
-            self._write_shard(ids, torch.cat(vecs), fields)
+    def _append(self, ids: list[str], rows: Tensor, fields: dict[str, list]) -> None:
+        """Quantize one batch's ``rows`` ``[n, dim]`` float32 and append them to the open shard(s), committing
+        each shard that fills up."""
+        done = 0
+        while done < len(ids):
+            if self._open is None:
+                self._open = _OpenShard(self.root / "shards", shard_name(self.rank, self._next_seq), self._next_seq,
+                                        scaled=self.spec.dtype == "int8")
+            shard = self._open
+            take = min(len(ids) - done, self.shard_rows - shard.rows)
+            part = slice(done, done + take)
+            q = quantize(rows[part], _QUANT_MODE[self.spec.dtype])
+            shard.append("data", q.data.view(torch.int16) if q.data.dtype == torch.bfloat16 else q.data)
+            if q.scale is not None:
+                shard.append("scale", q.scale.to(torch.float32))
+            shard.add_rows(ids[part], {k: v[part] for k, v in fields.items()})
+            done += take
+            if shard.rows == self.shard_rows:
+                self._commit()
 
-    def _write_shard(self, ids: list[str], vectors: Tensor, fields: dict[str, list]) -> None:
-        name = shard_name(self.rank, self._next_seq)
-        shards = self.root / "shards"
-        q = quantize(vectors, {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}[self.spec.dtype])
-        data = q.data.view(torch.int16) if q.data.dtype == torch.bfloat16 else q.data
-        raw = data.contiguous().numpy().tobytes()
-        files = {"data": {"name": f"{name}.data", "bytes": len(raw), "blake2b": checksum(raw)}}
-        atomic_write_bytes(shards / files["data"]["name"], raw)
-        if q.scale is not None:
-            scale_raw = q.scale.to(torch.float32).contiguous().numpy().tobytes()
-            files["scale"] = {"name": f"{name}.scale", "bytes": len(scale_raw), "blake2b": checksum(scale_raw)}
-            atomic_write_bytes(shards / files["scale"]["name"], scale_raw)
-        record = {"name": name, "rank": self.rank, "seq": self._next_seq, "rows": len(ids), "dim": self.spec.dim,
-                  "dtype": self.spec.dtype, "files": files, "ids": ids, "fields": fields, "written": _now()}
-        atomic_write_json(shards / f"{name}.json", record)  # the commit point
-        self._committed.append({"name": name, "rows": len(ids), "record": checksum(json_bytes(record))})
+    def _commit(self) -> None:
+        """Commit the open shard: files renamed to their names, then its record (the commit point), then the
+        rank file listing it (a crash before that: the record is adopted by the next writer)."""
+        shard, self._open = self._open, None
+        assert shard is not None
+        try:
+            files = shard.finish()
+        except BaseException:
+            shard.abandon()
+            raise
+        record = {"name": shard.name, "rank": self.rank, "seq": shard.seq, "rows": shard.rows, "dim": self.spec.dim,
+                  "dtype": self.spec.dtype, "files": files, "ids": shard.ids, "fields": shard.fields,
+                  "written": _now()}
+        atomic_write_json(self.root / "shards" / f"{shard.name}.json", record)  # the commit point
+        self._committed.append({"name": shard.name, "rows": shard.rows, "record": checksum(json_bytes(record))})
         self._next_seq += 1
-        self.rows_written += len(ids)
-        self._write_status("writing")  # lists the shard (a crash before this: the record is adopted later)
+        self.rows_written += shard.rows
+        self._write_status("writing")
 
     def close(self, complete: bool = True) -> None:
         """Write what is buffered, wait for the thread, and mark this rank complete (or interrupted).
@@ -503,20 +610,23 @@ class StoreWriter:
     Args:
         path: store directory.
         dtype: storage format, ``"float32"``, ``"bfloat16"`` or ``"int8"`` (per-row scale).
-        shard_rows, queue_size, resume, overwrite, rank, world_size: see :class:`ShardWriter`.
+        shard_rows, shard_bytes, queue_size, resume, overwrite, rank, world_size: see :class:`ShardWriter`.
         fields: optional ``fn(batch) -> {name: per-row list}`` of extra per-row metadata.
         config: recorded in the manifest.
     """
 
-    def __init__(self, path: str | Path, *, dtype: str = "float32", shard_rows: int = 4096, queue_size: int = 8,
-                 resume: bool = False, overwrite: bool = False, rank: int | None = None,
+    def __init__(self, path: str | Path, *, dtype: str = "float32", shard_rows: int | None = None,
+                 shard_bytes: int | None = None, queue_size: int = 8, resume: bool = False,
+                 overwrite: bool = False, rank: int | None = None,
                  world_size: int | None = None, fields=None, config: dict[str, Any] | None = None) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.path = Path(path)
         self.dtype = dtype
-        self.options = dict(shard_rows=shard_rows, queue_size=queue_size, resume=resume, overwrite=overwrite,
-                            rank=rank, world_size=world_size, config=config)
+        if shard_rows is not None and shard_bytes is not None:
+            raise ValueError("pass shard_rows or shard_bytes, not both")
+        self.options = dict(shard_rows=shard_rows, shard_bytes=shard_bytes, queue_size=queue_size, resume=resume,
+                            overwrite=overwrite, rank=rank, world_size=world_size, config=config)
         self.fields = fields
         self.writer: ShardWriter | None = None
         self.model = None

@@ -14,17 +14,17 @@ from tests.store.common import make_rows, make_spec, status
 
 def test_disk_full_mid_write_keeps_committed_shards_and_resumes(tmp_path, monkeypatch):
     ids, rows = make_rows(20)
-    real_write = writer_module.atomic_write_bytes
+    real_append = writer_module._OpenShard.append
     calls = []
 
-    def fill_disk_after_two(path, data):
-        calls.append(path.name)
-        if len(calls) > 2:  # the third shard's data file: the disk is full
-            (path.parent / f".tmp-{path.name}").write_bytes(bytes(data)[:7])  # what a failed write leaves
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real_write(path, data)
+    def fill_disk_after_two_shards(shard, part, values):
+        calls.append(shard.name)
+        if len(calls) > 4:  # the third shard's first rows (2 rows a put, 4 a shard): the disk is full
+            shard.files[part].write(b"partial")  # what a failed write leaves in the temporary file
+            raise OSError(errno.ENOSPC, "No space left on device", str(shard.tmp[part]))
+        real_append(shard, part, values)
 
-    monkeypatch.setattr(writer_module, "atomic_write_bytes", fill_disk_after_two)
+    monkeypatch.setattr(writer_module._OpenShard, "append", fill_disk_after_two_shards)
     writer = ShardWriter(tmp_path, make_spec(), shard_rows=4, queue_size=2)
     with pytest.raises(StoreWriteError) as err:
         for start in range(0, 20, 2):
@@ -45,8 +45,9 @@ def test_disk_full_mid_write_keeps_committed_shards_and_resumes(tmp_path, monkey
     partial = GradientStore.open(tmp_path, allow_incomplete=True)
     assert partial.ids == ids[:8] and torch.equal(partial.read(0, 8), rows[:8])
     assert not (tmp_path / "rank-00000.lock").exists()
+    assert not list((tmp_path / "shards").glob(".tmp-*"))  # the failed shard's temporary file is removed
 
-    monkeypatch.setattr(writer_module, "atomic_write_bytes", real_write)  # space was freed
+    monkeypatch.setattr(writer_module._OpenShard, "append", real_append)  # space was freed
     with ShardWriter(tmp_path, make_spec(), shard_rows=4, resume=True) as resumed:
         resumed.put(ids, rows)
     store = GradientStore.open(tmp_path)
@@ -55,15 +56,15 @@ def test_disk_full_mid_write_keeps_committed_shards_and_resumes(tmp_path, monkey
 
 
 def test_put_does_not_wait_for_a_slow_disk_until_the_queue_is_full(tmp_path, monkeypatch):
-    real_write = writer_module.atomic_write_bytes
+    real_append = writer_module._OpenShard.append
     started, release = threading.Event(), threading.Event()
 
-    def slow_write(path, data):
+    def slow_append(shard, part, values):
         started.set()
         release.wait(timeout=30)
-        real_write(path, data)
+        real_append(shard, part, values)
 
-    monkeypatch.setattr(writer_module, "atomic_write_bytes", slow_write)
+    monkeypatch.setattr(writer_module._OpenShard, "append", slow_append)
     safety = threading.Timer(20, release.set)  # never hang the suite
     safety.start()
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gradtrace.store import GradientStore, ShardWriter, StoreError
-from tests.store import capture_job
+from tests.store import capture_job, collect_job
 from tests.store.common import make_rows, make_spec, status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,3 +93,47 @@ def test_resume_skips_stored_ids_and_continues_shard_numbering(tmp_path):
     assert [s.name for s in store.shards] == ["r00000-000000", "r00000-000001", "r00000-000002", "r00000-000003"]
     assert [s.rows for s in store.shards] == [4, 4, 1, 4]
     assert status(tmp_path)["skipped"]["already_stored"] == 9 and status(tmp_path)["rows"] == 13
+
+
+def _run_collect(path, *args, signal_name=None, kill_after=None):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRADTRACE_TEST_THREADS": "1"}
+    for key in ("GRADTRACE_TEST_SIGNAL", "GRADTRACE_TEST_KILL_AFTER"):
+        env.pop(key, None)
+    if signal_name is not None:
+        env.update(GRADTRACE_TEST_SIGNAL=signal_name, GRADTRACE_TEST_KILL_AFTER=str(kill_after))
+    return subprocess.run([sys.executable, str(Path(collect_job.__file__)), str(path), *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _assert_resumes_to_the_full_run(killed_path, full_path):
+    resumed = _run_collect(killed_path, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    collect_job.run(full_path)  # the uninterrupted reference, in this process
+    store, full = GradientStore.open(killed_path), GradientStore.open(full_path)
+    assert sorted(store.ids) == sorted(full.ids) == collect_job.example_ids()
+    got, want = _as_dict(store), _as_dict(full)
+    assert all(torch.equal(got[i], want[i]) for i in want)  # bit-exact, int8 values and scales
+    assert status(killed_path)["status"] == "complete"
+    assert not list((killed_path / "shards").glob(".tmp-*"))
+
+
+def test_sigterm_in_the_first_shard_commits_the_rows_so_far_and_resumes(tmp_path):
+    killed_path = tmp_path / "killed"
+    killed = _run_collect(killed_path, signal_name="SIGTERM", kill_after=5)  # 5 batches of 4 captured
+    assert killed.returncode != 0 and "Interrupted: stopped by signal SIGTERM" in killed.stderr, killed.stderr
+    assert status(killed_path)["status"] == "interrupted"
+    partial = GradientStore.open(killed_path, allow_incomplete=True)
+    assert partial.ids == collect_job.example_ids()[:20]  # before the fix: 0 rows (the whole shard was lost)
+    assert [s.rows for s in partial.shards] == [20]
+    assert not (killed_path / "rank-00000.lock").exists()
+    _assert_resumes_to_the_full_run(killed_path, tmp_path / "full")
+    assert status(killed_path)["skipped"]["already_stored"] == 0  # collect skips stored ids before computing
+
+
+def test_sigkill_in_the_first_shard_loses_only_that_shard_and_resumes(tmp_path):
+    killed_path = tmp_path / "killed"
+    killed = _run_collect(killed_path, signal_name="SIGKILL", kill_after=5)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert status(killed_path)["status"] == "writing"
+    assert len(GradientStore.open(killed_path, allow_incomplete=True)) == 0  # the open shard is lost, no more
+    _assert_resumes_to_the_full_run(killed_path, tmp_path / "full")
