@@ -80,8 +80,8 @@ class GradtraceCallback(TrainerCallback):
         check: on the first captured micro-batch, check that the value ``compute_loss`` returns is the sum of
             the examples' own losses (recomputed from the model's output) scaled as derived; raise if not.
         resume, overwrite: store options (see :class:`gradtrace.StoreWriter`).
-        shard_rows: rows per shard file; default: up to 4096, fewer when rows are large (a shard is buffered in
-            memory before it is written: at most 256 MiB).
+        shard_rows: rows per shard file; default: up to 4096, fewer when rows are large (at most 256 MiB of
+            float32 per shard; rows are streamed into the open shard's file, so memory does not grow with it).
         strict: raise instead of warning when trainable parameters cannot be captured per example.
         config: extra configuration recorded in the store's manifest.
     """
