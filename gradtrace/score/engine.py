@@ -162,11 +162,12 @@ class Attributor:
         blocks = range(0, num_train, self.block_rows)
         bar = _bar(blocks, progress, math.ceil(num_train / self.block_rows))
         stream = time.perf_counter()
+        buffer = _block_buffer(self.train, self.block_rows)
         for offset in bar:
             stop = min(num_train, offset + self.block_rows)
             scores = None
             for c, source in enumerate(self.train):
-                block = self.method.prepare_train(source.read(offset, stop, self.device).to(torch.float32), c)
+                block = self.method.prepare_train(_read_block(source, offset, stop, self.device, buffer), c)
                 part = prepared[c] @ block.t()
                 scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
             _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
@@ -235,6 +236,27 @@ class Attributor:
                 right = self.method.prepare_train(rows, c)
                 out[offset:stop] += weights[c] * (left * right).sum(1).cpu()
         return out
+
+
+def _block_buffer(sources: Sequence[Any], block_rows: int) -> Tensor | None:
+    """One float32 ``[block_rows, D]`` CPU buffer that gradient stores decode every streamed block into (a fresh
+    128 MiB tensor per block costs as much as the decoding), or None when no source is a store."""
+    from ..store import GradientStore
+
+    stores = [s for s in sources if isinstance(s, GradientStore)]
+    if not stores:
+        return None
+    return torch.empty(min(block_rows, max(len(s) for s in stores)), stores[0].dim, dtype=torch.float32)
+
+
+def _read_block(source: Any, start: int, stop: int, device: torch.device, buffer: Tensor | None) -> Tensor:
+    """Training rows ``start:stop`` as float32 ``[n, D]`` on ``device``. A gradient store decodes them into
+    ``buffer`` (the block is then valid until the next read: the loop only multiplies it)."""
+    from ..store import GradientStore
+
+    if buffer is None or not isinstance(source, GradientStore):
+        return source.read(start, stop, device).to(torch.float32)
+    return source.read(start, stop, out=buffer[:stop - start]).to(device)
 
 
 def _positive_int(value: Any, name: str, minimum: int) -> int:
