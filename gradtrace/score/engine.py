@@ -285,9 +285,10 @@ def _check_prepared(prepared: Tensor, query_ids: Sequence[str], method: str, che
 def _check_block(scores: Tensor, query_ids: Sequence[str], train_ids: Sequence[str], offset: int,
                  method: str) -> None:
     """Refuse a ``[Q, n]`` block of scores holding NaN/inf, naming the queries and training rows involved."""
-    finite = torch.isfinite(scores)
-    if bool(finite.all()):
+    low, high = torch.aminmax(scores)  # one pass, no [Q, n] mask; NaN propagates to both
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
         return
+    finite = torch.isfinite(scores)
     finite = finite.cpu()
     bad_queries, bad_rows = ~finite.all(dim=1), ~finite.all(dim=0)
     rows = bad_rows.nonzero().flatten()

@@ -99,3 +99,17 @@ def test_streaming_scores_with_the_reused_buffer_equal_plain_scores(store, block
         want = gradtrace.Attributor(method, plain, block_rows=block_rows).score(queries, topk=5, matrix=True)
         assert torch.equal(got.matrix, want.matrix)
         assert torch.equal(got.top[1], want.top[1]) and torch.equal(got.bottom[1], want.bottom[1])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("where", [(0, 0), (2, 22), (1, 13)])
+def test_the_streaming_check_finds_one_bad_score_anywhere(bad, where):
+    """The finiteness check of every streamed block (one min/max pass) sees a single NaN, +inf or -inf."""
+    from gradtrace.score.engine import ScoringError, _check_block
+
+    scores = torch.randn(3, 23, generator=torch.Generator().manual_seed(2))
+    _check_block(scores, ["a", "b", "c"], [f"r{i}" for i in range(30)], 7, "grad_dot")  # finite: no error
+    scores[where] = bad
+    with pytest.raises(ScoringError, match=rf"queries \['{'abc'[where[0]]}'\] against training rows "
+                                           rf"{7 + where[1]}\.\.{7 + where[1]} \(ids \['r{7 + where[1]}'\]\)"):
+        _check_block(scores, ["a", "b", "c"], [f"r{i}" for i in range(30)], 7, "grad_dot")
