@@ -393,20 +393,16 @@ class GradientStore:
             self._maps[shard.name] = (data, scale)
         return self._maps[shard.name]
 
-    def _decode(self, shard: Shard, rows: slice | Tensor, out: Tensor) -> Tensor:
+    def _decode(self, shard: Shard, rows: slice | np.ndarray, out: Tensor) -> Tensor:
         """Decode rows of one shard into ``out`` (float32 ``[n, dim]``, contiguous) and return it.
 
-        ``rows``: a slice (read straight from the mapping, no intermediate copy) or an int64 index tensor
-        (gathered in the stored dtype first). The raw values are converted into ``out`` in one pass and int8
+        ``rows``: a slice (read straight from the mapping, no intermediate copy) or an int64 index array
+        (gathered by numpy in the stored dtype first). The raw values are converted into ``out`` in one pass and int8
         rows are then scaled in place: ``out`` holds exactly ``float32(raw) * scale``, as a fresh decode would.
         """
         data, scale = self._arrays(shard)
-        if isinstance(rows, slice):
-            raw = torch.from_numpy(data[rows])
-            row_scale = None if scale is None else torch.from_numpy(scale[rows])
-        else:
-            raw = torch.from_numpy(data).index_select(0, rows)
-            row_scale = None if scale is None else torch.from_numpy(scale).index_select(0, rows)
+        raw = torch.from_numpy(data[rows])  # a slice: a view of the mapping; an index array: a gather
+        row_scale = None if scale is None else torch.from_numpy(scale[rows])
         out.copy_(raw.view(torch.bfloat16) if self.spec.dtype == "bfloat16" else raw)
         if row_scale is not None:
             out.mul_(row_scale.unsqueeze(1))
@@ -462,7 +458,7 @@ class GradientStore:
             shard, lo, hi = self.shards[int(k)], int(bounds[k]), int(bounds[k + 1])
             local = sorted_rows[lo:hi] - shard.start
             run = bool(np.all(np.diff(local) == 1))  # consecutive rows, no repeats: one slice
-            where = slice(int(local[0]), int(local[-1]) + 1) if run else torch.from_numpy(local)
+            where = slice(int(local[0]), int(local[-1]) + 1) if run else local
             self._decode(shard, where, target[lo:hi])
         if order is not None:
             out.index_copy_(0, torch.from_numpy(order), target)
