@@ -162,11 +162,12 @@ class Attributor:
         blocks = range(0, num_train, self.block_rows)
         bar = _bar(blocks, progress, math.ceil(num_train / self.block_rows))
         stream = time.perf_counter()
+        buffer = _block_buffer(self.train, self.block_rows)
         for offset in bar:
             stop = min(num_train, offset + self.block_rows)
             scores = None
             for c, source in enumerate(self.train):
-                block = self.method.prepare_train(source.read(offset, stop, self.device).to(torch.float32), c)
+                block = self.method.prepare_train(_read_block(source, offset, stop, self.device, buffer), c)
                 part = prepared[c] @ block.t()
                 scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
             _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
@@ -265,6 +266,27 @@ class Attributor:
         return out
 
 
+def _block_buffer(sources: Sequence[Any], block_rows: int) -> Tensor | None:
+    """One float32 ``[block_rows, D]`` CPU buffer that gradient stores decode every streamed block into (a fresh
+    128 MiB tensor per block costs as much as the decoding), or None when no source is a store."""
+    from ..store import GradientStore
+
+    stores = [s for s in sources if isinstance(s, GradientStore)]
+    if not stores:
+        return None
+    return torch.empty(min(block_rows, max(len(s) for s in stores)), stores[0].dim, dtype=torch.float32)
+
+
+def _read_block(source: Any, start: int, stop: int, device: torch.device, buffer: Tensor | None) -> Tensor:
+    """Training rows ``start:stop`` as float32 ``[n, D]`` on ``device``. A gradient store decodes them into
+    ``buffer`` (the block is then valid until the next read: the loop only multiplies it)."""
+    from ..store import GradientStore
+
+    if buffer is None or not isinstance(source, GradientStore):
+        return source.read(start, stop, device).to(torch.float32)
+    return source.read(start, stop, out=buffer[:stop - start]).to(device)
+
+
 def _positive_int(value: Any, name: str, minimum: int) -> int:
     """``value`` if it is an integer ``>= minimum``, else a ValueError naming the argument."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -291,9 +313,10 @@ def _check_prepared(prepared: Tensor, query_ids: Sequence[str], method: str, che
 def _check_block(scores: Tensor, query_ids: Sequence[str], train_ids: Sequence[str], offset: int,
                  method: str) -> None:
     """Refuse a ``[Q, n]`` block of scores holding NaN/inf, naming the queries and training rows involved."""
-    finite = torch.isfinite(scores)
-    if bool(finite.all()):
+    low, high = torch.aminmax(scores)  # one pass, no [Q, n] mask; NaN propagates to both
+    if bool(torch.isfinite(low)) and bool(torch.isfinite(high)):
         return
+    finite = torch.isfinite(scores)
     finite = finite.cpu()
     bad_queries, bad_rows = ~finite.all(dim=1), ~finite.all(dim=0)
     rows = bad_rows.nonzero().flatten()

@@ -375,6 +375,9 @@ class GradientStore:
         return [v for s in self.shards for v in s.record.get("fields", {}).get(name, [None] * s.rows)]
 
     def _arrays(self, shard: Shard) -> tuple[np.ndarray, np.ndarray | None]:
+        """The shard's raw ``[rows, dim]`` data and (int8) ``[rows]`` scales, memory-mapped copy-on-write: the
+        mapping is never written (reads decode into fresh or caller-given tensors), ``"c"`` only lets torch view
+        it without a copy."""
         if shard.name not in self._maps:
             np_dtype = DTYPES[self.spec.dtype][0]
             if shard.rows * self.spec.dim == 0:  # an empty file cannot be memory-mapped
@@ -382,55 +385,99 @@ class GradientStore:
                 self._maps[shard.name] = (empty, np.zeros(shard.rows, dtype=np.float32))
                 return self._maps[shard.name]
             data = np.memmap(self.root / "shards" / shard.record["files"]["data"]["name"], dtype=np_dtype,
-                             mode="r", shape=(shard.rows, self.spec.dim))
+                             mode="c", shape=(shard.rows, self.spec.dim))
             scale = None
             if self.spec.dtype == "int8":
                 scale = np.memmap(self.root / "shards" / shard.record["files"]["scale"]["name"], dtype=np.float32,
-                                  mode="r", shape=(shard.rows,))
+                                  mode="c", shape=(shard.rows,))
             self._maps[shard.name] = (data, scale)
         return self._maps[shard.name]
 
-    def _decode(self, shard: Shard, rows: slice | np.ndarray) -> Tensor:
-        """Rows of one shard (a slice or an index array) as float32 ``[n, dim]``."""
-        data, scale = self._arrays(shard)
-        block = torch.from_numpy(np.array(data[rows]))
-        if self.spec.dtype == "bfloat16":
-            return block.view(torch.bfloat16).to(torch.float32)
-        if self.spec.dtype == "int8":
-            return block.to(torch.float32) * torch.from_numpy(np.array(scale[rows])).unsqueeze(1)
-        return block
+    def _decode(self, shard: Shard, rows: slice | np.ndarray, out: Tensor) -> Tensor:
+        """Decode rows of one shard into ``out`` (float32 ``[n, dim]``, contiguous) and return it.
 
-    def read(self, start: int, stop: int, device: torch.device | str | None = None) -> Tensor:
-        """Rows ``start:stop`` as a float32 ``[n, dim]`` tensor."""
+        ``rows``: a slice (read straight from the mapping, no intermediate copy) or an int64 index array
+        (gathered by numpy in the stored dtype first). The raw values are converted into ``out`` in one pass and int8
+        rows are then scaled in place: ``out`` holds exactly ``float32(raw) * scale``, as a fresh decode would.
+        """
+        data, scale = self._arrays(shard)
+        raw = torch.from_numpy(data[rows])  # a slice: a view of the mapping; an index array: a gather
+        row_scale = None if scale is None else torch.from_numpy(scale[rows])
+        out.copy_(raw.view(torch.bfloat16) if self.spec.dtype == "bfloat16" else raw)
+        if row_scale is not None:
+            out.mul_(row_scale.unsqueeze(1))
+        return out
+
+    def _output(self, rows: int, out: Tensor | None) -> Tensor:
+        """``out`` checked to take ``rows`` decoded rows, or a fresh float32 ``[rows, dim]`` tensor."""
+        if out is None:
+            return torch.empty(rows, self.dim, dtype=torch.float32)
+        if out.dtype != torch.float32 or out.device.type != "cpu" or tuple(out.shape) != (rows, self.dim) \
+                or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous float32 CPU tensor of shape ({rows}, {self.dim}) for "
+                             f"{rows} rows of store {self.root}, got {out.dtype} {tuple(out.shape)} on "
+                             f"{out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")
+        return out
+
+    def read(self, start: int, stop: int, device: torch.device | str | None = None, *,
+             out: Tensor | None = None) -> Tensor:
+        """Rows ``start:stop`` as a float32 ``[n, dim]`` tensor.
+
+        ``out``: a contiguous float32 CPU ``[n, dim]`` tensor (``n`` rows after clipping to the store) to decode
+        into instead of a fresh tensor, e.g. one buffer reused for every block of a scan; it is returned (moved
+        to ``device`` when one is given).
+        """
         start, stop = max(0, start), min(len(self), stop)
-        parts = []
+        out = self._output(max(0, stop - start), out)
         for shard in self.shards:
             lo, hi = max(start, shard.start), min(stop, shard.start + shard.rows)
             if lo < hi:
-                parts.append(self._decode(shard, slice(lo - shard.start, hi - shard.start)))
-        out = torch.cat(parts) if parts else torch.zeros(0, self.dim)
+                self._decode(shard, slice(lo - shard.start, hi - shard.start), out[lo - start:hi - start])
         return out.to(device) if device is not None else out
 
-    def rows(self, index: Sequence[int], device: torch.device | str | None = None) -> Tensor:
-        """The rows at ``index`` (any order, repeats allowed) as float32 ``[len(index), dim]``."""
+    def rows(self, index: Sequence[int], device: torch.device | str | None = None, *,
+             out: Tensor | None = None) -> Tensor:
+        """The rows at ``index`` (any order, repeats allowed) as float32 ``[len(index), dim]`` (``out``: decode
+        into that tensor, as in :meth:`read`).
+
+        Rows are read in sorted order, one gather per shard (a run of consecutive rows is one slice); an
+        unsorted ``index`` costs one more copy to put the rows in its order.
+        """
         rows = np.asarray(index, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
             bad = int(rows[(rows < 0) | (rows >= len(self))][0])
             raise IndexError(f"row {bad} is out of range for store {self.root} with {len(self)} rows")
-        out = torch.empty(len(rows), self.dim)
-        starts = np.array([s.start for s in self.shards], dtype=np.int64)
-        which = np.searchsorted(starts, rows, side="right") - 1
-        for k in np.unique(which):
-            shard = self.shards[int(k)]
-            positions = np.nonzero(which == k)[0]
-            out[torch.from_numpy(positions)] = self._decode(shard, rows[positions] - shard.start)
+        out = self._output(len(rows), out)
+        ordered = bool(np.all(rows[1:] >= rows[:-1]))
+        order = None if ordered else np.argsort(rows, kind="stable")
+        sorted_rows = rows if order is None else rows[order]
+        target = out if order is None else torch.empty_like(out)
+        starts = np.array([s.start for s in self.shards] + [len(self)], dtype=np.int64)
+        bounds = np.searchsorted(sorted_rows, starts, side="left")  # sorted_rows[bounds[k]:bounds[k + 1]]: shard k
+        for k in np.nonzero(bounds[1:] > bounds[:-1])[0]:
+            shard, lo, hi = self.shards[int(k)], int(bounds[k]), int(bounds[k + 1])
+            local = sorted_rows[lo:hi] - shard.start
+            run = bool(np.all(np.diff(local) == 1))  # consecutive rows, no repeats: one slice
+            where = slice(int(local[0]), int(local[-1]) + 1) if run else local
+            self._decode(shard, where, target[lo:hi])
+        if order is not None:
+            out.index_copy_(0, torch.from_numpy(order), target)
         return out.to(device) if device is not None else out
 
-    def iter_blocks(self, block_rows: int = 8192, device: torch.device | str | None = None
-                    ) -> Iterator[tuple[int, Tensor]]:
-        """``(first row, [n, dim] float32)`` blocks of at most ``block_rows`` rows, in row order."""
+    def iter_blocks(self, block_rows: int = 8192, device: torch.device | str | None = None, *,
+                    reuse: bool = False) -> Iterator[tuple[int, Tensor]]:
+        """``(first row, [n, dim] float32)`` blocks of at most ``block_rows`` rows, in row order.
+
+        ``reuse=True`` decodes every block into one buffer (no fresh allocation per block): a block is then only
+        valid until the next one is read; keep a copy of anything needed later.
+        """
+        buffer = torch.empty(min(block_rows, len(self)), self.dim) if reuse else None
         for start in range(0, len(self), block_rows):
-            yield start, self.read(start, start + block_rows, device)
+            n = min(block_rows, len(self) - start)
+            if buffer is None:
+                yield start, self.read(start, start + n, device)
+            else:
+                yield start, self.read(start, start + n, device, out=buffer[:n])
 
     def info(self) -> dict[str, Any]:
         """A summary for ``gradtrace inspect``."""
