@@ -148,10 +148,17 @@ def _float_list(values: Any, where: str) -> list[float]:
     return [float(v) for v in values]
 
 
-def _check_sum(parts: list[float], total: float, where: str) -> None:
-    """Parts of an exact decomposition sum to the pair's score up to float32 summation error."""
+def _check_sum(parts: list[float], total: float, where: str, allowed: Any = None) -> None:
+    """Parts of an exact decomposition sum to the pair's score up to float32 summation error, or up to the
+    round-off bound ``allowed`` that the code which computed them recorded (``*_tolerance``: the parts and the
+    score came from different float32 computations)."""
     magnitude = sum(abs(p) for p in parts) + abs(total)
-    if abs(sum(parts) - total) > 4 * FLOAT32_EPS * max(len(parts), 1) * magnitude + 1e-30:
+    bound = 4 * FLOAT32_EPS * max(len(parts), 1) * magnitude + 1e-30
+    if allowed is not None:
+        if not isinstance(allowed, (int, float)) or not math.isfinite(allowed) or allowed < 0:
+            raise ReportError(f"{where}: the recorded tolerance {allowed!r} is not a non-negative number")
+        bound = max(bound, float(allowed))
+    if abs(sum(parts) - total) > bound:
         raise ReportError(f"{where} sum to {sum(parts):.6g}, not the pair's score {total:.6g}; the attribution "
                           "belongs to other scores")
 
@@ -173,13 +180,13 @@ def pair_attributions(meta: Mapping[str, Any]) -> tuple[dict[tuple[str, str], di
     return out[0], out[1]
 
 
-def _heat(tokens: Any, scores: Any, total: float, where: str, max_tokens: int) -> Heat:
+def _heat(tokens: Any, scores: Any, total: float, where: str, max_tokens: int, allowed: Any = None) -> Heat:
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ReportError(f"{where}: tokens must be a list of strings")
     values = _float_list(scores, f"{where} scores")
     if len(values) != len(tokens):
         raise ReportError(f"{where}: {len(tokens)} tokens but {len(values)} scores")
-    _check_sum(values, total, f"{where} scores")
+    _check_sum(values, total, f"{where} scores", allowed)
     scale = max((abs(v) for v in values), default=0.0) or 1.0
     levels = [max(-HEAT_LEVELS, min(HEAT_LEVELS, round(v / scale * HEAT_LEVELS))) for v in values]
     return Heat(list(zip(tokens[:max_tokens], levels[:max_tokens], values[:max_tokens])),
@@ -215,10 +222,10 @@ def _rows(query_id: str, ids: list[str], values: list[float], scale: float, text
         if entry is not None:
             if entry.get("train_tokens") is not None:
                 row.train_heat = _heat(entry["train_tokens"], entry.get("train_scores"), value,
-                                       f"{where} (training side)", max_chars)
+                                       f"{where} (training side)", max_chars, entry.get("train_tolerance"))
             if entry.get("query_tokens") is not None:
                 row.query_heat = _heat(entry["query_tokens"], entry.get("query_scores"), value,
-                                       f"{where} (query side)", max_chars)
+                                       f"{where} (query side)", max_chars, entry.get("query_tolerance"))
         entry = modules.get((query_id, tid))
         if entry is not None:
             row.modules, row.modules_more = _modules(entry, value,

@@ -16,6 +16,7 @@ matrix product per parameter block over the distinct training rows involved.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -117,11 +118,39 @@ def sum_tolerance(parts: Tensor, total: Tensor) -> Tensor:
     return 4 * eps * max(parts.shape[1], 1) * (parts.abs().sum(1) + total.abs())
 
 
+def map_condition(method: Any) -> float:
+    """How much a method's query map can amplify float32 round-off: the largest condition number
+    ``(max eig + damping) / (min eig + damping)`` of its damped curvature blocks for influence methods, 1 for
+    methods whose map only scales (or leaves) the query."""
+    active = getattr(method, "active", None)
+    if not callable(active):
+        return 1.0
+    curvature = active()
+    worst = 1.0
+    for name, eig in curvature.blocks.items():
+        lam = curvature.block_damping(name)
+        low = float(eig.eigenvalues.min()) + lam
+        worst = max(worst, (float(eig.eigenvalues.max()) + lam) / low if low > 0 else float("inf"))
+    return worst
+
+
+def decomposition_tolerance(shares: Tensor, totals: Tensor, dim: int, condition: float) -> Tensor:
+    """``[P]`` how far per-token shares ``[P, T]`` may sum from their pairs' scores ``[P]`` in float32: the
+    summation bound (:func:`sum_tolerance`) plus the round-off of the two ways the parts and the total were
+    computed -- dot products over ``dim`` values (``sqrt(dim) * eps``, Higham's probabilistic bound), and for a
+    preconditioned query the map applied to the query for the total but to the training row for the parts
+    (amplified by the map's ``condition`` number)."""
+    eps = torch.finfo(torch.float32).eps
+    magnitude = shares.abs().sum(1) + totals.abs()
+    return sum_tolerance(shares, totals) + 4 * eps * condition * math.sqrt(max(dim, 1)) * magnitude
+
+
 def _check_decomposition(side: str, shares: Tensor, totals: Tensor, pairs: PairRows, scores: Scores,
-                         hint: str) -> None:
-    """Refuse per-token shares ``[P, T]`` that do not sum to the pairs' scores ``[P]``, naming the first pair."""
+                         hint: str, allowed: Tensor) -> None:
+    """Refuse per-token shares ``[P, T]`` that do not sum to the pairs' scores ``[P]`` within ``allowed``
+    (``[P]``, :func:`decomposition_tolerance`), naming the first pair."""
     gap = (shares.double().sum(1) - totals.double()).abs()
-    bad = gap > sum_tolerance(shares.double(), totals.double())
+    bad = gap > allowed
     if bool(bad.any()):
         p = int(bad.nonzero()[0])
         raise ValueError(f"{side} token shares of query {scores.query_ids[int(pairs.queries[p])]!r} and training "
@@ -207,6 +236,7 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
     raw_queries = query_set.read(0, len(query_set)).to(torch.float32)[_query_positions(query_set.ids, scores)]
     prepared = method.prepare_queries(raw_queries)  # [Q, D]
     normalizes = bool(getattr(type(method), "normalizes", False))
+    condition = map_condition(method)
     out: dict[tuple[str, str], dict[str, Tensor]] = {
         (scores.query_ids[q], scores.train_ids[t]): {} for q, t in zip(pairs.queries.tolist(), pairs.train.tolist())}
     if query_side:
@@ -217,11 +247,13 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
         if normalizes:
             shares = shares / raw_queries.norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
         per_pair = shares[pairs.queries, :, inverse]  # [P, T_q]
+        allowed = decomposition_tolerance(per_pair.double(), totals.double(), attributor.spec.dim, condition)
         _check_decomposition("query-side", per_pair, totals, pairs, scores,
                              f"{method.name}'s query map is not linear and symmetric, or these are not the query "
-                             "gradients the scores came from")
-        for key, row in zip(out, per_pair):
+                             "gradients the scores came from", allowed)
+        for key, row, tol in zip(out, per_pair, allowed.tolist()):
             out[key]["query"] = row
+            out[key]["query_tolerance"] = tol
     if train_tokens is not None:
         source.spec.check_compatible(train_tokens.spec, "token-level training gradients vs the training gradients")
         ids = [scores.train_ids[t] for t in unique.tolist()]
@@ -232,11 +264,13 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
         nonzero = plain != 0
         factor = torch.where(nonzero, scaled / plain.where(nonzero, torch.ones_like(plain)), torch.zeros_like(plain))
         per_pair = shares[inverse, :, pairs.queries] * factor[inverse, pairs.queries].unsqueeze(1)  # [P, T_i]
+        allowed = decomposition_tolerance(per_pair.double(), totals.double(), attributor.spec.dim, 1.0)
         _check_decomposition("training-side", per_pair, totals, pairs, scores,
                              "the re-captured gradient does not reproduce the stored one (other weights, data "
-                             "options, or a bf16/int8 store)")
-        for key, row in zip(out, per_pair):
+                             "options, or a bf16/int8 store)", allowed)
+        for key, row, tol in zip(out, per_pair, allowed.tolist()):
             out[key]["train"] = row
+            out[key]["train_tolerance"] = tol
     return out
 
 
@@ -263,6 +297,8 @@ def token_records(shares: dict[tuple[str, str], dict[str, Tensor]],
         for side, ident in (("query", qid), ("train", tid)):
             if side not in sides:
                 continue
+            if f"{side}_tolerance" in sides:  # how far the shares may sum from the score (float32 round-off)
+                record[f"{side}_tolerance"] = float(sides[f"{side}_tolerance"])
             values = sides[side]
             if tokens is not None:
                 if ident not in tokens:

@@ -134,7 +134,7 @@ class Scores:
         score (``gradtrace score --tokens`` or :meth:`Attributor.token_attributions`)."""
         record = self._pair_record("tokens", query, train_id, "gradtrace score --tokens or "
                                    "Attributor.token_attributions(queries, scores, ...)")
-        return {key: list(value) for key, value in record.items() if key not in ("query_id", "train_id")}
+        return {key: list(value) for key, value in record.items() if key.endswith(("_tokens", "_scores"))}
 
     # -- exports -----------------------------------------------------------------------------------
     def to_records(self, k: int | None = 10, largest: bool = True) -> list[dict[str, Any]]:
