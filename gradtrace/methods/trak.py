@@ -40,8 +40,10 @@ def correct_class_complement(model: torch.nn.Module, data: Any, loss_fn: Any, id
                              id_key: str = "id") -> Tensor:
     """``[N]``: ``1 - p_i`` of every training example in the order of ``ids`` (the store's), from one forward pass.
 
-    ``p_i = exp(-loss_i)`` for the per-example cross-entropy ``loss_fn``; ``1 - p`` is computed as ``-expm1(-loss)``
-    (exact for confident examples). Batches that carry ids (``batch[id_key]``) are matched by id; otherwise the
+    ``p_i = exp(-loss_i)`` for the per-example cross-entropy ``loss_fn``; ``1 - p`` is computed as ``-expm1(-loss)``,
+    so it keeps the loss's relative precision. A float32 loss cannot resolve ``1 - p`` below about ``|logit| *
+    eps32`` (~1e-6): such confident examples get 0 there (and drop out of the kernel) unless the forward runs in
+    float64. Batches that carry ids (``batch[id_key]``) are matched by id; otherwise the
     data must hold exactly the store's examples, in its order.
     """
     was_training = model.training

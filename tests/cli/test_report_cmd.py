@@ -135,4 +135,5 @@ def test_self_influence_of_an_influence_method_uses_the_recorded_curvature(ws, r
     assert "(logra)" in part
     assert _tids(part) == [ids[i] for i in torch.argsort(expected, descending=True)[:4].tolist()]
     undamped = gradtrace.Attributor("logra", store, curvature=curvature).self_scores()
-    assert not torch.allclose(undamped, expected)  # the recorded damping mattered
+    # the recorded damping mattered: 0.5 against the default 0.1 moves self-influence far beyond float32 round-off
+    assert float((undamped - expected).abs().max()) > 1e-2 * float(expected.abs().max())

@@ -141,8 +141,9 @@ def test_self_scores():
     # two summation orders of a few thousand positive float32 terms: relative error well under 1e-4
     torch.testing.assert_close(gradtrace.Attributor("grad_dot", train).self_scores(), train.vectors.pow(2).sum(1),
                                rtol=1e-4, atol=0)
+    # a float32 cosine of a row with itself over D values: a few sqrt(D) eps (~1e-5 here); 1e-4 leaves margin
     torch.testing.assert_close(gradtrace.Attributor("grad_cos", train).self_scores(), torch.ones(3),
-                               rtol=1e-5, atol=1e-5)
+                               rtol=1e-4, atol=0)
 
 
 def test_bad_input(tmp_path):
