@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .grad.batch import GradBatch
 from .grad.ops import concat
-from .store.spec import GradientSpec, IdCollision
+from .store.spec import GradientSpec, first_occurrences
 from .store.writer import batch_digests
 
 __all__ = ["GradientSet", "GradientSource", "as_source"]
@@ -83,19 +83,14 @@ class GradientSet:
             if batch.nonfinite is not None:
                 finite = ~batch.nonfinite.cpu()
             digests = batch_digests(batch)
-            index = []
-            for i in finite.nonzero().flatten().tolist():
-                ident, digest = batch.ids[i], None if digests is None else digests[i]
-                if ident not in seen:
-                    seen[ident] = digest
-                    index.append(i)
-                    continue
-                known = seen[ident]
-                if digest is not None and known is not None and digest != known:
-                    raise IdCollision(f"id {ident!r} names two different examples (content digests {known} and "
-                                      f"{digest}, the second in backward pass {batch.step}): give every example "
-                                      "its own id")
-                repeats += 1
+            rows = finite.nonzero().flatten().tolist()
+            keep, new, repeated = first_occurrences(
+                [batch.ids[i] for i in rows], None if digests is None else [digests[i] for i in rows],
+                lambda ident: (ident in seen, seen.get(ident)),
+                lambda ident, step=batch.step: f"kept before backward pass {step}")
+            index = [rows[k] for k in keep]
+            seen.update(new)
+            repeats += len(repeated)
             flat = batch.flat()
             vectors.append(flat[torch.tensor(index, dtype=torch.long, device=flat.device)].cpu())
             ids += [batch.ids[i] for i in index]

@@ -9,13 +9,14 @@ specs agree and names the field that does not.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "model_fingerprint"]
+__all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "first_occurrences", "model_fingerprint"]
 
 
 class SpecMismatch(ValueError):
@@ -25,6 +26,39 @@ class SpecMismatch(ValueError):
 class IdCollision(ValueError):
     """Two different examples (different content digests) were given the same id, or ids of different types
     (``1`` and ``"1"``) that would become the same string."""
+
+
+def first_occurrences(ids: Sequence[str], digests: Sequence[str | None] | None,
+                      known: Callable[[str], tuple[bool, str | None]], where: Callable[[str], str]
+                      ) -> tuple[list[int], dict[str, str | None], list[str]]:
+    """The one rule by which stores and in-memory gradient sets keep each id once.
+
+    ``ids``/``digests``: the rows offered (``digests``: each row's content digest, None where unknown);
+    ``known(id) -> (kept before, its digest)``; ``where(id)``: where the kept row came from, for the error.
+    Returns the positions of the rows to keep (first occurrence of an id not kept before), ``{id: digest}`` of
+    those rows, and the ids of the rows that were repeats (same id, same digest or no digest on either side). An id
+    offered with another digest than the kept one raises :class:`IdCollision` before anything is returned.
+    """
+    if digests is not None and len(digests) != len(ids):
+        raise ValueError(f"{len(digests)} digests for {len(ids)} ids")
+    keep: list[int] = []
+    new: dict[str, str | None] = {}
+    repeats: list[str] = []
+    for pos, ident in enumerate(ids):
+        digest = digests[pos] if digests is not None else None
+        if ident in new:
+            seen, other, origin = True, new[ident], "offered earlier"
+        else:
+            (seen, other), origin = known(ident), None
+        if not seen:
+            new[ident] = digest
+            keep.append(pos)
+            continue
+        if digest is not None and other is not None and digest != other:
+            raise IdCollision(f"id {ident!r} names two different examples (content digests {other} and {digest}; "
+                              f"the first {origin or where(ident)}): give every example its own id")
+        repeats.append(ident)
+    return keep, new, repeats
 
 
 def model_fingerprint(model: nn.Module) -> dict[str, str]:

@@ -50,7 +50,7 @@ from .layout import (
     shard_name,
 )
 from .reader import scan_shards
-from .spec import GradientSpec, IdCollision, SpecMismatch, model_fingerprint
+from .spec import GradientSpec, SpecMismatch, first_occurrences, model_fingerprint
 
 __all__ = ["DEFAULT_MAX_SHARD_ROWS", "DEFAULT_SHARD_BYTES", "ShardWriter", "StoreWriteError", "StoreWriter",
            "batch_digests", "dist_rank", "row_bytes", "rows_per_shard"]
@@ -420,21 +420,12 @@ class ShardWriter:
 
         ``digests``: content digest of each row (None where unknown). An id seen before with another digest
         raises :class:`IdCollision` (nothing of this call is taken as stored then)."""
-        if digests is not None and len(digests) != len(ids):
-            raise ValueError(f"{len(digests)} digests for {len(ids)} ids")
-        keep, new = [], {}
-        for pos, ident in enumerate(ids):
-            digest = digests[pos] if digests is not None else None
-            if ident in self.stored_ids or ident in new:
-                known = new[ident] if ident in new else self._digests.get(ident)
-                if digest is not None and known is not None and digest != known:
-                    where = "stored in" if ident in self._resumed_ids else "written earlier in this run to"
-                    raise IdCollision(f"id {ident!r} names two different examples (content digests {known} and "
-                                      f"{digest}; the first {where} {self.root}): give every example its own id")
-                self.skipped["already_stored" if ident in self._resumed_ids else "duplicate"] += 1
-            else:
-                new[ident] = digest
-                keep.append(pos)
+        keep, new, repeats = first_occurrences(
+            ids, digests, lambda ident: (ident in self.stored_ids, self._digests.get(ident)),
+            lambda ident: f"{'stored in' if ident in self._resumed_ids else 'written earlier in this run to'} "
+                          f"{self.root}")
+        for ident in repeats:
+            self.skipped["already_stored" if ident in self._resumed_ids else "duplicate"] += 1
         self.stored_ids.update(new)
         self._digests.update((i, d) for i, d in new.items() if d is not None)
         return keep
