@@ -469,7 +469,7 @@ class ShardWriter:
                 for ident in bad:
                     self._digests.pop(ident, None)
             self.note_nonfinite(bad)
-        positions = [p for p in range(len(ids)) if bool(finite[p])]
+        positions = finite.nonzero().flatten().tolist()  # one pass, not a tensor read per row
         row_digests = fields.get("digest")
         keep = positions if selected else [positions[k] for k in self.select_new(
             [ids[p] for p in positions], None if row_digests is None else [row_digests[p] for p in positions])]
