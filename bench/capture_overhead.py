@@ -8,7 +8,7 @@ For a random-init GPT-2 (default: 4 layers, width 256, 128 tokens, batch 16, GPT
 * ``logra32`` -- capture with ``LoGra(rank=32)``
 
 Captured batches are handed to a callback that drops them (as a store writer would consume them), so the
-numbers include building each ``GradBatch``. Time per step is measured in one process with the modes taking
+numbers include building each ``GradientBatch``. Time per step is measured in one process with the modes taking
 turns step by step (so machine drift hits all modes alike); peak memory is measured with each mode in a
 process of its own. Usage::
 

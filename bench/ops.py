@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from gradtrace.grad.batch import ParamGrad
+from gradtrace.grad.batch import ParamGradient
 from gradtrace.grad.cost import CostModel, MachineProfile, TermShape
 from gradtrace.grad.ops import param_inner
 from gradtrace.grad.terms import DenseTerm, OuterTerm
@@ -56,7 +56,7 @@ def main() -> None:
     shapes = [(16, 512, 512), (128, 512, 512), (64, 1024, 4096), (512, 256, 256)]
     for tokens, d_in, d_out in shapes:
         term = OuterTerm(torch.randn(e, tokens, d_out), torch.randn(e, tokens, d_in), d_out, d_in)
-        pg = ParamGrad("w", (d_out, d_in), [term])
+        pg = ParamGradient("w", (d_out, d_in), [term])
         shape = TermShape.of(term)
         costs = model.param_inner_costs([shape], [shape])
         label = f"T={tokens} {d_in}->{d_out}"
@@ -66,8 +66,8 @@ def main() -> None:
             print(f"{label:<28}{route:<13}{seconds:>10.4f}{e * e / seconds:>12.3g}{flops / seconds / 1e9:>10.1f}"
                   f"{flops / seconds / peak:>9.0%}")
     for k in (4096, 65536):
-        pg = ParamGrad("p", (k,), [DenseTerm(torch.randn(e, k))])
-        queries = ParamGrad("p", (k,), [DenseTerm(torch.randn(16, k))])
+        pg = ParamGradient("p", (k,), [DenseTerm(torch.randn(e, k))])
+        queries = ParamGradient("p", (k,), [DenseTerm(torch.randn(16, k))])
         seconds = _time(lambda pg=pg, queries=queries: param_inner(queries, pg, route="materialize"), args.reps)
         flops = 2.0 * 16 * e * k
         print(f"{f'projected k={k} (16 x E)':<28}{'matmul':<13}{seconds:>10.4f}{16 * e / seconds:>12.3g}"

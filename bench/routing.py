@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from gradtrace.grad.batch import ParamGrad
+from gradtrace.grad.batch import ParamGradient
 from gradtrace.grad.cost import CostModel, MachineProfile, TermShape
 from gradtrace.grad.ghost import DEFAULT_MAX_BYTES
 from gradtrace.grad.ops import param_inner, param_sq_norms
@@ -36,13 +36,13 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def _case(examples: int, tokens: int, d_in: int, d_out: int, vocab: int | None) -> ParamGrad:
+def _case(examples: int, tokens: int, d_in: int, d_out: int, vocab: int | None) -> ParamGradient:
     if vocab is not None:  # an embedding: one-hot rows given by ids
         rows = torch.randint(0, vocab, (examples, tokens))
         term = OuterTerm(rows, torch.randn(examples, tokens, d_out), vocab, d_out)
-        return ParamGrad("emb.weight", (vocab, d_out), [term])
+        return ParamGradient("emb.weight", (vocab, d_out), [term])
     term = OuterTerm(torch.randn(examples, tokens, d_out), torch.randn(examples, tokens, d_in), d_out, d_in)
-    return ParamGrad("lin.weight", (d_out, d_in), [term])
+    return ParamGradient("lin.weight", (d_out, d_in), [term])
 
 
 def main() -> None:

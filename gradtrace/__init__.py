@@ -9,21 +9,26 @@ Sign convention everywhere: a positive score means the training example helps th
 
 from .capture import Capture, CaptureCallback, CaptureReport, capture
 from .collect import collect
-from .grad import GradBatch, LoGra, LossConvention, ParamGrad
+from .grad import GradientBatch, LossConvention, ParamGradient
 from .gradients import GradientSet
 from .methods import available_methods
 from .methods.dvemb import data_value_embeddings
 from .methods.less import less_features, less_query_features
 from .plan import Plan, plan
+from .projection import LoGra
 from .score import Attributor, Scores
 from .store import GradientSpec, GradientStore, StoreWriter
 from .train import TrajectoryWriter
 
 __version__ = "0.1.0"
 
+# The names before the architecture step (issue #16); kept so that existing code keeps working.
+GradBatch = GradientBatch
+ParamGrad = ParamGradient
+
 __all__ = [
-    "capture", "Capture", "CaptureCallback", "CaptureReport", "collect", "GradBatch", "ParamGrad", "LoGra",
+    "capture", "Capture", "CaptureCallback", "CaptureReport", "collect", "GradientBatch", "ParamGradient", "LoGra",
     "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
     "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
-    "plan", "Plan", "__version__",
+    "plan", "Plan", "__version__", "GradBatch", "ParamGrad",
 ]

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from .capture import capture
-from .grad.projection import LoGra
 from .gradients import GradientSet
 from .losses import default_loss, default_loss_labels
+from .projection.logra import LoGra
 from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
 
 __all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",

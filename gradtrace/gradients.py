@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .grad.batch import GradBatch
+from .grad.batch import GradientBatch
 from .grad.ops import concat
 from .store.spec import GradientSpec, first_occurrences
 from .store.writer import batch_digests
@@ -42,7 +42,7 @@ class GradientSet:
     """Per-example gradient vectors in memory.
 
     vectors: ``[N, dim]`` float32; ids: one per row; spec: their :class:`GradientSpec`.
-    batches: the :class:`GradBatch` es they came from, when kept (per-token scores need them).
+    batches: the :class:`GradientBatch` es they came from, when kept (per-token scores need them).
     fields: per-row metadata (e.g. ``step``).
     skipped: what :meth:`from_batches` left out: ``{"nonfinite": [ids], "duplicate": count}``.
     """
@@ -50,7 +50,7 @@ class GradientSet:
     vectors: Tensor
     ids: list[str]
     spec: GradientSpec
-    batches: list[GradBatch] | None = None
+    batches: list[GradientBatch] | None = None
     fields: dict[str, list[Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -60,7 +60,7 @@ class GradientSet:
             raise ValueError(f"vectors have dim {self.vectors.shape[1]}, the spec says {self.spec.dim}")
 
     @classmethod
-    def from_batches(cls, batches: Sequence[GradBatch], model_fingerprint: dict[str, str] | None = None,
+    def from_batches(cls, batches: Sequence[GradientBatch], model_fingerprint: dict[str, str] | None = None,
                      keep_batches: bool = False) -> GradientSet:
         """Flatten captured batches, as a store would hold them.
 
@@ -134,7 +134,7 @@ class GradientSet:
     def field(self, name: str) -> list[Any]:
         return self.fields.get(name, [None] * len(self))
 
-    def token_batch(self) -> GradBatch:
+    def token_batch(self) -> GradientBatch:
         """All kept batches joined (for per-token scores); raises when they were not kept."""
         if not self.batches:
             raise ValueError("per-token scores need the captured batches: collect(..., keep_tokens=True)")
@@ -163,11 +163,11 @@ def as_source(value: Any) -> Any:
 
     if isinstance(value, (str, Path)):
         return GradientStore.open(value)
-    if isinstance(value, GradBatch):
+    if isinstance(value, GradientBatch):
         return GradientSet.from_batches([value], keep_batches=True)
-    if isinstance(value, (list, tuple)) and value and all(isinstance(v, GradBatch) for v in value):
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, GradientBatch) for v in value):
         return GradientSet.from_batches(list(value), keep_batches=True)
     if hasattr(value, "iter_blocks") and hasattr(value, "spec"):
         return value
-    raise TypeError("expected a gradient store, a store path, a GradientSet or GradBatches, got "
+    raise TypeError("expected a gradient store, a store path, a GradientSet or GradientBatches, got "
                     f"{type(value).__name__}")

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .grad.projection import LoGra
+from .projection.logra import LoGra
 from .store.writer import row_bytes
 
 __all__ = ["Plan", "plan", "RECORD_BYTES_PER_ROW"]

@@ -1,4 +1,4 @@
-"""Assemble the per-site results of one backward pass into a :class:`GradBatch`.
+"""Assemble the per-site results of one backward pass into a :class:`GradientBatch`.
 
 Each use of a captured module in a forward call (a *site*) yields per-row terms ``[B, T, ...]``.
 Here they are mapped to examples (packed rows split into documents), joined per parameter --

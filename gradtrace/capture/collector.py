@@ -11,7 +11,7 @@ How it works, in one pass of a loop:
 3. When the output-gradient arrives, the layer handler turns it into per-example gradient terms
    (loss scale removed).
 4. An autograd-engine callback fires when the backward pass is complete; the terms are assembled
-   into a :class:`GradBatch`, kept in ``capture.batches`` and/or handed to callbacks.
+   into a :class:`GradientBatch`, kept in ``capture.batches`` and/or handed to callbacks.
 
 Nothing in the user's model is replaced or wrapped; on exit every hook is removed.
 """
@@ -29,14 +29,14 @@ import torch
 from torch import Tensor, nn
 
 from ..data.ids import ContentIds
-from ..grad.batch import GradBatch, LossConvention, ParamGrad
-from ..grad.projection import LoGra, Projector, check_projection_size, unmatched_ranks
+from ..grad.batch import GradientBatch, LossConvention, ParamGradient
+from ..projection.logra import LoGra, Projector, check_projection_size, unmatched_ranks
 from ..store.spec import IdCollision
 from .assemble import SiteResult, join_terms, nonfinite_examples, outside_examples, term_tensors, zero_outside
 from .context import BatchInfo, ContextSettings, ForwardContext
+from .layer_selection import LayerSpec, select_layers, unwrap
 from .layers import LayerHandler
 from .report import CaptureReport
-from .selection import LayerSpec, select_layers, unwrap
 from .verify import check_batch_sum
 
 __all__ = ["Capture", "CaptureCallback", "capture"]
@@ -56,7 +56,7 @@ class CaptureCallback:
     def on_capture_start(self, capture: Capture) -> None:
         """Called when the capture context is entered."""
 
-    def on_batch(self, batch: GradBatch, capture: Capture) -> None:
+    def on_batch(self, batch: GradientBatch, capture: Capture) -> None:
         """Called with the per-example gradients of each backward pass."""
 
     def on_capture_end(self, capture: Capture, error: BaseException | None) -> None:
@@ -67,7 +67,7 @@ class SidePass:
     """Batches captured inside :meth:`Capture.side_pass`."""
 
     def __init__(self) -> None:
-        self.batches: list[GradBatch] = []
+        self.batches: list[GradientBatch] = []
         self.count = 0
 
 
@@ -185,7 +185,7 @@ class Capture:
                                  f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''})")
         if projection is not None:
             check_projection_size(projection, {h.params[r]: h.shapes[r] for h in self.handlers for r in h.params})
-        self.batches: list[GradBatch] = []
+        self.batches: list[GradientBatch] = []
         self.num_backward = 0
         self._ids = iter(ids) if ids is not None else None
         self._ids_given = ids is not None
@@ -314,7 +314,7 @@ class Capture:
     def side_pass(self, reduction: str = "sum", example_loss: str | None = None) -> Iterator[SidePass]:
         """Capture a separate pass (e.g. a validation batch) without it counting as training.
 
-        Backward passes inside deliver their :class:`GradBatch` es only to the yielded object's ``batches``:
+        Backward passes inside deliver their :class:`GradientBatch` es only to the yielded object's ``batches``:
         not to callbacks, not to ``capture.batches``, not counted in ``num_backward``. The loss convention
         is overridden for the pass (``reduction``, default ``"sum"`` of per-example losses; no loss scale),
         and layer outputs are tracked, so ``torch.autograd.grad(loss, capture.pop_outputs())`` captures the
@@ -539,7 +539,7 @@ class Capture:
             else:
                 cb(batch)
 
-    def _assemble(self, results: list[SiteResult], step: int) -> GradBatch:
+    def _assemble(self, results: list[SiteResult], step: int) -> GradientBatch:
         contexts = sorted({id(r.context): r.context for r in results}.values(), key=lambda c: c.index)
         sum_contexts = self.multi_forward == "sum" and len(contexts) > 1
         if sum_contexts and len({c.num_examples for c in contexts}) != 1:
@@ -553,13 +553,13 @@ class Capture:
         # padded positions are no example's: their NaN/inf must not make an example non-finite (packed rows
         # are split into documents by relayout, which drops them already)
         outside = {c.index: outside_examples(c) for c in contexts if not c.packed}
-        params: dict[str, ParamGrad] = {}
+        params: dict[str, ParamGradient] = {}
         for name in self.selection.param_order:
             if name not in by_param:
                 continue
             terms = join_terms(by_param[name], contexts, sum_contexts, outside)
             shape = tuple(terms[0].shape) if self.projector is not None else shapes[name]
-            grad = ParamGrad(name, shape, terms, projected=self.projector is not None)
+            grad = ParamGradient(name, shape, terms, projected=self.projector is not None)
             if self.projector is not None and not self.projection.keep_tokens:
                 grad = grad.reduced()
             params[name] = grad
@@ -574,7 +574,7 @@ class Capture:
         if all(c.num_targets is not None for c in used):
             num_targets = torch.cat([c.num_targets.to(device) for c in used])
         bad = nonfinite_examples([t for pg in params.values() for t in pg.terms], len(ids), device)
-        batch = GradBatch(ids=ids, params=params, scale=scale, convention=self.convention, step=step,
+        batch = GradientBatch(ids=ids, params=params, scale=scale, convention=self.convention, step=step,
                           nonfinite=bad, num_targets=num_targets,
                           projection=self.projection.to_dict() if self.projection is not None else None,
                           meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .selection import Selection, Unsupported
+from .layer_selection import Selection, Unsupported
 
 __all__ = ["CaptureReport"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..grad.batch import GradBatch
-from ..grad.projection import Projector
+from ..grad.batch import GradientBatch
 from ..grad.terms import OuterTerm, VectorTerm, is_index
+from ..projection.logra import Projector
 
 __all__ = ["check_batch_sum"]
 
@@ -26,7 +26,7 @@ def _token_norms(term, inverse: Tensor) -> Tensor:
     return (per_token.sum(1) * inverse).sum()
 
 
-def check_batch_sum(batch: GradBatch, param_grads: dict[str, Tensor], projector: Projector | None,
+def check_batch_sum(batch: GradientBatch, param_grads: dict[str, Tensor], projector: Projector | None,
                     rtol: float | None = None) -> list[str]:
     """Compare ``sum_e g_e / scale_e`` with the batch gradient of each parameter; return the mismatches."""
     problems = []

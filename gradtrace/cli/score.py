@@ -364,7 +364,7 @@ def _models(given: list[Path], stores: list[Any]) -> list[Path]:
 
 def projection_from_spec(spec: dict[str, Any] | None, root: Path) -> Any:
     """The :class:`gradtrace.LoGra` that reproduces a store's projection (None for exact gradients)."""
-    from ..grad.projection import LoGra
+    from ..projection.logra import LoGra
 
     if spec is None:
         return None

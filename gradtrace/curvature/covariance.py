@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..grad.batch import GradBatch, ParamGrad
+from ..grad.batch import GradientBatch, ParamGradient
 from ..grad.terms import OuterTerm, is_index
 from .blocks import Block, DenseBlock, KronBlock
 
@@ -59,7 +59,7 @@ def _with_ones(factor: Tensor, live: Tensor) -> Tensor:
     return torch.cat([factor.to(torch.float32), live.to(torch.float32).unsqueeze(-1)], dim=-1)
 
 
-def block_factors(block: KronBlock, grads: dict[str, ParamGrad]) -> list[tuple[Tensor, Tensor, Tensor]]:
+def block_factors(block: KronBlock, grads: dict[str, ParamGradient]) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Per use site of the block's weight: ``(rows, cols, live)`` factors with the bias joined.
 
     rows/cols: ``[E, T, n]`` float32 or ``[E, T]`` ids; live: ``[E, T]`` bool, tokens carrying gradient.
@@ -97,7 +97,7 @@ def _second_moment(factor: Tensor, width: int, live: Tensor) -> Tensor:
     return flat.t() @ flat
 
 
-def _flat_grad(pg: ParamGrad) -> Tensor:
+def _flat_grad(pg: ParamGradient) -> Tensor:
     return pg.flat(torch.float32)
 
 
@@ -109,7 +109,7 @@ class CovarianceCallback:
         self.stats = {b.name: (KronStats(b) if isinstance(b, KronBlock) else DenseStats(b)) for b in blocks}
         self.examples = 0
 
-    def on_batch(self, batch: GradBatch, capture=None) -> None:
+    def on_batch(self, batch: GradientBatch, capture=None) -> None:
         keep = None
         if batch.nonfinite is not None and bool(batch.nonfinite.any()):
             keep = (~batch.nonfinite).nonzero().flatten().tolist()
@@ -132,7 +132,7 @@ class CovarianceCallback:
                 stats.examples += len(batch)
 
 
-def rotated_example_grads(block: KronBlock, grads: dict[str, ParamGrad], q_rows: Tensor | None,
+def rotated_example_grads(block: KronBlock, grads: dict[str, ParamGradient], q_rows: Tensor | None,
                           q_cols: Tensor | None) -> Tensor:
     """``[E, n_rows, n_cols]`` per-example gradients of the (bias-augmented) block in the Kronecker eigenbasis:
     ``Q_R^T G_n Q_C`` (``None`` = identity: a diagonal, one-hot side)."""
@@ -165,7 +165,7 @@ class EigenCorrectionCallback:
         self.counts: dict[str, float] = {}
         self.max_bytes = max_bytes
 
-    def on_batch(self, batch: GradBatch, capture=None) -> None:
+    def on_batch(self, batch: GradientBatch, capture=None) -> None:
         if batch.nonfinite is not None and bool(batch.nonfinite.any()):
             batch = batch.select((~batch.nonfinite).nonzero().flatten().tolist())
         for block in self.blocks:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..capture import capture
 from ..collect import run_capture
-from ..grad.projection import LoGra
+from ..projection.logra import LoGra
 from ..store.spec import GradientSpec, model_fingerprint
 from .blocks import DenseBlock, KronBlock, blocks_for
 from .covariance import CovarianceCallback, DenseStats, EigenCorrectionCallback, KronStats

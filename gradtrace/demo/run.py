@@ -28,8 +28,8 @@ import torch
 from .. import data as gd
 from ..capture import capture
 from ..collect import collect
-from ..grad.projection import LoGra
 from ..losses import lm_labels
+from ..projection.logra import LoGra
 from ..score import Attributor, Scores
 from ..store import GradientStore, StoreWriter
 from .corpus import PLANTED, Document, load_plays, train_tokenizer

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor
 
 from ..collect import collect
-from ..grad.projection import LoGra
 from ..methods import available_methods, get_method
+from ..projection.logra import LoGra
 from ..score import Attributor
 from .groundtruth import GroundTruth
 from .metrics import QueryMetric, lds

@@ -1,26 +1,26 @@
 """Per-example gradient containers and the operations on them."""
 
-from .batch import GradBatch, LossConvention, ParamGrad
+from .batch import GradientBatch, LossConvention, ParamGradient
 from .cost import CostModel, MachineProfile
 from .ops import concat, inner, sq_norms, token_inner
-from .projection import LoGra, Projector
 from .quantize import QuantizedRows, quantize, spearman
-from .sketch import DenseProjection, SparseProjection
 from .terms import DenseTerm, OuterTerm, VectorTerm
+
+# The names before the architecture step (issue #16); kept so that existing code keeps working.
+GradBatch = GradientBatch
+ParamGrad = ParamGradient
 
 __all__ = [
     "CostModel",
-    "DenseProjection",
     "DenseTerm",
     "GradBatch",
-    "LoGra",
+    "GradientBatch",
     "LossConvention",
     "MachineProfile",
     "OuterTerm",
     "ParamGrad",
-    "Projector",
+    "ParamGradient",
     "QuantizedRows",
-    "SparseProjection",
     "VectorTerm",
     "concat",
     "inner",

@@ -1,4 +1,4 @@
-"""``GradBatch``: the per-example gradients of one backward pass, keyed by parameter name."""
+"""``GradientBatch``: the per-example gradients of one backward pass, keyed by parameter name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm
 
-__all__ = ["GradBatch", "LossConvention", "ParamGrad"]
+__all__ = ["GradientBatch", "LossConvention", "ParamGradient"]
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class LossConvention:
 
 
 @dataclass
-class ParamGrad:
+class ParamGradient:
     """The per-example gradient of one parameter, kept as a sum of terms.
 
     name: parameter name as in ``model.named_parameters()``.
@@ -89,22 +89,22 @@ class ParamGrad:
             total = part if total is None else total + part
         return total
 
-    def reduced(self) -> ParamGrad:
+    def reduced(self) -> ParamGradient:
         """The same gradient with its token axis summed away (one dense term)."""
         if len(self.terms) == 1 and isinstance(self.terms[0], DenseTerm):
             return self
-        return ParamGrad(self.name, self.shape, [DenseTerm(self.flat())], self.projected)
+        return ParamGradient(self.name, self.shape, [DenseTerm(self.flat())], self.projected)
 
-    def map_examples(self, fn) -> ParamGrad:
-        return ParamGrad(self.name, self.shape, [t.map_examples(fn) for t in self.terms], self.projected)
+    def map_examples(self, fn) -> ParamGradient:
+        return ParamGradient(self.name, self.shape, [t.map_examples(fn) for t in self.terms], self.projected)
 
 
 @dataclass
-class GradBatch:
+class GradientBatch:
     """Per-example gradients of one backward pass.
 
     ids: one id per example (example axis order).
-    params: parameter name -> :class:`ParamGrad`, in ``model.named_parameters()`` order.
+    params: parameter name -> :class:`ParamGradient`, in ``model.named_parameters()`` order.
     scale: ``[E]`` factor the capture multiplied hook gradients by to obtain each example's own
         loss gradient (the loop's reduction removed; e.g. the batch size for a mean loss).
     convention: the :class:`LossConvention` in force.
@@ -118,7 +118,7 @@ class GradBatch:
     """
 
     ids: list[str]
-    params: dict[str, ParamGrad]
+    params: dict[str, ParamGradient]
     scale: Tensor
     convention: LossConvention = field(default_factory=LossConvention)
     step: int = 0
@@ -149,7 +149,7 @@ class GradBatch:
         if self.projection is not None:
             raise ValueError(
                 "this batch holds projected gradients; per_example_grads() needs an exact capture "
-                "(projection=None). Use GradBatch.flat() for the projected vectors."
+                "(projection=None). Use GradientBatch.flat() for the projected vectors."
             )
         return {name: pg.materialize(dtype) for name, pg in self.params.items()}
 
@@ -157,11 +157,11 @@ class GradBatch:
         """All parameters' per-example gradients concatenated: ``[E, sum(dims)]``."""
         return torch.cat([pg.flat(dtype) for pg in self.params.values()], dim=1)
 
-    def reduced(self) -> GradBatch:
+    def reduced(self) -> GradientBatch:
         """A copy whose gradients are summed over tokens (dense ``[E, dim]`` per parameter)."""
         return self._with_params({n: pg.reduced() for n, pg in self.params.items()})
 
-    def select(self, index: Tensor | list[int] | slice) -> GradBatch:
+    def select(self, index: Tensor | list[int] | slice) -> GradientBatch:
         """The examples at ``index`` (along the example axis)."""
         if isinstance(index, slice):
             positions = list(range(len(self.ids)))[index]
@@ -181,15 +181,15 @@ class GradBatch:
                     for k, v in self.meta.items()}
         return out
 
-    def _with_params(self, params: dict[str, ParamGrad]) -> GradBatch:
-        return GradBatch(
+    def _with_params(self, params: dict[str, ParamGradient]) -> GradientBatch:
+        return GradientBatch(
             ids=list(self.ids), params=params, scale=self.scale, convention=self.convention,
             step=self.step, nonfinite=self.nonfinite, num_targets=self.num_targets,
             projection=self.projection, meta=dict(self.meta), num_tokens=self.num_tokens,
         )
 
     # -- operations (see gradtrace.grad.ops) ----------------------------------------------------
-    def inner(self, other: GradBatch, **kwargs: Any) -> Any:
+    def inner(self, other: GradientBatch, **kwargs: Any) -> Any:
         """``[E, E_other]`` inner products with ``other`` (see :func:`gradtrace.grad.ops.inner`)."""
         from .ops import inner
 
@@ -201,13 +201,13 @@ class GradBatch:
 
         return sq_norms(self, **kwargs)
 
-    def token_inner(self, other: GradBatch, **kwargs: Any) -> Tensor:
+    def token_inner(self, other: GradientBatch, **kwargs: Any) -> Tensor:
         """``[E, T, E_other]`` per-token decomposition of :meth:`inner`."""
         from .ops import token_inner
 
         return token_inner(self, other, **kwargs)
 
-    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> GradBatch:
+    def to(self, device: Any = None, dtype: torch.dtype | None = None) -> GradientBatch:
         """A copy moved to ``device`` and/or with float factors cast to ``dtype``."""
         from .ops import to
 
@@ -216,7 +216,7 @@ class GradBatch:
     def __repr__(self) -> str:
         kinds = {type(t).__name__ for pg in self.params.values() for t in pg.terms}
         proj = "exact" if self.projection is None else f"projected {self.projection.get('kind')}"
-        return (f"GradBatch(examples={len(self)}, params={len(self.params)}, dim={sum(self.dims.values())}, "
+        return (f"GradientBatch(examples={len(self)}, params={len(self.params)}, dim={sum(self.dims.values())}, "
                 f"{proj}, terms={sorted(kinds)}, step={self.step})")
 
 

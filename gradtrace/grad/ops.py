@@ -1,6 +1,6 @@
 """Operations on per-example gradients: inner products, norms, per-token decomposition, concat, casts.
 
-Every operation works parameter by parameter on :class:`GradBatch` terms and routes each parameter to the
+Every operation works parameter by parameter on :class:`GradientBatch` terms and routes each parameter to the
 cheaper exact computation -- factorized ("ghost") or materialized -- as chosen by the cost model
 (:mod:`gradtrace.grad.cost`); ``route=`` pins one. All routes return the same numbers (float32
 accumulation), up to rounding.
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .batch import GradBatch, ParamGrad
+from .batch import GradientBatch, ParamGradient
 from .cost import CostModel, TermShape, default_cost_model
 from .ghost import DEFAULT_MAX_BYTES, ghost_diag, ghost_inner
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm, is_index
@@ -28,7 +28,7 @@ class IncompatibleGradients(ValueError):
     """Two gradient batches cannot be combined (different layers, projections, shapes or dtypes)."""
 
 
-def _float_dtypes(pg: ParamGrad) -> tuple[str, ...]:
+def _float_dtypes(pg: ParamGradient) -> tuple[str, ...]:
     dtypes = set()
     for term in pg.terms:
         for f in dataclasses.fields(term):
@@ -38,7 +38,7 @@ def _float_dtypes(pg: ParamGrad) -> tuple[str, ...]:
     return tuple(sorted(dtypes))
 
 
-def check_compatible(a: GradBatch, b: GradBatch, what: str = "this operation") -> None:
+def check_compatible(a: GradientBatch, b: GradientBatch, what: str = "this operation") -> None:
     """Raise :class:`IncompatibleGradients` naming the first difference that makes ``a`` and ``b``
     incomparable: parameter sets, projection spec, per-parameter shapes or dtypes."""
     if list(a.params) != list(b.params):
@@ -58,17 +58,17 @@ def check_compatible(a: GradBatch, b: GradBatch, what: str = "this operation") -
             raise IncompatibleGradients(f"{what}: {name} is stored as {da} vs {db}; cast one side with .to(dtype=...)")
 
 
-def _warn_nonfinite(batch: GradBatch) -> None:
+def _warn_nonfinite(batch: GradientBatch) -> None:
     if batch.nonfinite is not None and bool(batch.nonfinite.any()):
         bad = [batch.ids[i] for i in batch.nonfinite.nonzero().flatten().tolist()]
         warnings.warn(f"gradtrace: {len(bad)} example(s) with NaN/inf gradients take part: {bad[:5]}", stacklevel=3)
 
 
-def _shapes(pg: ParamGrad) -> list[TermShape]:
+def _shapes(pg: ParamGradient) -> list[TermShape]:
     return [TermShape.of(t) for t in pg.terms]
 
 
-def param_route(pa: ParamGrad, pb: ParamGrad, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
+def param_route(pa: ParamGradient, pb: ParamGradient, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
                 cost_model: CostModel | None = None) -> str:
     """The route used for one parameter's inner products (``route`` unless it is ``"auto"``)."""
     if route not in ("auto", "ghost", "materialize"):
@@ -85,13 +85,13 @@ def _chunk(count: int, row_bytes: int, max_bytes: int) -> int:
     return max(1, min(count, max_bytes // max(1, row_bytes)))
 
 
-def _row_step(pg: ParamGrad, examples: int, max_bytes: int) -> int:
+def _row_step(pg: ParamGradient, examples: int, max_bytes: int) -> int:
     """Rows of the gradient matrix per block so that ``examples`` materialized blocks fit ``max_bytes``."""
     cols = max(1, pg.numel // pg.num_rows)
     return max(1, min(pg.num_rows, max_bytes // max(1, examples * cols * 4)))
 
 
-def _materialized_inner(pa: ParamGrad, pb: ParamGrad, max_bytes: int) -> Tensor:
+def _materialized_inner(pa: ParamGradient, pb: ParamGradient, max_bytes: int) -> Tensor:
     """``[E1, E2]`` by materializing both sides block by block of gradient rows (each entry formed once)."""
     step = _row_step(pa, pa.num_examples + pb.num_examples, max_bytes)
     out = None
@@ -102,11 +102,11 @@ def _materialized_inner(pa: ParamGrad, pb: ParamGrad, max_bytes: int) -> Tensor:
     return out
 
 
-def _take(pg: ParamGrad, start: int, stop: int) -> ParamGrad:
+def _take(pg: ParamGradient, start: int, stop: int) -> ParamGradient:
     return pg.map_examples(lambda x: x[start:stop])
 
 
-def _device(pg: ParamGrad) -> torch.device:
+def _device(pg: ParamGradient) -> torch.device:
     term = pg.terms[0]
     return (term.rows if isinstance(term, OuterTerm) else term.values).device
 
@@ -115,7 +115,7 @@ def _term_flat(term: Term) -> Tensor:
     return term.materialize().reshape(term.num_examples, -1)
 
 
-def param_inner(pa: ParamGrad, pb: ParamGrad, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
+def param_inner(pa: ParamGradient, pb: ParamGradient, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
                 cost_model: CostModel | None = None) -> Tensor:
     """``[E1, E2]`` inner products of one parameter's per-example gradients."""
     chosen = param_route(pa, pb, route, max_bytes, cost_model)
@@ -132,7 +132,7 @@ def param_inner(pa: ParamGrad, pb: ParamGrad, route: str = "auto", max_bytes: in
     return total
 
 
-def inner(a: GradBatch, b: GradBatch, *, per_param: bool = False, route: str = "auto",
+def inner(a: GradientBatch, b: GradientBatch, *, per_param: bool = False, route: str = "auto",
           max_bytes: int = DEFAULT_MAX_BYTES, cost_model: CostModel | None = None) -> Tensor | dict[str, Tensor]:
     """Inner products of every example of ``a`` with every example of ``b``.
 
@@ -148,7 +148,7 @@ def inner(a: GradBatch, b: GradBatch, *, per_param: bool = False, route: str = "
     return out if per_param else sum(out.values())
 
 
-def param_sq_norms(pg: ParamGrad, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
+def param_sq_norms(pg: ParamGradient, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
                    cost_model: CostModel | None = None) -> Tensor:
     """``[E]`` squared norms of one parameter's per-example gradients."""
     outer = [t for t in pg.terms if isinstance(t, OuterTerm)]
@@ -178,7 +178,7 @@ def param_sq_norms(pg: ParamGrad, route: str = "auto", max_bytes: int = DEFAULT_
     return total
 
 
-def sq_norms(a: GradBatch, *, per_param: bool = False, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
+def sq_norms(a: GradientBatch, *, per_param: bool = False, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
              cost_model: CostModel | None = None) -> Tensor | dict[str, Tensor]:
     """Squared norms of each example's gradient: ``[E]`` (or ``{name: [E]}`` with ``per_param=True``)."""
     _warn_nonfinite(a)
@@ -186,7 +186,7 @@ def sq_norms(a: GradBatch, *, per_param: bool = False, route: str = "auto", max_
     return out if per_param else sum(out.values())
 
 
-def _token_part(ta: Term, pb: ParamGrad, max_bytes: int) -> Tensor:
+def _token_part(ta: Term, pb: ParamGradient, max_bytes: int) -> Tensor:
     """``[E1, T_a, E2]``: each token of ``ta``'s examples against ``pb``'s whole per-example gradients."""
     if isinstance(ta, DenseTerm):
         raise ValueError("the first gradients were summed over tokens (a projected or reduced batch): no per-token "
@@ -222,7 +222,7 @@ def _dense_factor(f: Tensor, width: int) -> Tensor:
     return hot * (f >= 0).unsqueeze(-1).to(torch.float32)
 
 
-def token_inner(a: GradBatch, b: GradBatch, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
+def token_inner(a: GradientBatch, b: GradientBatch, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
     """Per-token decomposition of ``inner(a, b)``: ``[E1, T, E2]`` whose sum over ``T`` is the
     ``[E1, E2]`` inner product exactly. ``T`` is ``a.num_tokens`` (the token positions of ``a``'s
     examples); a layer used ``m`` times per forward contributes each use at its token position."""
@@ -244,7 +244,7 @@ def token_inner(a: GradBatch, b: GradBatch, *, max_bytes: int = DEFAULT_MAX_BYTE
     return out
 
 
-def concat(batches: Sequence[GradBatch]) -> GradBatch:
+def concat(batches: Sequence[GradientBatch]) -> GradientBatch:
     """Concatenate batches along the example axis (same parameters, projection, shapes, dtypes)."""
     from ..capture.assemble import _cat  # the same joining rule as capture uses
 
@@ -259,7 +259,7 @@ def concat(batches: Sequence[GradBatch]) -> GradBatch:
         if len({len(g) for g in groups}) != 1:
             raise IncompatibleGradients(f"concat: {name} has a different number of terms across batches")
         terms = [_cat([g[k] for g in groups], dim=0) for k in range(len(groups[0]))]
-        params[name] = ParamGrad(name, pg.shape, terms, pg.projected)
+        params[name] = ParamGradient(name, pg.shape, terms, pg.projected)
 
     def cat_opt(values):
         return None if any(v is None for v in values) else torch.cat(list(values))
@@ -269,14 +269,16 @@ def concat(batches: Sequence[GradBatch]) -> GradBatch:
         if isinstance(value, list) and all(isinstance(b.meta.get(key), list) for b in batches):
             meta[key] = [x for b in batches for x in b.meta[key]]
     lengths = [b.num_tokens for b in batches]
-    return GradBatch(ids=[i for b in batches for i in b.ids], params=params,
+    return GradientBatch(ids=[i for b in batches for i in b.ids], params=params,
                      scale=torch.cat([b.scale for b in batches]), convention=first.convention, step=first.step,
                      nonfinite=cat_opt([b.nonfinite for b in batches]),
                      num_targets=cat_opt([b.num_targets for b in batches]), projection=first.projection,
                      meta=meta, num_tokens=None if None in lengths else max(lengths))
 
 
-def to(batch: GradBatch, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> GradBatch:
+def to(
+    batch: GradientBatch, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> GradientBatch:
     """Move a batch (float factors cast to ``dtype`` if given; ids/index factors only moved)."""
 
     def move(x: Tensor) -> Tensor:
@@ -290,7 +292,7 @@ def to(batch: GradBatch, device: torch.device | str | None = None, dtype: torch.
     return out
 
 
-def weighted_sum(pg: ParamGrad, weights: Tensor) -> Tensor:
+def weighted_sum(pg: ParamGradient, weights: Tensor) -> Tensor:
     """``sum_e weights[e] * G_e`` of one parameter (shape ``pg.shape``), without forming per-example gradients:
     one matrix product (or scatter) per term. Examples with weight zero cost nothing."""
     weights = weights.to(torch.float32)
@@ -334,7 +336,7 @@ def _weighted_outer(term: OuterTerm, w: Tensor) -> Tensor:
     return rows.t() @ term.cols.to(torch.float32).reshape(-1, term.n_cols)
 
 
-def dense_inner(batch: GradBatch, vectors: dict[str, Tensor]) -> Tensor:
+def dense_inner(batch: GradientBatch, vectors: dict[str, Tensor]) -> Tensor:
     """``[E]``: ``sum_p <G_e,p, V_p>`` of every example's gradient with one dense gradient ``V`` (``{name: tensor
     of the parameter's (projected) shape}``), e.g. a target direction. Factorized terms are contracted token by
     token (``r_t^T V c_t``), never materialized per example."""

@@ -44,8 +44,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..capture import Capture
-from ..capture.selection import LayerSpec, strip_wrappers, unwrap
-from ..grad.projection import LoGra
+from ..capture.layer_selection import LayerSpec, strip_wrappers, unwrap
+from ..projection.logra import LoGra
 from ..store import GradientStore, StoreWriter
 from ..store.layout import DTYPES
 from ..store.writer import dist_rank

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..grad.batch import GradBatch
+from ..grad.batch import GradientBatch
 from ..store import StoreWriter
 from ..store.layout import MANIFEST, StoreError, atomic_write_json, lock_is_stale, read_lock
 from ..train.trajectory import TrajectoryKeys, step_weights
@@ -109,7 +109,7 @@ class TrainerRows:
         self._keys = TrajectoryKeys()
         writer.fields = self._fields
 
-    def _fields(self, batch: GradBatch) -> dict[str, list]:
+    def _fields(self, batch: GradientBatch) -> dict[str, list]:
         count = len(batch)
         pos = self.position
         fields = {"step": [pos["step"]] * count, "epoch": [pos["epoch"]] * count, "lr": [pos["lr"]] * count,
@@ -119,11 +119,11 @@ class TrainerRows:
             fields["weight"] = step_weights(batch.scale, pos["lr"])
         return fields
 
-    def _trajectory_batch(self, batch: GradBatch) -> GradBatch:
+    def _trajectory_batch(self, batch: GradientBatch) -> GradientBatch:
         keys = self._keys(batch.ids, self.position["step"])
         return dataclasses.replace(batch, ids=keys, meta={**batch.meta, "example": list(batch.ids)})
 
-    def on_batch(self, batch: GradBatch, capture: Any = None) -> None:
+    def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
         if self.auto_shard_rows and self.writer.writer is None:  # the store opens with this batch
             self.writer.options["shard_rows"] = shard_rows_for(sum(batch.dims.values()))
         self.writer.on_batch(self._trajectory_batch(batch) if self.trajectory else batch, capture)

@@ -34,12 +34,12 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import capture
-from ..capture.selection import strip_wrappers, unwrap
+from ..capture.layer_selection import strip_wrappers, unwrap
 from ..collect import LossFn, run_capture
-from ..grad.batch import GradBatch
-from ..grad.sketch import Sketch
+from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..losses import causal_lm_loss, default_loss
+from ..projection.sketch import Sketch
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 from .base import Method, MissingStage, register_method
 from .similarity import _normalize
@@ -208,7 +208,7 @@ class _FeatureSink:
         self.ids: list[str] = []
         self.dropped: list[str] = []
 
-    def _open(self, batch: GradBatch) -> None:
+    def _open(self, batch: GradientBatch) -> None:
         inputs = list(batch.dims.items())
         self.spec = GradientSpec(params=[("less", self.sketch.k)], projection=_projection_spec(self.sketch, inputs),
                                  convention=self.convention, model=model_fingerprint(self.model), dtype=self.dtype)
@@ -216,7 +216,7 @@ class _FeatureSink:
             _check_store_side(self.path, self.spec, self.options)
             self.writer = ShardWriter(self.path, self.spec, **self.options)
 
-    def on_batch(self, batch: GradBatch, capture: Any = None) -> None:
+    def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
         if batch.projection is not None:
             raise ValueError("LESS features need exact per-example gradients (capture without projection)")
         if self.spec is None:
@@ -266,7 +266,7 @@ def _run(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, projecti
          ids: Sequence[Any] | None, id_key: str, device: torch.device | str | None, progress: bool
          ) -> GradientSet | GradientStore:
     if not isinstance(projection, Sketch):
-        raise TypeError("projection must be a gradtrace.grad.sketch.DenseProjection or SparseProjection (LESS "
+        raise TypeError("projection must be a gradtrace.projection.sketch.DenseProjection or SparseProjection (LESS "
                         f"projects the whole feature vector), got {type(projection).__name__}")
     if example_loss not in ("mean", "sum"):
         raise ValueError(f"example_loss must be 'mean' or 'sum', got {example_loss!r}")
@@ -317,8 +317,8 @@ def less_features(model: nn.Module, optimizer_state: torch.optim.Optimizer | dic
         data: batches, as for :func:`gradtrace.collect`.
         loss_fn: ``loss_fn(model, batch) -> [B]``; default: per-example causal-LM loss (the mean over target
             tokens with ``example_loss="mean"``, as LESS does) or cross-entropy.
-        projection: a :class:`~gradtrace.grad.sketch.DenseProjection` or
-            :class:`~gradtrace.grad.sketch.SparseProjection` to ``k`` dims, applied to the concatenated features
+        projection: a :class:`~gradtrace.projection.sketch.DenseProjection` or
+            :class:`~gradtrace.projection.sketch.SparseProjection` to ``k`` dims, applied to the concatenated features
             of all captured parameters (matrix key ``"less"``). Queries must use the same one.
         layers, exclude: which modules to capture (typically the LoRA adapters: ``layers=["*lora_*"]``). The
             exact per-example gradients of the captured parameters are formed per batch, so keep them small.

@@ -30,17 +30,17 @@ class ScoringError(ValueError):
 
 
 def vectors_to_batch(vectors: Tensor, like: Any) -> Any:
-    """Dense ``[Q, D]`` vectors as a :class:`GradBatch` with the parameter layout of batch ``like``."""
-    from ..grad.batch import GradBatch, ParamGrad
+    """Dense ``[Q, D]`` vectors as a :class:`GradientBatch` with the parameter layout of batch ``like``."""
+    from ..grad.batch import GradientBatch, ParamGradient
     from ..grad.terms import DenseTerm
 
     params, start = {}, 0
     for name, pg in like.params.items():
         stop = start + pg.numel
-        params[name] = ParamGrad(name, pg.shape, [DenseTerm(vectors[:, start:stop].reshape(-1, *pg.shape))],
+        params[name] = ParamGradient(name, pg.shape, [DenseTerm(vectors[:, start:stop].reshape(-1, *pg.shape))],
                                  pg.projected)
         start = stop
-    return GradBatch(ids=[str(i) for i in range(vectors.shape[0])], params=params,
+    return GradientBatch(ids=[str(i) for i in range(vectors.shape[0])], params=params,
                      scale=torch.ones(vectors.shape[0]), convention=like.convention, projection=like.projection)
 
 

@@ -27,7 +27,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
-from ..grad.batch import GradBatch
+from ..grad.batch import GradientBatch
 from ..grad.quantize import quantize
 from .layout import (
     DTYPES,
@@ -76,7 +76,7 @@ def dist_rank() -> tuple[int, int]:
     return 0, 1
 
 
-def batch_digests(batch: GradBatch) -> list[str | None] | None:
+def batch_digests(batch: GradientBatch) -> list[str | None] | None:
     """The content digest of each example of ``batch`` (``batch.meta["digest"]``, set by the capture from the
     example's unpadded inputs), or None when the batch carries none."""
     digests = batch.meta.get("digest")
@@ -649,7 +649,7 @@ class StoreWriter:
                             release_lock(self.path, 0)
                 self.options = {**self.options, "overwrite": False}
 
-    def spec_for(self, batch: GradBatch) -> GradientSpec:
+    def spec_for(self, batch: GradientBatch) -> GradientSpec:
         return GradientSpec(params=list(batch.dims.items()), projection=batch.projection,
                             convention=batch.convention.to_dict(),
                             model=model_fingerprint(self.model) if self.model is not None else {}, dtype=self.dtype)
@@ -659,7 +659,7 @@ class StoreWriter:
             self.writer = ShardWriter(self.path, spec, **self.options)
         return self.writer
 
-    def on_batch(self, batch: GradBatch, capture=None) -> None:
+    def on_batch(self, batch: GradientBatch, capture=None) -> None:
         if self.writer is None:
             self.open(self.spec_for(batch))
         writer = self.writer

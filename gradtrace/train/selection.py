@@ -4,7 +4,7 @@
 optimizer step and, in a pre-hook of ``optimizer.step()``, scores every example against a target
 
 * ``"batch"`` -- the mean gradient of the step's own examples (drop examples that disagree with the batch),
-* a fixed target gradient (a :class:`GradBatch`, a :class:`GradientSet` / store row, or a flat vector laid out
+* a fixed target gradient (a :class:`GradientBatch`, a :class:`GradientSet` / store row, or a flat vector laid out
   like the captured gradients), or
 * ``"validation"`` -- the mean gradient of a validation batch, taken through the same capture hooks (same
   layers, same loss convention) at the current weights,
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..grad.batch import GradBatch
+from ..grad.batch import GradientBatch
 from ..grad.ops import check_compatible, concat, dense_inner, sq_norms, weighted_sum
 from .cycle import Cycle
 
@@ -95,7 +95,7 @@ class OnlineSelection:
         self.ddp = ddp
         self.history: list[SelectionRecord] = []
         self.capture = None
-        self._pending: list[GradBatch] = []
+        self._pending: list[GradientBatch] = []
         self._handle = None
         self._steps = 0
 
@@ -118,7 +118,7 @@ class OnlineSelection:
         self._params = _param_table(capture.model)
         self._handle = self.optimizer.register_step_pre_hook(self._before_step)
 
-    def on_batch(self, batch: GradBatch, capture: Any = None) -> None:
+    def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
         self._pending.append(batch)
 
     def on_capture_end(self, capture: Any, error: BaseException | None) -> None:
@@ -181,7 +181,7 @@ class OnlineSelection:
             drop[torch.argsort(scores)[:count]] = True
         return drop
 
-    def _subtract(self, train: GradBatch, drop_weights: Tensor, all_weights: Tensor, ready: bool,
+    def _subtract(self, train: GradientBatch, drop_weights: Tensor, all_weights: Tensor, ready: bool,
                   world: int) -> None:
         dropped_share = float(drop_weights.sum())
         total_share = float(all_weights.sum())
@@ -202,7 +202,7 @@ class OnlineSelection:
                 param.grad.mul_(total_share / (total_share - dropped_share))
 
     # -- targets -----------------------------------------------------------------------------------
-    def _target_vectors(self, train: GradBatch) -> dict[str, Tensor]:
+    def _target_vectors(self, train: GradientBatch) -> dict[str, Tensor]:
         """The target gradient as dense per-parameter tensors laid out like ``train``'s parameters."""
         if isinstance(self.target, str) and self.target == "batch":
             weights = torch.full((len(train),), 1.0 / len(train))
@@ -214,7 +214,7 @@ class OnlineSelection:
             return {name: weighted_sum(pg, weights) for name, pg in val.params.items()}
         return _fixed_target(self.target, train)
 
-    def _validation_batch(self) -> GradBatch:
+    def _validation_batch(self) -> GradientBatch:
         from ..collect import _to_device
         from ..losses import default_loss
 
@@ -232,7 +232,7 @@ class OnlineSelection:
 
 
 def _param_table(model: Any) -> dict[str, torch.nn.Parameter]:
-    from ..capture.selection import strip_wrappers, unwrap
+    from ..capture.layer_selection import strip_wrappers, unwrap
 
     table = {}
     for name, param in unwrap(model).named_parameters():
@@ -240,8 +240,8 @@ def _param_table(model: Any) -> dict[str, torch.nn.Parameter]:
     return table
 
 
-def _fixed_target(target: Any, train: GradBatch) -> dict[str, Tensor]:
-    if isinstance(target, GradBatch):
+def _fixed_target(target: Any, train: GradientBatch) -> dict[str, Tensor]:
+    if isinstance(target, GradientBatch):
         check_compatible(train, target, "selection target")
         weights = torch.full((len(target),), 1.0 / len(target))
         return {name: weighted_sum(pg, weights) for name, pg in target.params.items()}

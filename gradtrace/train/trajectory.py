@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..grad.batch import GradBatch
+from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 
@@ -126,13 +126,13 @@ class TrajectoryWriter:
                           "records group 0's (DVEmb then mis-weights the other groups' parameters)", stacklevel=3)
         return float(groups[0]["lr"])
 
-    def _open(self, batch: GradBatch) -> None:
+    def _open(self, batch: GradientBatch) -> None:
         convention = {**batch.convention.to_dict(), "features": "trajectory"}
         self.spec = GradientSpec(params=list(batch.dims.items()), projection=batch.projection, convention=convention,
                                  model=model_fingerprint(self.model) if self.model is not None else {},
                                  dtype=self.dtype)
 
-    def on_batch(self, batch: GradBatch, capture: Any = None) -> None:
+    def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
         if self.spec is None:
             self._open(batch)
         if list(batch.dims.items()) != self.spec.params or batch.projection != self.spec.projection:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
-from gradtrace.grad.projection import Projector, gaussian_matrix, stable_seed
+from gradtrace.projection.logra import Projector, gaussian_matrix, stable_seed
 from tests import tiny
 from tests.capture.test_exact import _lm_batch
 

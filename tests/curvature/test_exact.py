@@ -8,8 +8,8 @@ from torch import nn
 
 import gradtrace
 from gradtrace.curvature import fit_curvature
-from gradtrace.grad.projection import Projector
 from gradtrace.losses import classification_loss, regression_loss
+from gradtrace.projection.logra import Projector
 
 
 class TokenMLP(nn.Module):

@@ -1,4 +1,4 @@
-"""Operations on GradBatch: every route gives the same numbers as the materialized brute force."""
+"""Operations on GradientBatch: every route gives the same numbers as the materialized brute force."""
 
 import pytest
 import torch

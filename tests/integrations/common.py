@@ -8,8 +8,8 @@ from collections.abc import Callable
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
-from gradtrace.capture.selection import canonical_param_names, unwrap
-from gradtrace.grad.projection import Projector
+from gradtrace.capture.layer_selection import canonical_param_names, unwrap
+from gradtrace.projection.logra import Projector
 from tests import tiny
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,?!'"  # 32 characters + <pad> + <eos>: fits tiny.VOCAB

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
-from gradtrace.grad.sketch import DenseProjection, SparseProjection
 from gradtrace.methods.less import less_aggregate, less_features, less_query_features
+from gradtrace.projection.sketch import DenseProjection, SparseProjection
 from gradtrace.store import SpecMismatch
 from tests import tiny
 

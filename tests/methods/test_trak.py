@@ -8,9 +8,9 @@ from torch import nn
 
 import gradtrace
 from gradtrace.curvature import CurvatureError
-from gradtrace.grad.projection import Projector
 from gradtrace.losses import classification_loss
 from gradtrace.methods import MissingStage
+from gradtrace.projection.logra import Projector
 from tests import tiny
 
 

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ...grad.projection import Projector
 from ...grad.terms import Term
+from ...projection.logra import Projector
 
 __all__ = [
     "LayerHandler",

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...grad.projection import Projector
 from ...grad.terms import OuterTerm, Term, VectorTerm
+from ...projection.logra import Projector
 from .base import LayerHandler, TokenScale, register_layer, scaled
 
 

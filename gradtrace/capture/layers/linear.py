@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...grad.projection import Projector
 from ...grad.terms import OuterTerm, Term, VectorTerm
+from ...projection.logra import Projector
 from .base import LayerHandler, TokenScale, register_layer, scaled, tokens_last
 
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...grad.projection import Projector
 from ...grad.terms import Term, VectorTerm
+from ...projection.logra import Projector
 from .base import LayerHandler, TokenScale, detached_copy, register_layer, scaled
 
 _CHANNEL_NORMS = (nn.modules.batchnorm._NormBase,)  # BatchNorm*, SyncBatchNorm, InstanceNorm*: channel dim 1

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .projection import gaussian_matrix, stable_seed
+from .logra import gaussian_matrix, stable_seed
 
 __all__ = ["SCHEME", "DenseProjection", "Sketch", "SparseProjection", "from_spec"]
 

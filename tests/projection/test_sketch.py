@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from gradtrace.grad.sketch import SCHEME, DenseProjection, SparseProjection, from_spec
+from gradtrace.projection.sketch import SCHEME, DenseProjection, SparseProjection, from_spec
 
 MAKERS = {
     "gaussian": lambda k, seed=0, **kw: DenseProjection(k, seed, "gaussian", **kw),
