@@ -24,7 +24,8 @@ from typing import Any
 
 from ..grad.batch import GradientBatch
 from ..store import StoreWriter
-from ..store.layout import MANIFEST, StoreError, atomic_write_json, lock_is_stale, read_lock
+from ..store.artifact import atomic_write_json
+from ..store.layout import MANIFEST, StoreError, lock_is_stale, read_lock
 from ..train.trajectory import TrajectoryKeys, step_weights
 
 __all__ = ["TrainerRows", "checkpoints", "preflight", "record_checkpoints", "shard_rows_for"]

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from ..grad.batch import GradientBatch
 from ..grad.quantize import quantize
+from .artifact import atomic_write_json, checksum, create_exclusive, fsync_dir, json_bytes
 from .layout import (
     DTYPES,
     FORMAT,
@@ -36,12 +37,7 @@ from .layout import (
     SCHEMA_VERSION,
     SHARD_FILE,
     StoreError,
-    _fsync_dir,
     acquire_lock,
-    atomic_write_json,
-    checksum,
-    create_exclusive,
-    json_bytes,
     lock_is_stale,
     manifest_checksum,
     rank_file,
@@ -156,7 +152,7 @@ class _OpenShard:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.replace(self.tmp[part], self.final[part])
-        _fsync_dir(next(iter(self.final.values())).parent)
+        fsync_dir(next(iter(self.final.values())).parent)
         return {part: {"name": self.final[part].name, "bytes": self.sizes[part],
                        "blake2b": self.hashes[part].hexdigest()} for part in self.parts}
 
