@@ -35,7 +35,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor
@@ -93,14 +93,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_synced(handle: IO[bytes], data: bytes | memoryview) -> None:
+    """Write ``data`` to an open file and flush it to the disk."""
+    handle.write(data)
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     """Write ``data`` to ``path`` via a temporary file, fsync, rename: readers see all or nothing."""
     tmp = path.with_name(f".tmp-{path.name}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            _write_synced(f, data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -119,9 +124,7 @@ def create_exclusive(path: Path, data: bytes) -> bool:
     tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}.{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            _write_synced(f, data)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -132,9 +135,7 @@ def create_exclusive(path: Path, data: bytes) -> bool:
             except FileExistsError:
                 return False
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                _write_synced(f, data)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
