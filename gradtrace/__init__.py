@@ -17,7 +17,8 @@ from .methods.less import less_features, less_query_features
 from .plan import Plan, plan
 from .projection import LoGra
 from .score import Attributor, Scores
-from .store import GradientSpec, GradientStore, StoreWriter
+from .sink import StoreWriter
+from .store import GradientSpec, GradientStore
 from .train import TrajectoryWriter
 
 __version__ = "0.1.0"

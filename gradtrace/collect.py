@@ -22,7 +22,8 @@ from .capture import capture
 from .gradients import GradientSet
 from .losses import default_loss, default_loss_labels
 from .projection.logra import LoGra
-from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
+from .sink import StoreWriter
+from .store import GradientStore, ShardWriter, model_fingerprint
 
 __all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",
            "run_capture", "terminate_as_interrupt"]

@@ -31,7 +31,8 @@ from ..collect import collect
 from ..losses import lm_labels
 from ..projection.logra import LoGra
 from ..score import Attributor, Scores
-from ..store import GradientStore, StoreWriter
+from ..sink import StoreWriter
+from ..store import GradientStore
 from .corpus import PLANTED, Document, load_plays, train_tokenizer
 
 __all__ = ["main", "run"]

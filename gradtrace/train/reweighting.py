@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..store.layout import atomic_write_json
+from ..store.artifact import atomic_write_json
 from .cycle import Cycle
 
 __all__ = ["SAMAReweighting", "adam_update_jacobian"]
