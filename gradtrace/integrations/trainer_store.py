@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..store import StoreWriter
 from ..store.layout import MANIFEST, StoreError, atomic_write_json, lock_is_stale, read_lock
@@ -94,7 +95,7 @@ def checkpoints(store: Any) -> list[dict]:
     return list((manifest.get("config") or {}).get(CONFIG_KEY, {}).get("checkpoints") or [])
 
 
-class TrainerRows:
+class TrainerRows(CaptureCallback):
     """Capture callback writing each captured example, with its training position, to a store.
 
     ``position`` is updated by the Trainer callback before each captured optimizer step:

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..capture import capture
+from ..capture import CaptureCallback, capture
+from ..capture.dataset import run_capture
 from ..capture.layer_selection import strip_wrappers, unwrap
-from ..collect import LossFn, run_capture
+from ..collect import LossFn
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..losses import causal_lm_loss, default_loss
@@ -194,7 +195,7 @@ def _default_loss(example_loss: str) -> LossFn:
     return loss
 
 
-class _FeatureSink:
+class _FeatureSink(CaptureCallback):
     """Capture callback: exact per-example gradients -> features -> projected rows (memory or store)."""
 
     def __init__(self, model: nn.Module, sketch: Sketch, convention: dict[str, Any],

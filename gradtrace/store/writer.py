@@ -27,6 +27,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..grad.quantize import quantize
 from .layout import (
@@ -588,7 +589,7 @@ class ShardWriter:
         self.close(complete=exc is None)
 
 
-class StoreWriter:
+class StoreWriter(CaptureCallback):
     """Capture callback writing every captured example's gradient vector to a store.
 
     ``capture(model, projection=LoGra(...), callbacks=[StoreWriter("runs/train")])``: each backward

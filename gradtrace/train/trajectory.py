@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
@@ -68,7 +69,7 @@ def step_weights(scale: Tensor, lr: float) -> list[float]:
     return torch.where(scale > 0, lr / scale.clamp(min=1e-300), torch.zeros_like(scale)).tolist()
 
 
-class TrajectoryWriter:
+class TrajectoryWriter(CaptureCallback):
     """Capture callback recording each example's (projected) gradient at every optimizer step.
 
     Args:
