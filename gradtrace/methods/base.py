@@ -78,9 +78,15 @@ class Method:
         if options:
             raise TypeError(f"method {self.name!r} takes no options {sorted(options)}")
 
-    def fit(self, attributor: Any, *args: Any, **kwargs: Any) -> None:
+    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, **options: Any) -> None:
         """Run the stages the method needs (curvature, optimizer states, ...) for ``attributor``'s training
-        gradients; called by :meth:`gradtrace.Attributor.fit`. Default: nothing to fit."""
+        gradients, from ``model`` and ``data`` where it needs a model pass; called by
+        :meth:`gradtrace.Attributor.fit`. Default: nothing to fit (whatever is passed)."""
+
+    @classmethod
+    def has_fit(cls) -> bool:
+        """Whether the method has a stage to fit (it overrides :meth:`fit`)."""
+        return cls.fit is not Method.fit
 
     def bind(self, spec: GradientSpec) -> None:
         """Check the fitted stages against the training gradients' ``spec`` (their parameters and projection)

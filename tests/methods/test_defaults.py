@@ -31,6 +31,8 @@ def test_method_defaults_do_nothing_and_weigh_checkpoints_equally():
     assert method.fit(object(), "model", data=[]) is None
     assert method.bind(None) is None
     assert method.checkpoint_weights(3) == [1.0, 1.0, 1.0]
+    assert not Method.has_fit() and not _Doubled.has_fit()
+    assert gradtrace.methods.get_method("ekfac").has_fit() and not gradtrace.methods.get_method("grad_dot").has_fit()
 
 
 def test_a_method_with_only_its_math_scores_through_the_engine():
