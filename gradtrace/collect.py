@@ -18,15 +18,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .capture import capture
+from .capture import CaptureCallback, capture
+from .capture.dataset import run_capture
 from .gradients import GradientSet
-from .losses import default_loss, default_loss_labels
+from .options import CaptureOptions, StoreOptions, takes_options, with_record
 from .projection.logra import LoGra
 from .sink import StoreWriter
 from .store import GradientStore, ShardWriter, model_fingerprint
 
 __all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",
-           "run_capture", "terminate_as_interrupt"]
+           "terminate_as_interrupt"]
 
 LossFn = Callable[[nn.Module, Any], Tensor]
 
@@ -92,7 +93,7 @@ def check_finite_parameters(model: nn.Module, what: str = "collect()") -> None:
                              "wrote it, is broken)")
 
 
-class _NonFiniteTally:
+class _NonFiniteTally(CaptureCallback):
     """Capture callback counting the examples of a run and the ids flagged NaN/inf."""
 
     def __init__(self) -> None:
@@ -110,31 +111,6 @@ class _NonFiniteTally:
             first = ", ".join(self.nonfinite[:3]) + (" ..." if self.examples > 3 else "")
             raise NonFiniteError(f"collect(): all {self.examples} examples have NaN/inf gradients ({first}); {kept}. "
                                  "Check the data and the model's dtype (float16/bfloat16 can overflow)")
-
-
-def _batch_size(batch: Any) -> int:
-    tensors = batch.values() if isinstance(batch, dict) else (batch if isinstance(batch, (list, tuple)) else [batch])
-    for value in tensors:
-        if isinstance(value, Tensor) and value.dim() > 0:
-            return value.shape[0]
-    raise ValueError("cannot find the batch dimension: batches must hold tensors")
-
-
-def _select_rows(batch: Any, rows: list[int], size: int) -> Any:
-    index = torch.tensor(rows, dtype=torch.long)
-
-    def take(value: Any) -> Any:
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == size:
-            return value.index_select(0, index.to(value.device))
-        if isinstance(value, list) and len(value) == size:
-            return [value[i] for i in rows]
-        return value
-
-    if isinstance(batch, dict):
-        return {k: take(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(take(v) for v in batch)
-    return take(batch)
 
 
 def _to_device(batch: Any, device: torch.device | None) -> Any:
@@ -159,6 +135,7 @@ def context_limit(model: nn.Module) -> int | None:
     return None
 
 
+@takes_options(options=CaptureOptions, store_options=StoreOptions)
 def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None, *,
             projection: LoGra | None = None, layers: Sequence[Any] | None = None,
             exclude: Sequence[Any] | None = None, store: str | Path | None = None, dtype: str = "float32",
@@ -166,7 +143,8 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
             shard_bytes: int | None = None, ids: Sequence[Any] | None = None,
             id_key: str = "id", keep_tokens: bool = False, weight_grads: bool = False,
             device: torch.device | str | None = None, eval_mode: bool = True, progress: bool = False,
-            total: int | None = None, config: dict[str, Any] | None = None) -> GradientSet | GradientStore:
+            total: int | None = None, config: dict[str, Any] | None = None, options: CaptureOptions | None = None,
+            store_options: StoreOptions | None = None) -> GradientSet | GradientStore:
     """Per-example gradients of every example of ``data`` at the model's current weights.
 
     Examples whose gradient holds NaN/inf are left out with a warning naming them (in-memory: listed in the
@@ -194,12 +172,16 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
         device: move batches to this device first.
         eval_mode: run the model in eval mode (no dropout), restoring its mode afterwards.
         progress: show a progress bar (``total`` batches if the data has no ``len``).
+        options, store_options: ``projection``/``layers``/``exclude`` as a :class:`gradtrace.options.CaptureOptions`
+            and the store options as a :class:`gradtrace.options.StoreOptions` (instead of the keywords; the
+            resolved objects are recorded in the store's manifest, ``config["gradtrace"]["options"]``).
     """
     if store is None and (resume or overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
     check_finite_parameters(model)
     writer = StoreWriter(store, dtype=dtype, shard_rows=shard_rows, shard_bytes=shard_bytes, resume=resume,
-                         overwrite=overwrite, config=config) if store is not None else None
+                         overwrite=overwrite, config=with_record(config, capture=options, store=store_options)
+                         ) if store is not None else None
     stored: set[str] = set()
     if store is not None and resume and (Path(store) / "manifest.json").exists():
         stored = set(GradientStore.open(store, verify=False, allow_incomplete=True).ids)
@@ -226,104 +208,3 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
     if not cap.batches:
         raise ValueError("collect(): the data produced no examples")
     return GradientSet.from_batches(cap.batches, model_fingerprint(model), keep_batches=keep_tokens)
-
-
-def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, cap: Any, *,
-                ids: Sequence[Any] | None = None, id_key: str = "id", skip: set[str] | frozenset = frozenset(),
-                device: torch.device | str | None = None, weight_grads: bool = False, eval_mode: bool = True,
-                progress: bool = False, total: int | None = None, what: str = "collect") -> int:
-    """Run ``data`` through ``model`` inside capture ``cap``: one per-example loss and one backward pass per
-    batch, to the captured layers' outputs only (no weight gradients) unless ``weight_grads``.
-
-    Returns the number of examples processed. Examples whose id is in ``skip`` are not computed. The model's
-    mode and ``param.grad`` are restored afterwards.
-    """
-    device = torch.device(device) if device is not None else None
-    was_training = model.training
-    if eval_mode:
-        model.eval()
-    id_list = list(ids) if ids is not None else None
-    consumed = seen = 0
-    limit = context_limit(model)
-    cap.track_outputs = not weight_grads
-    saved_grads = {n: p.grad for n, p in model.named_parameters()} if weight_grads else None
-    bar = _progress(data, progress, total, what)
-    try:
-        with cap:
-            for batch in bar:
-                size = _batch_size(batch)
-                raw_ids = None  # as given: the capture refuses ids of two types (1 and "1") before str()
-                if isinstance(batch, dict) and id_key in batch:
-                    raw_ids = list(batch[id_key].tolist() if isinstance(batch[id_key], Tensor) else batch[id_key])
-                    batch = {k: v for k, v in batch.items() if k != id_key}
-                elif id_list is not None:
-                    raw_ids = id_list[consumed:consumed + size]
-                    if len(raw_ids) < size:
-                        raise ValueError(f"{what}(): {len(id_list)} ids given but the data has more examples")
-                    consumed += size
-                batch_ids = None if raw_ids is None else [str(i) for i in raw_ids]
-                if skip and batch_ids is not None:  # resume: skip examples already done
-                    keep = [i for i, ident in enumerate(batch_ids) if ident not in skip]
-                    if not keep:
-                        continue
-                    if len(keep) < size:
-                        batch, batch_ids = _select_rows(batch, keep, size), [batch_ids[i] for i in keep]
-                        raw_ids = [raw_ids[i] for i in keep]
-                        size = len(keep)
-                if limit is not None and isinstance(batch, dict) and isinstance(batch.get("input_ids"), Tensor):
-                    length = batch["input_ids"].shape[-1]
-                    if length > limit:
-                        raise ValueError(f"{what}(): a batch has sequences of {length} tokens but the model's "
-                                         f"context is {limit}; truncate or split them")
-                batch = _to_device(batch, device)
-                fn = loss_fn or default_loss(batch, single_backward=True)
-                info: dict[str, Any] = {} if raw_ids is None else {"ids": raw_ids}
-                if loss_fn is None:  # the capture learns each example's target count (zero ones are warned about)
-                    labels = default_loss_labels(batch)
-                    if labels is not None:
-                        info["labels"] = labels if getattr(cap, "causal_lm", True) else _shift_left(labels)
-                if info:
-                    cap.annotate(**info)
-                losses = fn(model, batch)
-                if losses.dim() != 1 or losses.shape[0] != size:
-                    raise ValueError(f"loss_fn must return one loss per example ([{size}]), got "
-                                     f"{tuple(losses.shape)}")
-                total_loss = losses.sum()
-                if weight_grads:
-                    total_loss.backward()
-                else:
-                    outputs = cap.pop_outputs()
-                    if not outputs:
-                        raise RuntimeError(f"{what}(): no captured layer took part in the loss")
-                    torch.autograd.grad(total_loss, outputs, allow_unused=True)
-                seen += size
-                if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(examples=seen)
-    finally:
-        if hasattr(bar, "close"):
-            bar.close()
-        if saved_grads is not None:
-            for n, p in model.named_parameters():
-                p.grad = saved_grads[n]
-        model.train(was_training)
-    if id_list is not None and consumed < len(id_list) and not skip:
-        raise ValueError(f"{what}(): {len(id_list)} ids given for {consumed} examples")
-    return seen
-
-
-def _shift_left(labels: Tensor, ignore_index: int = -100) -> Tensor:
-    """``[B, T]`` labels moved one position left (position ``t`` holds what the logits at ``t`` predict)."""
-    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
-
-
-def _progress(data: Iterable[Any], enabled: bool, total: int | None, what: str = "collect") -> Iterable[Any]:
-    if not enabled:
-        return data
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return data
-    if total is None:
-        with contextlib.suppress(TypeError):
-            total = len(data)  # type: ignore[arg-type]
-    return tqdm(data, total=total, desc=what, unit="batch", dynamic_ncols=True)

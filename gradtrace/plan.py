@@ -62,7 +62,7 @@ def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projecti
     pass a list or a dataset, not a one-shot generator. Arguments as for :func:`gradtrace.collect`.
     """
     from .capture import capture
-    from .collect import _batch_size, run_capture
+    from .capture.dataset import batch_size, run_capture
 
     if warmup_batches < 1:
         raise ValueError("warmup_batches must be at least 1")
@@ -70,7 +70,7 @@ def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projecti
         raise ValueError("plan() iterates data twice: pass a list or a dataset, not an iterator or generator")
     examples, tokens = 0, 0
     for batch in data:
-        examples += _batch_size(batch)
+        examples += batch_size(batch)
         tokens = None if tokens is None else _add_tokens(tokens, batch)
     if examples == 0:
         raise ValueError("plan(): the data produced no examples")

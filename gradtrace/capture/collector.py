@@ -11,7 +11,8 @@ How it works, in one pass of a loop:
 3. When the output-gradient arrives, the layer handler turns it into per-example gradient terms
    (loss scale removed).
 4. An autograd-engine callback fires when the backward pass is complete; the terms are assembled
-   into a :class:`GradientBatch`, kept in ``capture.batches`` and/or handed to callbacks.
+   into a :class:`GradientBatch` (:mod:`.build`), kept in ``capture.batches`` and/or handed to callbacks
+   (:class:`CaptureCallback`). Example ids come from :mod:`.example_ids`.
 
 Nothing in the user's model is replaced or wrapped; on exit every hook is removed.
 """
@@ -20,48 +21,28 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import numbers
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..data.ids import ContentIds
-from ..grad.batch import GradientBatch, LossConvention, ParamGradient
+from ..grad.batch import GradientBatch, LossConvention
+from ..options import CaptureOptions, takes_options
 from ..projection.logra import LoGra, Projector, check_projection_size, unmatched_ranks
-from ..store.spec import IdCollision
-from .assemble import SiteResult, join_terms, nonfinite_examples, outside_examples, term_tensors, zero_outside
+from .assemble import SiteResult, outside_examples, zero_outside
+from .build import build_batch
+from .callbacks import CaptureCallback, as_callback
 from .context import BatchInfo, ContextSettings, ForwardContext
+from .example_ids import ExampleIds
 from .layer_selection import LayerSpec, select_layers, unwrap
 from .layers import LayerHandler
 from .report import CaptureReport
 from .verify import check_batch_sum
 
 __all__ = ["Capture", "CaptureCallback", "capture"]
-
-_REDUCTIONS = ("mean", "sum", "token_mean")
-_EXAMPLE_LOSSES = ("sum", "mean")
-
-
-class CaptureCallback:
-    """Base class (optional: any object with these methods works) for consumers of captured batches.
-
-    Later building blocks -- the store writer, curvature accumulation, online data selection --
-    are callbacks. ``on_batch`` runs at the end of each backward pass, after ``param.grad`` is
-    complete and before the loop continues (so before ``optimizer.step()``).
-    """
-
-    def on_capture_start(self, capture: Capture) -> None:
-        """Called when the capture context is entered."""
-
-    def on_batch(self, batch: GradientBatch, capture: Capture) -> None:
-        """Called with the per-example gradients of each backward pass."""
-
-    def on_capture_end(self, capture: Capture, error: BaseException | None) -> None:
-        """Called when the capture context exits (``error`` is the loop's exception, if any)."""
-
 
 class SidePass:
     """Batches captured inside :meth:`Capture.side_pass`."""
@@ -83,44 +64,19 @@ class Capture:
 
     Args:
         model: the model the loop calls (plain, DDP-wrapped, PEFT, FSDP2 ``fully_shard``-ed).
-        layers: module name globs or classes to capture (default: every supported module).
-        exclude: module name globs or classes to leave out.
-        include_frozen: also capture parameters with ``requires_grad=False``.
-        reduction: how the loop reduced per-example losses into the loss it backpropagates:
-            ``"mean"`` over rows, ``"sum"``, or ``"token_mean"`` (Hugging Face: target-token sum over
-            the batch divided by their count or ``num_items_in_batch``).
-        example_loss: the loss each captured gradient belongs to: ``"sum"`` over the example's target
-            tokens (default) or the per-token ``"mean"``.
-        loss_scale: any other constant the loop multiplied its loss by (e.g. ``1/accumulation_steps``,
-            an AMP ``GradScaler`` scale); a callable is evaluated at every forward call.
-        projection: ``gradtrace.LoGra(...)`` to project at capture time, or None for exact gradients.
         ids: example ids consumed in order (one per example, per document for packed rows); without
             them and without :meth:`annotate`, ids are content hashes of each example's tokens.
         callbacks: objects with ``on_batch(batch, capture)`` (see :class:`CaptureCallback`) or plain
             callables ``fn(batch)``.
         keep_batches: keep batches in ``capture.batches`` (default: only when there are no callbacks).
-        packing: split packed rows into documents using ``position_ids`` restarts.
-        multi_forward: when the model runs several forward calls before one backward: ``"concat"``
-            (each call's rows are different examples) or ``"sum"`` (row ``i`` of every call is the
-            same example, e.g. two views of it).
-        broadcast: ``"expand"`` a layer output computed once for the whole batch (GPT-2's position
-            embeddings on a ``[1, T]`` tensor) to one row per example, so it gets per-example
-            gradients (values are unchanged); ``"skip"`` to leave such layers out.
-        causal_lm: whether labels are shifted by one (logits at ``t`` predict ``labels[t+1]``); by
-            default inferred from the model class name (``*ForCausalLM``, ``*LMHeadModel``).
-        ignore_index: label value that marks non-target tokens.
-        nonfinite: ``"flag"`` examples with NaN/inf gradients in ``batch.nonfinite`` (with a warning)
-            or ``"raise"``.
-        isolate_padding: replace NaN/inf at positions that belong to no example (padding) by 0 in the
-            captured layers' outputs and output-gradients, so that they cannot reach the real tokens (masked
-            attention multiplies a padded position's values by 0, which leaves NaN) and flag a whole padded
-            batch. Finite values are never changed. Off by default because it changes the loss a training
-            loop sees when padding holds NaN; :func:`gradtrace.collect` turns it on.
-        strict: raise instead of warning when trainable parameters cannot be captured.
-        verify: check after each backward pass that the per-example gradients, with the loss scale
-            put back, sum to the batch gradient autograd computed (debugging; costs a little).
+        options: the capture settings as one :class:`gradtrace.options.CaptureOptions` (what is captured: layers,
+            exclude, include_frozen, projection; how the loop's loss is read: reduction, example_loss,
+            loss_scale; batch layout: packing, multi_forward, broadcast, causal_lm, ignore_index; nonfinite,
+            isolate_padding, strict, verify), documented there; each setting can also be passed as a keyword
+            (``reduction`` defaults to ``"mean"``, ``loss_scale`` to 1).
     """
 
+    @takes_options(options=CaptureOptions)
     def __init__(
         self,
         model: nn.Module,
@@ -128,9 +84,9 @@ class Capture:
         layers: Iterable[LayerSpec] | None = None,
         exclude: Iterable[LayerSpec] | None = None,
         include_frozen: bool = False,
-        reduction: str = "mean",
+        reduction: str | None = "mean",
         example_loss: str = "sum",
-        loss_scale: float | Callable[[], float] = 1.0,
+        loss_scale: float | Callable[[], float] | None = 1.0,
         projection: LoGra | None = None,
         ids: Sequence[Any] | None = None,
         callbacks: Sequence[Any] = (),
@@ -144,22 +100,14 @@ class Capture:
         isolate_padding: bool = False,
         strict: bool = False,
         verify: bool = False,
+        options: CaptureOptions | None = None,
     ) -> None:
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-        if example_loss not in _EXAMPLE_LOSSES:
-            raise ValueError(f"example_loss must be one of {_EXAMPLE_LOSSES}, got {example_loss!r}")
-        if multi_forward not in ("concat", "sum"):
-            raise ValueError(f"multi_forward must be 'concat' or 'sum', got {multi_forward!r}")
-        if broadcast not in ("expand", "skip"):
-            raise ValueError(f"broadcast must be 'expand' or 'skip', got {broadcast!r}")
-        if nonfinite not in ("flag", "raise"):
-            raise ValueError(f"nonfinite must be 'flag' or 'raise', got {nonfinite!r}")
-        if projection is not None and not isinstance(projection, LoGra):
-            raise TypeError(f"projection must be a gradtrace.LoGra spec or None, got {type(projection).__name__}")
+        # options: the resolved settings (takes_options checked them and spread them over the keywords)
+        self.options = replace(options, reduction=reduction or "mean", loss_scale=1.0 if loss_scale is None
+                               else loss_scale)
         self.model = model
-        self.convention = LossConvention(reduction, example_loss)
-        self.loss_scale = loss_scale
+        self.convention = LossConvention(self.options.reduction, example_loss)
+        self.loss_scale = self.options.loss_scale
         self.projection = projection
         self.projector = Projector(projection) if projection is not None else None
         self.callbacks = list(callbacks)
@@ -187,10 +135,7 @@ class Capture:
             check_projection_size(projection, {h.params[r]: h.shapes[r] for h in self.handlers for r in h.params})
         self.batches: list[GradientBatch] = []
         self.num_backward = 0
-        self._ids = iter(ids) if ids is not None else None
-        self._ids_given = ids is not None
-        self._content_ids = ContentIds()
-        self._id_kind: tuple[str, Any] | None = None  # type of the first user id and that id (see _id_strings)
+        self._ids = ExampleIds(ids)
         self._handles: list[Any] = []
         self._hooked: dict[int, Tensor] = {}  # parameters with a gradient hook (kept alive: ids stay unique)
         self._active = False
@@ -218,9 +163,8 @@ class Capture:
         self._active = True
         self._forwards_with_grad = 0
         try:
-            for cb in self.callbacks:
-                if hasattr(cb, "on_capture_start"):
-                    cb.on_capture_start(self)
+            for cb in self._callbacks():
+                cb.on_capture_start(self)
         except BaseException:  # __exit__ will not run: leave the model without hooks
             self._remove()
             self._active = False
@@ -234,14 +178,16 @@ class Capture:
         if exc is None:
             if self.num_backward == 0 and self._forwards_with_grad:
                 warnings.warn("gradtrace: no backward pass ran inside capture(); nothing was captured", stacklevel=2)
-            if self._ids is not None:
-                left = sum(1 for _ in self._ids)
-                if left:
-                    warnings.warn(f"gradtrace: {left} of the given ids were not used (fewer examples were "
-                                  "captured than ids given)", stacklevel=2)
-        for cb in self.callbacks:
-            if hasattr(cb, "on_capture_end"):
-                cb.on_capture_end(self, exc)
+            left = self._ids.unused()
+            if left:
+                warnings.warn(f"gradtrace: {left} of the given ids were not used (fewer examples were "
+                              "captured than ids given)", stacklevel=2)
+        for cb in self._callbacks():
+            cb.on_capture_end(self, exc)
+
+    def _callbacks(self) -> list[CaptureCallback]:
+        """``self.callbacks`` (a list the caller may extend) as :class:`CaptureCallback` s."""
+        return [as_callback(cb) for cb in self.callbacks]
 
     def _install(self) -> None:
         root = self.model
@@ -299,7 +245,7 @@ class Capture:
 
     def reset_ids(self) -> None:
         """Forget seen content hashes (a new epoch: repeated content is the same example again)."""
-        self._content_ids.reset()
+        self._ids.reset()
 
     def report(self) -> CaptureReport:
         """What is captured, what is left out and why (printable)."""
@@ -322,8 +268,7 @@ class Capture:
         """
         if self._side is not None:
             raise RuntimeError("side passes do not nest")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        CaptureOptions(reduction=reduction)  # checks it
         side = SidePass()
         saved = (self.convention, self.loss_scale, self.track_outputs, self._outputs)
         self.convention = LossConvention(reduction, example_loss or self.convention.example_loss)
@@ -445,7 +390,7 @@ class Capture:
                                               f"batch has {rows}; rows cannot be matched to examples")
                     return None
             outside = self._padding_of(context) if self.isolate_padding else None
-            if outside is not None:  # the saved inputs need no cleaning: _assemble drops padding's NaN from terms
+            if outside is not None:  # the saved inputs need no cleaning: build_batch drops padding's NaN from terms
                 cleaned = zero_outside(output, outside)
                 if cleaned is not output:
                     output = replacement = cleaned
@@ -508,7 +453,7 @@ class Capture:
         self._reset_step()
         if self._side is not None:  # a side pass: its batch goes to the side pass only
             if results:
-                self._side.batches.append(self._assemble(results, self._side.count))
+                self._side.batches.append(build_batch(self, results, self._side.count, self.convention, self._ids))
                 self._side.count += 1
             return
         self.num_backward += 1
@@ -525,7 +470,7 @@ class Capture:
             warnings.warn(message, stacklevel=2)
         if not results:
             return
-        batch = self._assemble(results, step)
+        batch = build_batch(self, results, step, self.convention, self._ids)
         if self.verify:
             problems = check_batch_sum(batch, param_grads, self.projector)
             if problems:
@@ -533,134 +478,13 @@ class Capture:
                                      + "; ".join(problems))
         if self.keep_batches:
             self.batches.append(batch)
-        for cb in self.callbacks:
-            if hasattr(cb, "on_batch"):
-                cb.on_batch(batch, self)
-            else:
-                cb(batch)
-
-    def _assemble(self, results: list[SiteResult], step: int) -> GradientBatch:
-        contexts = sorted({id(r.context): r.context for r in results}.values(), key=lambda c: c.index)
-        sum_contexts = self.multi_forward == "sum" and len(contexts) > 1
-        if sum_contexts and len({c.num_examples for c in contexts}) != 1:
-            raise ValueError("gradtrace: multi_forward='sum' needs the same number of examples in every forward "
-                             f"call, got {[c.num_examples for c in contexts]}")
-        by_param: dict[str, list] = {}
-        for r in results:
-            for name, term in r.terms.items():
-                by_param.setdefault(name, []).append((r.context, r.order, term))
-        shapes = {h.params[role]: h.shapes[role] for h in self.handlers for role in h.params}
-        # padded positions are no example's: their NaN/inf must not make an example non-finite (packed rows
-        # are split into documents by relayout, which drops them already)
-        outside = {c.index: outside_examples(c) for c in contexts if not c.packed}
-        params: dict[str, ParamGradient] = {}
-        for name in self.selection.param_order:
-            if name not in by_param:
-                continue
-            terms = join_terms(by_param[name], contexts, sum_contexts, outside)
-            shape = tuple(terms[0].shape) if self.projector is not None else shapes[name]
-            grad = ParamGradient(name, shape, terms, projected=self.projector is not None)
-            if self.projector is not None and not self.projection.keep_tokens:
-                grad = grad.reduced()
-            params[name] = grad
-        used = contexts[:1] if sum_contexts else contexts
-        resolved = [self._resolve_ids(c) for c in used]
-        ids = [i for call_ids, _ in resolved for i in call_ids]
-        digests = None if any(d is None for _, d in resolved) else [x for _, d in resolved for x in d]
-        first = next(iter(params.values())).terms[0]
-        device = next(iter(term_tensors(first).values())).device
-        scale = torch.cat([c.example_scale.to(device) for c in used])
-        num_targets = None
-        if all(c.num_targets is not None for c in used):
-            num_targets = torch.cat([c.num_targets.to(device) for c in used])
-        bad = nonfinite_examples([t for pg in params.values() for t in pg.terms], len(ids), device)
-        batch = GradientBatch(ids=ids, params=params, scale=scale, convention=self.convention, step=step,
-                          nonfinite=bad, num_targets=num_targets,
-                          projection=self.projection.to_dict() if self.projection is not None else None,
-                          meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)],
-                                **({"digest": digests} if digests is not None else {})},
-                          num_tokens=_token_axis(contexts))
-        if bool(bad.any()):
-            names = [ids[i] for i in bad.nonzero().flatten().tolist()]
-            message = (f"gradtrace: {len(names)} example(s) have NaN/inf gradients in backward pass {step}: "
-                       f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''} (flagged in batch.nonfinite)")
-            if self.nonfinite == "raise":
-                raise FloatingPointError(message)
-            warnings.warn(message, stacklevel=2)
-        if num_targets is not None:
-            _warn_no_targets(ids, num_targets, step)
-        return batch
-
-    def _resolve_ids(self, context: ForwardContext) -> tuple[list[str], list[str] | None]:
-        """The ids of one forward call's examples and their content digests (a hash of each example's
-        unpadded inputs; None when the inputs cannot be hashed). Stores and ``GradientSet`` use the digests to
-        tell a repeat of an example (same id, same digest: skipped) from two examples sharing an id (an error)."""
-        count = context.num_examples
-        try:
-            digests = context.content_ids()
-        except (ValueError, TypeError, RuntimeError):  # no input tensor, or one numpy cannot hold (bf16)
-            digests = None
-        if context.user_ids is not None:
-            return self._id_strings(context.user_ids), digests
-        if self._ids is not None:
-            taken = list(itertools.islice(self._ids, count))
-            if len(taken) < count:
-                raise ValueError(f"gradtrace: the ids list ran out: {count} examples in this batch but only "
-                                 f"{len(taken)} ids left")
-            return self._id_strings(taken), digests
-        hashed = context.content_ids() if digests is None else digests  # raises when nothing can be hashed
-        return self._content_ids.number(hashed), digests
-
-    def _id_strings(self, ids: Sequence[Any]) -> list[str]:
-        """User ids as strings; ids of two types in one run (``1`` and ``"1"``) would become the same string
-        and are refused (:class:`~gradtrace.store.IdCollision` naming both)."""
-        for ident in ids:
-            kind = _id_kind(ident)
-            if self._id_kind is None:
-                self._id_kind = (kind, ident)
-            elif kind != self._id_kind[0]:
-                first_kind, first = self._id_kind
-                raise IdCollision(f"gradtrace: ids of two types in one run: {first!r} ({first_kind}) and {ident!r} "
-                                  f"({kind}); stored as strings they can collide (1 and '1' are the same id). Give "
-                                  "every id the same type")
-        return [str(i) for i in ids]
-
-
-def _id_kind(ident: Any) -> str:
-    """``"int"`` for Python and numpy integers, ``"str"`` for strings, else the type's name."""
-    if isinstance(ident, str):
-        return "str"
-    if isinstance(ident, numbers.Integral) and not isinstance(ident, bool):
-        return "int"
-    return type(ident).__name__
-
-
-def _warn_no_targets(ids: list[str], num_targets: Tensor, step: int) -> None:
-    """Warn about examples without a target token: their loss, hence their gradient, is zero."""
-    empty = (num_targets == 0).nonzero().flatten().tolist()
-    if empty:
-        names = [ids[i] for i in empty]
-        warnings.warn(f"gradtrace: {len(names)} example(s) have no target token in backward pass {step} (a single "
-                      f"token, or every label ignored), so their gradients are zero: {', '.join(names[:5])}"
-                      f"{' ...' if len(names) > 5 else ''}", stacklevel=3)
-
-
-def _token_axis(contexts: list[ForwardContext]) -> int | None:
-    """Token positions per example when every forward call had sequence inputs."""
-    if any(c.seq_len is None for c in contexts):
-        return None
-    return max(c.example_len if c.packed else c.seq_len for c in contexts)
+        for cb in self._callbacks():
+            cb.on_batch(batch, self)
 
 
 def _output_tensors(output: Any) -> list[Tensor]:
-    if isinstance(output, Tensor):
-        return [output]
-    if isinstance(output, dict):
-        values = output.values()
-    elif isinstance(output, (tuple, list)):
-        values = output
-    else:
-        return []
+    """The tensors of a forward call's output (a tensor, or a dict, tuple or list holding tensors)."""
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
     return [v for v in values if isinstance(v, Tensor)]
 
 

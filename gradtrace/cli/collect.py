@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from ..options import StoreOptions
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
@@ -18,22 +19,17 @@ from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_
 from .options import Group, cli, resolved
 from .report import Phases, console, human_bytes
 
-__all__ = ["OPTIONS", "CollectOptions", "StoreOptions", "projection_label", "run"]
+__all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "projection_label", "run"]
 
 
 @dataclass(kw_only=True)
-class StoreOptions(Group):
-    """Where and how the gradient store is written."""
+class StoreGroup(Group):
+    """Where the gradient store is written (--out), and how: the Python API's
+    :class:`gradtrace.options.StoreOptions`, its fields as options."""
 
     panel = "Store"
     out: Path = field(metadata=cli("Directory of the gradient store to write.", "--out", "-o", metavar="STORE"))
-    dtype: Literal["float32", "bfloat16", "int8"] = field(default="float32", metadata=cli(
-        "Storage precision of the vectors (int8: one float32 scale per row)."))
-    resume: bool = field(default=False, metadata=cli("Add to an existing store, skipping the ids it already holds."))
-    overwrite: bool = field(default=False, metadata=cli("Replace an existing store at --out."))
-    shard_bytes: int | None = field(default=None, metadata=cli(
-        "Bytes per shard file (default 256 MiB): as many rows as fit. A hard kill loses at most one shard.", min=1))
-    shard_rows: int | None = field(default=None, metadata=cli("Rows per shard file, instead of --shard-bytes.", min=1))
+    settings: StoreOptions = field(default_factory=StoreOptions)
 
 
 @dataclass(kw_only=True)
@@ -43,7 +39,7 @@ class CollectOptions:
     model: Path = field(metadata=cli("Local Hugging Face model directory (config, weights and tokenizer).",
                                      argument=True, metavar="MODEL_DIR"))
     data: Path = field(metadata=cli(DATA_HELP, argument=True, metavar="DATA"))
-    store_options: StoreOptions
+    store_options: StoreGroup
     data_options: DataOptions
     projection_options: ProjectionOptions
     model_options: ModelOptions
@@ -82,13 +78,12 @@ def run(opts: CollectOptions) -> None:
     phases.note("read data", f"{batches.summary.total_tokens:,} tokens")
     console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
     single = batches.no_target_ids()  # nothing to predict: a zero gradient
-    proj = opts.projection_options
-    projection = (gradtrace.LoGra(rank=proj.rank, seed=proj.seed, ranks=proj.logra_ranks())
-                  if proj.projection == "logra" else None)
+    capture_options = opts.projection_options.capture_options()
+    projection, settings = capture_options.projection, store_opts.settings
     if already:
         _check_resume(store_opts, projection, model)
     with phases("plan"):
-        planned = gradtrace.plan(model, batches, projection=projection, dtype=store_opts.dtype, store=store_opts.out,
+        planned = gradtrace.plan(model, batches, projection=projection, dtype=settings.dtype, store=store_opts.out,
                                  device=device)
     console().print(plan_lines(planned, store_opts.out), markup=False, highlight=False, soft_wrap=True)
     if opts.dry_run:
@@ -103,17 +98,16 @@ def run(opts: CollectOptions) -> None:
                     model_options=replace(model_opts, device=device))
     values = resolved(final)
     with phases("gradients"), _interrupt_reported(store_opts.out):
-        store = gradtrace.collect(model, batches, projection=projection, store=store_opts.out, dtype=store_opts.dtype,
-                                  resume=store_opts.resume, overwrite=store_opts.overwrite,
-                                  shard_rows=store_opts.shard_rows, shard_bytes=store_opts.shard_bytes, device=device,
-                                  progress=opts.progress, config={META_KEY: provenance("collect"), **values})
+        store = gradtrace.collect(model, batches, options=capture_options, store=store_opts.out,
+                                  store_options=settings, device=device, progress=opts.progress,
+                                  config={META_KEY: provenance("collect"), **values})
     seconds = phases.seconds["gradients"]
     phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
     written = write_resolved(store_opts.out, "collect", values)
     info = store.info()
     out = console()
     new = len(store) - already
-    resumed = f" ({already:,} were already stored)" if store_opts.resume and already else ""
+    resumed = f" ({already:,} were already stored)" if settings.resume and already else ""
     out.print(f"Stored {new:,} new example{'' if new == 1 else 's'}{resumed} in {store_opts.out}")
     out.print(f"  rows x dim  {len(store):,} x {info['dim']:,} ({info['dtype']}, {human_bytes(info['bytes'])})")
     out.print(f"  projection  {projection_label(info['projection'])}")
@@ -161,23 +155,21 @@ def plan_lines(planned: Any, out: Path) -> str:
         "from a warm-up)"])
 
 
-def _check_target(store_opts: StoreOptions) -> int:
+def _check_target(store_opts: StoreGroup) -> int:
     """Refuse, before any data or model work, a store another run is writing, and an existing store without
     --resume/--overwrite; returns the rows it already holds."""
-    out = store_opts.out
-    if store_opts.resume and store_opts.overwrite:
-        raise CliError("--resume and --overwrite contradict each other; pass one of them")
-    if store_opts.shard_rows is not None and store_opts.shard_bytes is not None:
+    out, settings = store_opts.out, store_opts.settings
+    if settings.shard_rows is not None and settings.shard_bytes is not None:
         raise CliError("--shard-rows and --shard-bytes both size the shards; pass one of them")
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
     _check_not_locked(out)
     if not (out / "manifest.json").exists():
         return 0
-    if not (store_opts.resume or store_opts.overwrite):
+    if not (settings.resume or settings.overwrite):
         raise CliError(f"{out} already holds a gradient store: pass --resume to add the examples it lacks, or "
                        "--overwrite to replace it")
-    if store_opts.overwrite:
+    if settings.overwrite:
         return 0
     from ..store import GradientStore
 
@@ -202,7 +194,7 @@ def _check_not_locked(out: Path) -> None:
                            "if that run is gone")
 
 
-def _check_resume(store_opts: StoreOptions, projection: Any, model: Any) -> None:
+def _check_resume(store_opts: StoreGroup, projection: Any, model: Any) -> None:
     """``--resume`` must use the store's settings: projection, dtype, model architecture (checked here even
     when every example is already stored and nothing would be written)."""
     from ..store import GradientStore
@@ -214,8 +206,9 @@ def _check_resume(store_opts: StoreOptions, projection: Any, model: Any) -> None
     if spec.projection != wanted:
         raise CliError(f"{store_opts.out} was collected with projection {projection_label(spec.projection)}, this run "
                        f"asks for {projection_label(wanted)}; {hint}")
-    if spec.dtype != store_opts.dtype:
-        raise CliError(f"{store_opts.out} stores {spec.dtype}, this run asks for --dtype {store_opts.dtype}; {hint}")
+    if spec.dtype != store_opts.settings.dtype:
+        raise CliError(f"{store_opts.out} stores {spec.dtype}, this run asks for --dtype {store_opts.settings.dtype}; "
+                       f"{hint}")
     arch = model_fingerprint(model)["arch"]
     if spec.model.get("arch") and spec.model["arch"] != arch:
         raise CliError(f"{store_opts.out} was collected with another model ({spec.model.get('class')} "

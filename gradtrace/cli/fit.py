@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
+from .. import options as api
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
@@ -42,6 +43,12 @@ class CurvatureOptions(Group):
     damping: float = field(default=0.1, metadata=cli(
         "Default damping saved with the fit (relative: times the mean eigenvalue of each block).", min=0))
     overwrite: bool = field(default=False, metadata=cli("Replace a curvature already saved in --out."))
+
+    def fit_options(self) -> api.FitOptions:
+        """The Python API's :class:`gradtrace.options.FitOptions` of a model-pass fit (kfac, ekfac, ggn)."""
+        kind = {"kfac": "kfac", "ekfac": "ekfac", "ggn": "fisher"}[self.method]
+        return api.FitOptions(kind=kind, fisher=self.fisher, samples=self.samples, seed=self.seed,
+                              damping=self.damping)
 
 
 @dataclass(kw_only=True)
@@ -112,12 +119,10 @@ def run(opts: FitOptions) -> None:
             batches = read_dataset(opts.data, tokenizer, data_opts, max_length, pad_id(tokenizer))
             data_opts = replace(data_opts, max_length=max_length)
         console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
-        kind = {"kfac": "kfac", "ekfac": "ekfac", "ggn": "fisher"}[cv.method]
         with phases("fit"):
             try:
-                curvature = fit_curvature(model, batches, kind=kind, fisher=cv.fisher, projection=projection,
-                                          spec=store.spec, samples=cv.samples, seed=cv.seed, damping=cv.damping,
-                                          device=device, progress=opts.progress)
+                curvature = fit_curvature(model, batches, projection=projection, spec=store.spec,
+                                          fit_options=cv.fit_options(), device=device, progress=opts.progress)
             except ValueError as err:
                 raise CliError(str(err)) from None
     curvature = curvature.with_damping(cv.damping)

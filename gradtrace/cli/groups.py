@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..options import CaptureOptions
+from ..projection import LoGra
 from .options import Group, cli
 
 __all__ = ["DATA_HELP", "DataOptions", "GenerateOptions", "ModelOptions", "ProjectionOptions"]
@@ -92,6 +94,12 @@ class ProjectionOptions(Group):
     ranks: str = field(default="", metadata=cli(
         "Per-parameter LoGra ranks, comma-separated GLOB=ROWSxCOLS or GLOB=RANK (e.g. '*wte.weight=512x32': keep "
         "an embedding's vocabulary axis).", metavar="SPEC"))
+
+    def capture_options(self) -> CaptureOptions:
+        """The Python API's :class:`gradtrace.options.CaptureOptions` these options stand for (its projection)."""
+        if self.projection == "none":
+            return CaptureOptions()
+        return CaptureOptions(projection=LoGra(rank=self.rank, seed=self.seed, ranks=self.logra_ranks()))
 
     def logra_ranks(self) -> dict[str, tuple[int, int]]:
         """``--ranks`` parsed into ``LoGra(ranks=...)``'s form."""

@@ -1,7 +1,9 @@
 """Command options as typed, documented dataclasses; the typer commands are generated from them.
 
 Each command declares one dataclass whose fields are its options (nested dataclasses group options by
-concern: model, data, projection, store...). A field's ``metadata=cli(...)`` carries its one-line help and
+concern: model, data, projection, store...; a group may nest a Python API option object of
+:mod:`gradtrace.options`, whose fields' ``help`` metadata becomes their ``--help``, so that the command builds
+the very object the Python call takes). A field's ``metadata=cli(...)`` carries its one-line help and
 flags (:func:`cli`). :func:`make_command` turns the dataclass into a typer command
 (every field becomes a parameter, each group a help panel), adds ``--config FILE`` (values from a YAML or
 TOML file, overridden by the command line) and calls the command's function with a filled-in instance.
@@ -70,12 +72,21 @@ def flat_fields(cls: type, panel: str | None = None) -> list[FlatField]:
             out += flat_fields(kind, getattr(kind, "panel", None) or panel)
             continue
         default = f.default_factory() if f.default_factory is not MISSING else f.default
-        out.append(FlatField(f.name, kind, default, f.metadata["cli"], getattr(cls, "panel", None) or panel))
+        out.append(FlatField(f.name, kind, default, _cli_info(f), getattr(cls, "panel", None) or panel))
     names = [x.name for x in out]
     duplicates = {n for n in names if names.count(n) > 1}
     if duplicates:
         raise TypeError(f"{cls.__name__}: option names used twice: {sorted(duplicates)}")
     return out
+
+
+def _cli_info(f: Any) -> dict[str, Any]:
+    """A field's ``cli()`` info: its own, or, for a field of a Python API option object (:mod:`gradtrace.options`,
+    which cannot know the command line), one made from its ``help`` metadata and bounds (``min``)."""
+    if "cli" in f.metadata:
+        return f.metadata["cli"]
+    bounds = {key: f.metadata[key] for key in ("min", "max") if key in f.metadata}
+    return cli(f.metadata["help"], **bounds)["cli"]
 
 
 def _typer_parameter(spec: FlatField) -> inspect.Parameter:

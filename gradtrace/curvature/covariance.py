@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch, ParamGradient
 from ..grad.terms import OuterTerm, is_index
 from .blocks import Block, DenseBlock, KronBlock
@@ -101,7 +102,7 @@ def _flat_grad(pg: ParamGradient) -> Tensor:
     return pg.flat(torch.float32)
 
 
-class CovarianceCallback:
+class CovarianceCallback(CaptureCallback):
     """Capture callback accumulating K-FAC factors and dense Fisher blocks (see module docstring)."""
 
     def __init__(self, blocks: list[Block]) -> None:
@@ -154,7 +155,7 @@ def _rotate(factor: Tensor, basis: Tensor | None, width: int, live: Tensor) -> T
     return factor if basis is None else factor @ basis
 
 
-class EigenCorrectionCallback:
+class EigenCorrectionCallback(CaptureCallback):
     """EK-FAC second pass: sums of squared per-example gradients in the Kronecker eigenbasis."""
 
     def __init__(self, blocks: list[KronBlock], bases: dict[str, tuple[Tensor | None, Tensor | None]],

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..capture import capture
-from ..collect import run_capture
+from ..capture.dataset import run_capture
+from ..options import CaptureOptions, FitOptions, takes_options, with_record
 from ..projection.logra import LoGra
 from ..store.spec import GradientSpec, model_fingerprint
 from .blocks import DenseBlock, KronBlock, blocks_for
@@ -27,9 +28,6 @@ from .curvature import Curvature, CurvatureError, DenseEigen, KronEigen, eigh
 from .fisher import fisher_passes, resolve_fisher
 
 __all__ = ["fit_curvature", "modules_of"]
-
-KINDS = ("kfac", "ekfac", "fisher")
-
 
 def modules_of(param_names: Sequence[str]) -> list[str]:
     """Module names owning the given parameter names (``"h.0.mlp.c_fc.weight" -> "h.0.mlp.c_fc"``)."""
@@ -76,12 +74,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
+@takes_options(options=CaptureOptions, fit_options=FitOptions)
 def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: str = "ekfac",
                   fisher: str = "empirical", projection: LoGra | dict | None = None,
                   layers: Sequence[Any] | None = None, exclude: Sequence[Any] | None = None,
                   spec: GradientSpec | None = None, samples: int = 1, seed: int = 0, max_dense: int = 4096,
                   damping: float = 0.1, damping_mode: str = "relative", device: Any = None,
-                  join_bias: bool = True, progress: bool = False) -> Curvature:
+                  join_bias: bool = True, progress: bool = False, options: CaptureOptions | None = None,
+                  fit_options: FitOptions | None = None) -> Curvature:
     """Fit curvature on ``data`` at the model's current weights.
 
     Args:
@@ -96,9 +96,10 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
         join_bias: join a module's bias to its weight's Kronecker block (K-FAC's ``[a; 1]``); False keeps
             biases as dense blocks (pure weight factors, as a PCA projection basis needs).
         damping, damping_mode: stored defaults (changeable later with :meth:`Curvature.with_damping`).
+        options, fit_options: ``projection``/``layers``/``exclude`` as a :class:`gradtrace.options.CaptureOptions`
+            and the fit settings above as a :class:`gradtrace.options.FitOptions` (instead of the keywords); the
+            resolved objects are recorded in the curvature's ``meta["gradtrace"]["options"]``.
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if iter(data) is data:  # an iterator can be read once; the fit needs several passes
         data = list(data)
     first = next(iter(data), None)
@@ -175,7 +176,8 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
         fitted_spec = GradientSpec([p for n in order for p in params if p[0] == n], cov.projection,
                                    spec.convention, fitted_spec.model)
         blocks = {n: b for n, b in blocks.items() if n in wanted}
-    meta = {"examples": examples, "passes": num_passes, "samples": samples, "seed": seed}
+    meta = with_record({"examples": examples, "passes": num_passes, "samples": samples, "seed": seed},
+                       capture=options, fit=fit_options)
     return Curvature(kind, fitted_spec, blocks, fisher, damping, damping_mode, meta)
 
 

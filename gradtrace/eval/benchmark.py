@@ -99,7 +99,7 @@ def unsupported(name: str) -> str | None:
         return None
     if method.multi_checkpoint:
         return "needs gradients at several training checkpoints; the tasks attribute one final model"
-    fit = getattr(method, "fit", None)
+    fit = method.fit if method.has_fit() else None
     if fit is not None and "model" not in _parameters(fit):
         stages = ", ".join(method.needs) or "its fit"
         return (f"needs a recorded training trajectory ({stages}; its fit() takes no model or data); the tasks "
@@ -193,7 +193,7 @@ def _score(spec: MethodSpec, task: Task, train: Any, queries: Any, projection: L
         generator = torch.Generator().manual_seed(seed)
         return torch.randn(len(queries.ids), len(train.ids), generator=generator)
     attributor = Attributor(spec.name, train, **spec.options)
-    fit = getattr(attributor.method, "fit", None)
+    fit = attributor.method.fit if attributor.method.has_fit() else None
     needs_fit = spec.fit if spec.fit is not None else callable(fit)
     if needs_fit:
         if not callable(fit):

@@ -32,28 +32,20 @@ training dataset, the data collator, the signature columns, ``compute_loss``) is
 from __future__ import annotations
 
 import functools
-import math
-import os
 import sys
-import warnings
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 
 from ..capture import Capture
-from ..capture.layer_selection import LayerSpec, strip_wrappers, unwrap
-from ..distributed.env import rank_and_world as dist_rank
+from ..capture.layer_selection import LayerSpec
+from ..options import CaptureOptions, StoreOptions, takes_options
 from ..projection.logra import LoGra
-from ..sink import StoreWriter
 from ..store import GradientStore
-from ..store.layout import DTYPES
-from .fused_head import UnfusedLMHead, captures_output_embedding
-from .trainer_ids import ID_KEY, prepare_ids
-from .trainer_loss import CallLoss, TrainerLoss, loss_ratio
-from .trainer_store import CONFIG_KEY, TrainerRows, checkpoints, preflight, record_checkpoints
+from .trainer_session import Session
+from .trainer_store import checkpoints
 
 __all__ = ["GradtraceCallback", "checkpoints"]
 
@@ -85,25 +77,29 @@ class GradtraceCallback(TrainerCallback):
             float32 per shard; rows are streamed into the open shard's file, so memory does not grow with it).
         strict: raise instead of warning when trainable parameters cannot be captured per example.
         config: extra configuration recorded in the store's manifest.
+        options, store_options: the capture settings above (``projection``, ``example_loss``, ``layers``,
+            ``exclude``, ``reduction``, ``loss_scale``, ``strict``) as a :class:`gradtrace.options.CaptureOptions`
+            and the store settings (``dtype``, ``resume``, ``overwrite``, ``shard_rows``) as a
+            :class:`gradtrace.options.StoreOptions`, instead of the keywords; the resolved objects are recorded in
+            the store's manifest (``config["gradtrace"]["options"]``).
     """
 
+    @takes_options(options=CaptureOptions, store_options=StoreOptions)
     def __init__(self, store: str | Path, *, projection: LoGra | None = None, dtype: str = "float32",
                  ids: str | None = "index", every: int = 1, start_step: int = 0, trajectory: bool = False,
                  example_loss: str = "sum",
                  layers: Iterable[LayerSpec] | None = None, exclude: Iterable[LayerSpec] | None = None,
                  reduction: str | None = None, loss_scale: float | Callable[[], float] | None = None,
                  check: bool = True, resume: bool = False, overwrite: bool = False, shard_rows: int | None = None,
-                 strict: bool = False, config: dict[str, Any] | None = None) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+                 strict: bool = False, config: dict[str, Any] | None = None, options: CaptureOptions | None = None,
+                 store_options: StoreOptions | None = None) -> None:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive integer, got {every!r}")
         if not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
         if loss_scale is not None and reduction is None:
             raise ValueError("loss_scale= states the Trainer's loss together with reduction=; pass both")
-        if resume and overwrite:
-            raise ValueError("resume=True and overwrite=True contradict each other; pass one of them")
+        self.options, self.store_options = options, store_options  # resolved by takes_options
         self.path = Path(store)
         self.projection = projection
         self.dtype = dtype
@@ -124,7 +120,7 @@ class GradtraceCallback(TrainerCallback):
         self.config = dict(config or {})
         self.trainer: Any = None
         self.capture: Capture | None = None
-        self._session: _Session | None = None
+        self._session: Session | None = None
 
     # -- binding to the Trainer ----------------------------------------------------------------
     def attach(self, trainer: Any) -> GradtraceCallback:
@@ -143,7 +139,7 @@ class GradtraceCallback(TrainerCallback):
         def train(*args: Any, **kwargs: Any) -> Any:
             if callback not in trainer.callback_handler.callbacks:  # removed from the Trainer since
                 return original(*args, **kwargs)
-            session = callback._session = _Session(callback, trainer)
+            session = callback._session = Session(callback, trainer)
             try:
                 return original(*args, **kwargs)
             except BaseException as err:
@@ -216,291 +212,3 @@ def _trainer_in_stack(callback: GradtraceCallback, depth: int = 12) -> Any:
             return candidate
         frame = frame.f_back
     return None
-
-
-class _Session:
-    """One ``trainer.train()`` call: the Trainer patches, the capture, the store writer."""
-
-    def __init__(self, callback: GradtraceCallback, trainer: Any) -> None:
-        self.cb = callback
-        self.trainer = trainer
-        self.undo: list[Callable[[], None]] = []
-        self.capture: Capture | None = None
-        self.rows: TrainerRows | None = None
-        self.writer: StoreWriter | None = None
-        self.loss: TrainerLoss | None = None
-        self.unfused: UnfusedLMHead | None = None
-        self.model: Any = None
-        self.capturing = False
-        self.announced = False
-        self.call_scale = 1.0
-        self.epoch = 0
-        self.entered = False
-        self.closed = False
-        self.checked = not callback.check
-        self.probe: dict[str, Any] | None = None
-        self.lrs: list[float] = []
-        self.saves: list[dict] = []
-        self._lr_warned = False
-        self.trainer_config: dict[str, Any] = {}
-        try:
-            if callback.ids is not None:
-                self.undo.append(prepare_ids(trainer, callback.ids))
-            self._wrap_compute_loss()
-        except BaseException:
-            self.restore()
-            raise
-
-    # -- Trainer patches -----------------------------------------------------------------------
-    def _wrap_compute_loss(self) -> None:
-        trainer = self.trainer
-        had_own = "compute_loss" in vars(trainer)
-        previous = vars(trainer).get("compute_loss")
-        original = trainer.compute_loss
-        session = self
-
-        @functools.wraps(original)
-        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            ids = inputs.pop(ID_KEY, None) if isinstance(inputs, MutableMapping) else None
-            num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
-            session.announce(inputs, ids, num_items)
-            try:
-                result = original(model, inputs, *args, **kwargs)
-            except BaseException:
-                session.drop_probe()
-                raise
-            session.check_loss(result)
-            return result
-
-        trainer.compute_loss = compute_loss
-
-        def undo() -> None:
-            if had_own:
-                trainer.compute_loss = previous
-            else:
-                vars(trainer).pop("compute_loss", None)
-
-        self.undo.append(undo)
-
-    def restore(self) -> None:
-        while self.undo:
-            self.undo.pop()()
-
-    # -- training begins -------------------------------------------------------------------------
-    def begin(self, args: Any, state: Any, model: Any) -> None:
-        cb, trainer = self.cb, self.trainer
-        self.model = model
-        loss = TrainerLoss(trainer)  # refuses DataParallel and DeepSpeed
-        self.loss = loss if cb.reduction is None else None
-        rank, world_size = dist_rank()
-        self.trainer_config = {
-            "trainer": type(trainer).__name__, "model": type(unwrap(model)).__name__,
-            "ids": {"source": "content-hash" if cb.ids is None else "index" if cb.ids == "index" else "column",
-                    **({"column": cb.ids} if cb.ids not in (None, "index") else {})},
-            "every": cb.every, "start_step": cb.start_step, "trajectory": cb.trajectory,
-            "loss": loss.describe() if self.loss is not None else {"reduction": cb.reduction,
-                                                                     "loss_scale": _describe_scale(cb.loss_scale)},
-            "optimizer_parameters": _optimizer_parameter_names(trainer.optimizer, model),
-            "checkpoints": []}
-        config = {**cb.config, CONFIG_KEY: self.trainer_config}
-        preflight(cb.path, rank, world_size, cb.resume, cb.overwrite)
-        self.writer = StoreWriter(cb.path, dtype=cb.dtype, shard_rows=cb.shard_rows or 4096, resume=cb.resume,
-                                  overwrite=cb.overwrite, config=config)
-        self.rows = TrainerRows(self.writer, trajectory=cb.trajectory, auto_shard_rows=cb.shard_rows is None)
-        auto = cb.reduction is None
-        self.capture = cb.capture = Capture(
-            model, layers=cb.layers, exclude=cb.exclude, reduction=cb.reduction or "token_mean",
-            example_loss=cb.example_loss, loss_scale=(lambda: self.call_scale) if auto else (cb.loss_scale or 1.0),
-            projection=cb.projection, callbacks=[self.rows], keep_batches=False, strict=cb.strict,
-            causal_lm=_is_causal_lm(model))
-        if not self.capture.handlers:
-            raise ValueError(f"gradtrace: nothing in {type(unwrap(model)).__name__} can be captured per example "
-                             f"(no trainable parameter of a supported layer kind):\n{self.capture.report()}")
-        self.writer.on_capture_start(self.capture)  # the writer lives for the whole run, the capture per step
-        self.unfused = UnfusedLMHead(model) if captures_output_embedding(model, self.capture) else None
-        handle = model.register_forward_pre_hook(self._strip_ids, with_kwargs=True, prepend=True)
-        self.undo.append(handle.remove)
-        self.epoch = _epoch_index(state)
-
-    # -- per call ------------------------------------------------------------------------------
-    def announce(self, inputs: Any, ids: Any, num_items: Any) -> None:
-        """``compute_loss`` was called: tell the capture about the forward call that follows."""
-        if not (self.capturing and torch.is_grad_enabled() and self.model.training):
-            return
-        num = None
-        labels = inputs.get("labels") if isinstance(inputs, MutableMapping) else None
-        if self.loss is not None:
-            call = self.loss.for_call(num_items)
-            self.call_scale, num = call.scale, call.num_items
-            self.trainer_config["loss"]["rules"] = sorted(self.loss.paths)
-            if not self.checked:
-                self._probe(call, labels)
-        self.capture.annotate(ids=ids, labels=labels, num_items=num)
-        self.announced = True
-
-    def _probe(self, call: CallLoss, labels: Any) -> None:
-        """Keep the output of the forward call that follows, for :meth:`check_loss`."""
-        self.checked = True
-        if self.trainer.args.label_smoothing_factor:
-            self.trainer_config["check"] = "not checked (label smoothing)"
-            return
-        probe = self.probe = {"call": call, "labels": labels}
-
-        def keep_output(module: Any, args: Any, output: Any) -> None:
-            probe["output"] = output
-            probe["handle"].remove()
-
-        probe["handle"] = self.model.register_forward_hook(keep_output)
-
-    def drop_probe(self) -> None:
-        if self.probe is not None:
-            self.probe["handle"].remove()
-            self.probe = None
-
-    def check_loss(self, result: Any) -> None:
-        """``compute_loss`` returned: compare its value with the derived convention (once per run)."""
-        probe = self.probe
-        if probe is None:
-            return
-        self.drop_probe()
-        value = result[0] if isinstance(result, tuple) else result
-        ratio = None
-        if "output" in probe and isinstance(value, torch.Tensor) and value.numel() == 1:
-            ratio = loss_ratio(value, probe["output"], probe["labels"], probe["call"], self.capture.causal_lm)
-        if ratio is None:
-            self.trainer_config["check"] = "not checked (the model's output has no logits or log-probabilities)"
-            return
-        self.trainer_config["check"] = {"loss_ratio": ratio}
-        args = self.trainer.args
-        tolerance = 5e-3 if (args.bf16 or args.fp16) else 1e-3
-        if abs(ratio - 1.0) > tolerance:
-            raise ValueError(
-                f"gradtrace: the Trainer's loss is {ratio:.4g}x what GradtraceCallback derived from the Trainer's "
-                f"settings ({probe['call'].path}: the examples' summed token losses divided by "
-                f"{'num_items_in_batch' if probe['call'].num_items is not None else 'their target count'}). A custom "
-                "compute_loss or compute_loss_func, or a model whose loss ignores num_items_in_batch, needs the "
-                "convention stated: GradtraceCallback(..., reduction='mean' | 'sum' | 'token_mean', loss_scale=...) "
-                "(see gradtrace.capture). check=False skips this check.")
-
-    def _strip_ids(self, module: Any, args: tuple, kwargs: dict) -> Any:
-        announced, self.announced = self.announced, False
-        if self.capturing and torch.is_grad_enabled() and module.training and not announced:
-            raise RuntimeError("gradtrace: the Trainer ran a training forward call that did not go through "
-                               "Trainer.compute_loss (or two in one compute_loss call), so its examples' ids and "
-                               "loss scale are unknown. The Trainer integration supports training steps that call "
-                               "the model once per compute_loss; use gradtrace.capture directly otherwise")
-        if ID_KEY not in kwargs:
-            return None
-        kwargs = {k: v for k, v in kwargs.items() if k != ID_KEY}
-        return args, kwargs
-
-    # -- per step ------------------------------------------------------------------------------
-    def epoch_begin(self, state: Any) -> None:
-        self.epoch = _epoch_index(state)
-        if self.cb.ids is None and self.capture is not None:
-            self.capture.reset_ids()  # the same content in a new epoch is the same example
-
-    def _lr(self) -> float:
-        groups = self.trainer.optimizer.param_groups
-        if not self._lr_warned and len({float(g["lr"]) for g in groups}) > 1:
-            self._lr_warned = True
-            warnings.warn("gradtrace: the optimizer's parameter groups have different learning rates; rows record "
-                          "group 0's", stacklevel=3)
-        return float(groups[0]["lr"])
-
-    def step_begin(self, state: Any) -> None:
-        lr = self._lr()
-        self.lrs.append(lr)
-        step = state.global_step - self.cb.start_step
-        if step < 0 or step % self.cb.every != 0:
-            return
-        self.rows.position = {"step": int(state.global_step), "epoch": self.epoch, "lr": lr}
-        if self.entered:  # coverage warnings were given at the first step
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                self.capture.__enter__()
-        else:
-            self.capture.__enter__()
-            self.entered = True
-        if self.unfused is not None:
-            self.unfused.install()
-        self.capturing = True
-        self.announced = False
-
-    def step_end(self) -> None:
-        if not self.capturing:
-            return
-        self.capturing = False
-        if self.unfused is not None:
-            self.unfused.remove()
-        self.capture.__exit__(None, None, None)
-
-    # -- checkpoints -----------------------------------------------------------------------------
-    def saved(self, args: Any, state: Any) -> None:
-        entry = {"step": int(state.global_step),
-                 "path": os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
-                 "epoch": float(state.epoch or 0.0), "lr": self._lr(),
-                 "mean_lr": sum(self.lrs) / len(self.lrs) if self.lrs else None, "updates": len(self.lrs)}
-        self.lrs = []
-        self.saves.append(entry)
-        self.trainer_config["checkpoints"] = list(self.saves)
-        if args.process_index == 0 and self.writer is not None and self.writer.writer is not None:
-            record_checkpoints(self.cb.path, [entry])
-
-    # -- the end ---------------------------------------------------------------------------------
-    def finish(self, error: BaseException | None) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.capturing:
-            self.capturing = False
-            if self.unfused is not None:
-                self.unfused.remove()
-            self.capture.__exit__(type(error) if error else None, error, None)
-        if self.unfused is not None and self.unfused.used:
-            self.trainer_config["fused_lm_head"] = "unfused"
-        if self.writer is None:
-            return
-        opened = self.writer.writer is not None
-        self.writer.on_capture_end(self.capture, error)
-        if not opened:
-            if error is None:
-                warnings.warn("gradtrace: no gradients were captured during training (no captured step ran a "
-                              "backward pass)", stacklevel=2)
-            return
-        if self.trainer.args.process_index == 0:
-            record_checkpoints(self.cb.path, self.saves, self.trainer_config)
-
-    def abort(self, error: BaseException) -> None:
-        try:
-            self.finish(error)
-        except Exception as secondary:  # keep the training error as the one raised
-            warnings.warn(f"gradtrace: closing the capture after the training error failed too: {secondary!r}",
-                          stacklevel=2)
-
-
-def _optimizer_parameter_names(optimizer: Any, model: Any) -> list[str] | None:
-    """Names of the optimizer's parameters in its order (the Trainer groups them by weight decay), so that the
-    optimizer state of a checkpoint can be matched to the model: ``less_features(..., param_names=...)``."""
-    if optimizer is None:
-        return None
-    names = {id(p): strip_wrappers(n) for n, p in unwrap(model).named_parameters()}
-    return [names.get(id(p), "?") for group in optimizer.param_groups for p in group["params"]]
-
-
-def _is_causal_lm(model: Any) -> bool:
-    """Whether the model's labels are shifted by one (a causal LM), looking through PEFT wrappers."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    inner = unwrap(model)
-    base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    name = type(base).__name__
-    return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() or "CausalLM" in name or "LMHead" in name
-
-
-def _epoch_index(state: Any) -> int:
-    return math.floor((state.epoch or 0.0) + 1e-6)
-
-
-def _describe_scale(scale: Any) -> Any:
-    return scale if isinstance(scale, (int, float)) or scale is None else getattr(scale, "__name__", repr(scale))

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..capture import CaptureCallback
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..sink import RowTransform, StoreWriter
 from ..store.artifact import atomic_write_json

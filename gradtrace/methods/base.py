@@ -7,6 +7,10 @@ A method implements only its own math, on the two sides of the score ``tau(q, i)
 * :meth:`Method.prepare_train` -- a cheap per-block transform of streamed training gradients (e.g.
   normalising rows for cosine similarity).
 
+and, where it needs them, the stages around scoring, each with a default that does nothing: :meth:`Method.fit`
+(fit curvature or optimizer states), :meth:`Method.bind` (match them to the training gradients' layout) and
+:meth:`Method.checkpoint_weights` (how checkpoints are summed; 1 each).
+
 The scoring engine (:class:`gradtrace.Attributor`) streams the training gradients in blocks and does
 the rest: one matrix product per block, checkpoint weighting, streaming top-k.
 
@@ -16,9 +20,12 @@ gradient step on it lowers the query's loss (to first order).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from ..store.spec import GradientSpec
 
 __all__ = ["Method", "MissingStage", "available_methods", "get_method", "register_method"]
 
@@ -70,6 +77,24 @@ class Method:
     def __init__(self, **options: Any) -> None:
         if options:
             raise TypeError(f"method {self.name!r} takes no options {sorted(options)}")
+
+    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, **options: Any) -> None:
+        """Run the stages the method needs (curvature, optimizer states, ...) for ``attributor``'s training
+        gradients, from ``model`` and ``data`` where it needs a model pass; called by
+        :meth:`gradtrace.Attributor.fit`. Default: nothing to fit (whatever is passed)."""
+
+    @classmethod
+    def has_fit(cls) -> bool:
+        """Whether the method has a stage to fit (it overrides :meth:`fit`)."""
+        return cls.fit is not Method.fit
+
+    def bind(self, spec: GradientSpec) -> None:
+        """Check the fitted stages against the training gradients' ``spec`` (their parameters and projection)
+        and lay them out in its order; called before every scoring. Default: nothing to bind."""
+
+    def checkpoint_weights(self, count: int) -> list[float]:
+        """The weight of each of ``count`` checkpoints in the summed score. Default: 1 each."""
+        return [1.0] * count
 
     def check_ready(self) -> None:
         """Raise :class:`MissingStage` if a stage this method needs has not been run."""

@@ -34,8 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import capture
+from ..capture.dataset import run_capture
 from ..capture.layer_selection import strip_wrappers, unwrap
-from ..collect import LossFn, run_capture
+from ..collect import LossFn
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..losses import causal_lm_loss, default_loss

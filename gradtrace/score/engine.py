@@ -101,10 +101,15 @@ class Attributor:
 
     def fit(self, *args: Any, **kwargs: Any) -> Attributor:
         """Fit what the method needs (curvature, optimizer states); a no-op for methods that need nothing."""
-        fit = getattr(self.method, "fit", None)
-        if fit is not None:
-            fit(self, *args, **kwargs)
+        self.method.fit(self, *args, **kwargs)
         return self
+
+    def ready(self) -> list[float]:
+        """Check that the method's stages were run, bind it to the training gradients' spec, and return the
+        weight of each checkpoint (what every scoring path does first)."""
+        self.method.check_ready()
+        self.method.bind(self.spec)
+        return self.method.checkpoint_weights(len(self.train))
 
     def _query_sets(self, queries: Any) -> list[Any]:
         if self.method.multi_checkpoint:
@@ -140,13 +145,9 @@ class Attributor:
             matrix: keep the full ``[Q, N]`` matrix: True, False or ``"auto"`` (when it fits ``matrix_bytes``).
             progress: show a progress bar over training blocks.
         """
-        self.method.check_ready()
-        if hasattr(self.method, "bind"):
-            self.method.bind(self.spec)
+        weights = self.ready()
         start = time.perf_counter()
         query_sets = self._query_sets(queries)
-        weights = (self.method.checkpoint_weights(len(self.train)) if hasattr(self.method, "checkpoint_weights")
-                   else [1.0] * len(self.train))
         prepared = []
         for c, (q, t) in enumerate(zip(query_sets, self.train)):
             t.spec.check_compatible(q.spec, f"queries vs training gradients (checkpoint {c})")
@@ -250,11 +251,7 @@ class Attributor:
     def self_scores(self) -> Tensor:
         """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot, ``g^T H^-1 g`` for
         influence functions): high self-influence flags mislabeled or outlying examples."""
-        self.method.check_ready()
-        if hasattr(self.method, "bind"):
-            self.method.bind(self.spec)
-        weights = (self.method.checkpoint_weights(len(self.train)) if hasattr(self.method, "checkpoint_weights")
-                   else [1.0] * len(self.train))
+        weights = self.ready()
         out = torch.zeros(len(self.train[0]))
         for offset in range(0, len(out), self.block_rows):
             stop = min(len(out), offset + self.block_rows)

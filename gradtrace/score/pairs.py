@@ -81,12 +81,8 @@ def module_attributions(attributor: Any, queries: Any, scores: Scores, k: int | 
     training side ``method.prepare_train``, checkpoints weighted as in scoring.
     """
     method = attributor.method
-    method.check_ready()
-    if hasattr(method, "bind"):
-        method.bind(attributor.spec)
+    weights = attributor.ready()
     query_sets = attributor._query_sets(queries)
-    weights = (method.checkpoint_weights(len(attributor.train)) if hasattr(method, "checkpoint_weights")
-               else [1.0] * len(attributor.train))
     if list(scores.train_ids) != attributor.train_ids:
         raise ValueError("the scores were computed against other training gradients than this attributor's")
     pairs = pair_rows(scores, k)
@@ -223,9 +219,7 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
         raise ValueError(f"{method.name} combines checkpoints; token-level attribution takes one checkpoint")
     if not query_side and train_tokens is None:
         raise ValueError("nothing to decompose: query_side=False and no train_tokens")
-    method.check_ready()
-    if hasattr(method, "bind"):
-        method.bind(attributor.spec)
+    attributor.ready()
     source, query_set = attributor.train[0], attributor._query_sets(queries)[0]
     source.spec.check_compatible(query_set.spec, "queries vs training gradients")
     if list(scores.train_ids) != attributor.train_ids:

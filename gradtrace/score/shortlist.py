@@ -153,9 +153,7 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
         raise IndexMismatch(f"{where} holds {built}; {method.name} needs an index of {need}")
     if topk < 1:
         raise ValueError(f"topk must be positive, got {topk}")
-    method.check_ready()
-    if hasattr(method, "bind"):
-        method.bind(attributor.spec)
+    attributor.ready()
     index.check_store(store)
     start = time.perf_counter()
     query_set = as_source(queries)

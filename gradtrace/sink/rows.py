@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..capture import CaptureCallback
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..store.ledger import IdLedger
 from ..store.spec import GradientSpec

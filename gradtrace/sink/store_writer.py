@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..capture import CaptureCallback
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..store.layout import DTYPES
 from ..store.spec import GradientSpec, model_fingerprint

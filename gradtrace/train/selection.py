@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..grad.ops import check_compatible, concat, dense_inner, sq_norms, weighted_sum
 from .cycle import Cycle
@@ -50,7 +51,7 @@ def _dist() -> tuple[bool, int]:
     return ready, (torch.distributed.get_world_size() if ready else 1)
 
 
-class OnlineSelection:
+class OnlineSelection(CaptureCallback):
     """Drop harmful examples from every optimizer step (see module docstring).
 
     Args:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..capture import CaptureCallback
+from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..sink.rows import MemoryRows, RowBackend, RowSink, RowTransform, ShardRows

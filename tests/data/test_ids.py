@@ -27,9 +27,9 @@ def test_content_ids_number_repeats_and_reset():
 
 
 def test_capture_numbers_content_ids_with_the_data_layer_rule():
-    from gradtrace.capture import collector, context
+    from gradtrace.capture import context, example_ids
 
-    assert context.content_hash is content_hash and collector.ContentIds is ContentIds
+    assert context.content_hash is content_hash and example_ids.ContentIds is ContentIds
     tok = make_tokenizer()
     data = gd.load(RECORDS, tok, batch_size=4)
     assert sum("#" in i for i in data.ids) == 3

@@ -1,0 +1,255 @@
+"""Typed option objects of the Python API, one per concern, shared by every entry point.
+
+* :class:`CaptureOptions` -- what is captured and how the loop's loss is read (``capture``, ``collect``,
+  ``fit_curvature``, ``GradtraceCallback``);
+* :class:`StoreOptions` -- how a gradient store is written (``collect``, ``GradtraceCallback``);
+* :class:`FitOptions` -- which curvature is fitted and how (``fit_curvature``).
+
+Each entry point takes them as ``options=`` / ``store_options=`` / ``fit_options=`` *and* keeps its keyword
+arguments (:func:`takes_options`): a field given both ways is an error; a field the entry point fixes itself
+(``collect`` sums per-example losses) must be left at its default. The resolved objects are recorded with
+the artifacts (:func:`with_record`: ``config.gradtrace.options`` in a store's ``manifest.json``, in a
+curvature's ``meta``), and the command line builds the same objects (``gradtrace.cli``). A field's ``help``
+metadata (on the fields the command line exposes) is also their ``--help`` text.
+
+This module sits on the floor of the package: it imports only the standard library, torch and
+:mod:`gradtrace.projection`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, TypeVar
+
+from .projection.logra import LoGra
+
+__all__ = ["RECORD_KEY", "CaptureOptions", "FitOptions", "StoreOptions", "record", "takes_options", "with_record"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+REDUCTIONS = ("mean", "sum", "token_mean")
+EXAMPLE_LOSSES = ("sum", "mean")
+STORE_DTYPES = ("float32", "bfloat16", "int8")
+CURVATURE_KINDS = ("kfac", "ekfac", "fisher")
+
+
+def _choice(value: Any, name: str, allowed: Sequence[Any]) -> None:
+    """Refuse ``value`` outside ``allowed`` with a one-line error naming the option."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureOptions:
+    """What is captured, and how the training loop's loss is read (see :class:`gradtrace.Capture`).
+
+    Attributes:
+        layers: module name globs or classes to capture (default: every supported module).
+        exclude: module name globs or classes to leave out.
+        include_frozen: also capture parameters with ``requires_grad=False``.
+        reduction: how the loop reduced per-example losses into the loss it backpropagates:
+            ``"mean"`` over rows, ``"sum"``, or ``"token_mean"`` (Hugging Face: target-token sum over
+            the batch divided by their count or ``num_items_in_batch``); None: the entry point's default
+            (``"mean"`` for ``capture``, derived from the Trainer by ``GradtraceCallback``).
+        example_loss: the loss each captured gradient belongs to: ``"sum"`` over the example's target
+            tokens (default) or the per-token ``"mean"``.
+        loss_scale: any other constant the loop multiplied its loss by (e.g. ``1/accumulation_steps``,
+            an AMP ``GradScaler`` scale); a callable is evaluated at every forward call; None: 1 (derived from
+            the Trainer by ``GradtraceCallback``).
+        projection: ``gradtrace.LoGra(...)`` (or its dict form) to project at capture time, or None for exact
+            gradients.
+        packing: split packed rows into documents using ``position_ids`` restarts.
+        multi_forward: when the model runs several forward calls before one backward: ``"concat"``
+            (each call's rows are different examples) or ``"sum"`` (row ``i`` of every call is the
+            same example, e.g. two views of it).
+        broadcast: ``"expand"`` a layer output computed once for the whole batch (GPT-2's position
+            embeddings on a ``[1, T]`` tensor) to one row per example, so it gets per-example
+            gradients (values are unchanged); ``"skip"`` to leave such layers out.
+        causal_lm: whether labels are shifted by one (logits at ``t`` predict ``labels[t+1]``); by
+            default inferred from the model class name (``*ForCausalLM``, ``*LMHeadModel``).
+        ignore_index: label value that marks non-target tokens.
+        nonfinite: ``"flag"`` examples with NaN/inf gradients in ``batch.nonfinite`` (with a warning)
+            or ``"raise"``.
+        isolate_padding: replace NaN/inf at positions that belong to no example (padding) by 0 in the
+            captured layers' outputs and output-gradients, so that they cannot reach the real tokens (masked
+            attention multiplies a padded position's values by 0, which leaves NaN) and flag a whole padded
+            batch. Finite values are never changed. Off by default because it changes the loss a training
+            loop sees when padding holds NaN; :func:`gradtrace.collect` turns it on.
+        strict: raise instead of warning when trainable parameters cannot be captured.
+        verify: check after each backward pass that the per-example gradients, with the loss scale
+            put back, sum to the batch gradient autograd computed (debugging; costs a little).
+    """
+
+    layers: Sequence[Any] | None = None
+    exclude: Sequence[Any] | None = None
+    include_frozen: bool = False
+    projection: LoGra | None = None
+    reduction: str | None = None
+    example_loss: str = "sum"
+    loss_scale: float | Callable[[], float] | None = None
+    packing: bool = True
+    multi_forward: str = "concat"
+    broadcast: str = "expand"
+    causal_lm: bool | None = None
+    ignore_index: int = -100
+    nonfinite: str = "flag"
+    isolate_padding: bool = False
+    strict: bool = False
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reduction is not None:
+            _choice(self.reduction, "reduction", REDUCTIONS)
+        _choice(self.example_loss, "example_loss", EXAMPLE_LOSSES)
+        if self.multi_forward not in ("concat", "sum"):
+            raise ValueError(f"multi_forward must be 'concat' or 'sum', got {self.multi_forward!r}")
+        if self.broadcast not in ("expand", "skip"):
+            raise ValueError(f"broadcast must be 'expand' or 'skip', got {self.broadcast!r}")
+        if self.nonfinite not in ("flag", "raise"):
+            raise ValueError(f"nonfinite must be 'flag' or 'raise', got {self.nonfinite!r}")
+        if isinstance(self.projection, dict):  # a spec's dict form (a store's manifest records it so)
+            object.__setattr__(self, "projection", LoGra.from_dict(self.projection))
+        if self.projection is not None and not isinstance(self.projection, LoGra):
+            raise TypeError(f"projection must be a gradtrace.LoGra spec or None, got "
+                            f"{type(self.projection).__name__}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreOptions:
+    """How a gradient store is written (see :class:`gradtrace.store.ShardWriter`)."""
+
+    dtype: Literal["float32", "bfloat16", "int8"] = field(default="float32", metadata={
+        "help": "Storage precision of the vectors (int8: one float32 scale per row)."})
+    resume: bool = field(default=False, metadata={
+        "help": "Add to an existing store, skipping the ids it already holds."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace an existing store."})
+    shard_bytes: int | None = field(default=None, metadata={
+        "help": "Bytes per shard file (default 256 MiB): as many rows as fit. A hard kill loses at most one shard.",
+        "min": 1})
+    shard_rows: int | None = field(default=None, metadata={
+        "help": "Rows per shard file, instead of shard_bytes.", "min": 1})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in STORE_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(STORE_DTYPES)}, got {self.dtype!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("resume=True and overwrite=True contradict each other; pass one of them")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitOptions:
+    """Which curvature is fitted and how (see :func:`gradtrace.curvature.fit_curvature`).
+
+    Attributes:
+        kind: ``"kfac"``, ``"ekfac"`` (eigenvalue-corrected) or ``"fisher"`` (a dense Fisher per parameter;
+            exact but quadratic in the parameter size -- the reference for small models).
+        fisher: ``"empirical"``, ``"true"`` (``samples`` label draws per example), ``"exact"`` or ``"auto"``
+            (exact for classifiers / regressors with few outputs, else true: see
+            :func:`gradtrace.curvature.fisher.resolve_fisher`); the choice made is the curvature's ``fisher``.
+        samples, seed: label draws per example for ``fisher="true"``, and their seed.
+        max_dense: dense blocks larger than this are kept diagonal.
+        damping, damping_mode: stored defaults (changeable later with ``Curvature.with_damping``).
+        join_bias: join a module's bias to its weight's Kronecker block (K-FAC's ``[a; 1]``); False keeps
+            biases as dense blocks (pure weight factors, as a PCA projection basis needs).
+    """
+
+    kind: str = "ekfac"
+    fisher: str = "empirical"
+    samples: int = 1
+    seed: int = 0
+    max_dense: int = 4096
+    damping: float = 0.1
+    damping_mode: str = "relative"
+    join_bias: bool = True
+
+    def __post_init__(self) -> None:
+        _choice(self.kind, "kind", CURVATURE_KINDS)
+
+
+def record(options: Any) -> dict[str, Any]:
+    """The JSON form of a resolved option object (``dataclasses.asdict``; a LoGra spec as its ``to_dict()``,
+    classes and callables by name), as artifacts record it."""
+    return {f.name: _plain(getattr(options, f.name)) for f in fields(options)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, LoGra):
+        return value.to_dict()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if callable(value):
+        return getattr(value, "__name__", repr(value))
+    return value
+
+
+def takes_options(**groups: type) -> Callable[[F], F]:
+    """Decorate an entry point taking option objects (``options=CaptureOptions``, ...) beside keyword arguments.
+
+    For each group parameter: given an object, its fields replace the keyword arguments of the same names (one
+    given as a keyword too is an error; a field the entry point has no keyword for must be at its default);
+    without one, the keyword arguments are collected into one. Either way the entry point receives both the
+    keyword values and the resolved object in the group parameter.
+    """
+
+    def decorate(fn: F) -> F:
+        signature = inspect.signature(fn)
+        what = fn.__qualname__.removesuffix(".__init__")
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            for param, cls in groups.items():
+                options = _resolve(cls, bound.arguments.get(param), bound.arguments, signature, what, param)
+                bound.arguments[param] = options
+                for f in fields(cls):
+                    if f.name in signature.parameters:
+                        bound.arguments[f.name] = getattr(options, f.name)
+            return fn(*bound.args, **bound.kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _resolve(cls: type, given: Any, arguments: dict[str, Any], signature: inspect.Signature, what: str,
+             param: str) -> Any:
+    """The option object of group ``param``: ``given`` (checked against the explicit keyword ``arguments``) or one
+    built from the keyword arguments and the signature's defaults."""
+    taken = [f for f in fields(cls) if f.name in signature.parameters]
+    if given is None:
+        values = {f.name: arguments.get(f.name, signature.parameters[f.name].default) for f in taken}
+        return cls(**values)
+    if not isinstance(given, cls):
+        raise TypeError(f"{what}(): {param}= must be a gradtrace.options.{cls.__name__}, got {type(given).__name__}")
+    both = sorted(f.name for f in taken if f.name in arguments)
+    if both:
+        raise ValueError(f"{what}(): {', '.join(both)} given both as a keyword argument and in {param}=; pass each "
+                         "setting once")
+    fixed = sorted(f.name for f in fields(cls) if f not in taken and getattr(given, f.name) != _default(f))
+    if fixed:
+        raise ValueError(f"{what}() sets {', '.join(fixed)} itself: leave {param}.{fixed[0]} at its default")
+    return given
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+RECORD_KEY = "gradtrace"
+"""The block of an artifact's configuration that gradtrace itself writes (the command line's provenance too)."""
+
+
+def with_record(config: dict[str, Any] | None, **objects: Any) -> dict[str, Any]:
+    """``config`` (not modified) with the resolved option ``objects`` recorded as
+    ``config["gradtrace"]["options"][name]`` (:func:`record`); the user's keys are left as they are."""
+    out = dict(config or {})
+    block = dict(out.get(RECORD_KEY) or {})
+    block["options"] = {name: record(obj) for name, obj in objects.items()}
+    out[RECORD_KEY] = block
+    return out
