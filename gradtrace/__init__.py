@@ -17,6 +17,7 @@ from .methods.less import less_features, less_query_features
 from .plan import Plan, plan
 from .projection import LoGra
 from .score import Attributor, Scores
+from .score import Ensemble as Ensemble
 from .store import GradientSpec, GradientStore, StoreWriter
 from .train import TrajectoryWriter
 
