@@ -16,8 +16,18 @@ scored with default options on exact per-example gradients at the model trained 
 and ``trak`` on LoGra-projected ones, ``--rank``), plus a ``random`` baseline; the others are listed with the reason.
 Prints one markdown table per task (LDS mean ± standard error over queries, and fit + score seconds).
 
+Ensembles (``--ensembles``, on ``digits_mlp`` and ``tinylm``, for ``grad_dot``, ``logra``, ``kfac`` and ``ekfac``):
+the same method as an ensemble of ``MEMBERS = 6`` models -- ``checkpoints``: the task's own training run (all the
+data, seed 0) saved after epochs ``round(k * epochs / 6)``, k = 1..6 (digits_mlp 17, 33, 50, 67, 83, 100;
+tinylm 3, 7, 10, 13, 17, 20), the last being the attributed model; ``seeds``: 6 models trained on all the data
+with seeds 0..5, the first being the attributed model. Each member's gradients are collected and its method
+fitted at its own weights; scores are combined with equal weights after dividing each member's score matrix by
+its mean absolute value (``gradtrace.Ensemble``'s default). The ground truth is the unchanged one (retraining
+from the task's recipe, seed 0). Each ensemble row is followed by its paired difference to the single model.
+
     python bench/quality.py                       # every task, all methods (builds the cache the first time)
     python bench/quality.py --tasks digits --methods grad_dot,kfac,random --subsets 50
+    python bench/quality.py --tasks digits_mlp,tinylm --methods grad_dot,logra,kfac,ekfac --ensembles checkpoints,seeds
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ from gradtrace.eval import (
     get_task,
     unsupported,
 )
+from gradtrace.eval.benchmark import ENSEMBLES
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
 PROJECTED = {"logra", "trak"}  # methods that score LoGra-projected gradients
@@ -57,6 +68,12 @@ SKIP = {  # (task, method): why the harness does not run it there
                            "attn_implementation='eager' would work)",
     ("tinylm", "cg"): "as arnoldi: no forward-mode derivative of the CPU scaled-dot-product attention",
 }
+
+
+MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
+ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
+ENSEMBLE_METHODS = ("grad_dot", "logra", "kfac", "ekfac")
+ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run", "seeds": f"{MEMBERS} models, seeds 0-5"}
 
 
 def _cpu() -> str:
@@ -94,6 +111,34 @@ def _specs(task: str, names: list[str], rank: int) -> tuple[list[MethodSpec], li
     return specs, notes
 
 
+def _ensemble_specs(task: str, names: list[str], rank: int, kinds: list[str]) -> list[tuple[MethodSpec, str]]:
+    """The ensemble rows of ``task``: ``(spec, title of the single-model row it is compared with)``."""
+    if task not in ENSEMBLE_TASKS:
+        return []
+    out = []
+    for kind in kinds:
+        for name in (n for n in names if n in ENSEMBLE_METHODS):
+            single, _ = _specs(task, [name], rank)
+            projection = single[0].projection
+            label = f"{single[0].title}, ensemble of {ENSEMBLE_LABELS[kind]}"
+            out.append((MethodSpec(name, projection=projection, label=label, ensemble=kind, members=MEMBERS),
+                        single[0].title))
+    return out
+
+
+def _paired(rows: list[Row], pairs: list[tuple[str, str]]) -> list[str]:
+    """``ensemble - single`` LDS per query, mean ± paired standard error, for every (ensemble, single) pair run."""
+    by_title = {row.method: row for row in rows}
+    lines = []
+    for ensemble, single in pairs:
+        if ensemble in by_title and single in by_title and by_title[ensemble].lds and by_title[single].lds:
+            diff = by_title[ensemble].lds.per_query - by_title[single].lds.per_query
+            diff = diff[torch.isfinite(diff)]
+            se = float(diff.std() / diff.numel() ** 0.5) if diff.numel() > 1 else float("nan")
+            lines.append(f"`{ensemble}` - `{single}`: {float(diff.mean()):+.3f} ± {se:.3f} (paired over queries)")
+    return lines
+
+
 def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int) -> dict:
     task = get_task(name)
     began = time.perf_counter()
@@ -114,14 +159,34 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
           f"run(s) each, {meta['seconds_per_model']:.2f} s per model on {meta.get('threads')} threads ({state}; "
           f"{cache}); first training on all the data: {model_seconds:.1f} s")
     specs, notes = _specs(name, names, args.rank)
+    ensembles = _ensemble_specs(name, names, args.rank, args.ensemble_kinds)
     rows: list[Row] = []
-    for spec in specs:  # one at a time, so that one failing method does not hide the others
+    # one method at a time (one failing method hides no other); an ensemble kind's methods together (its members
+    # are trained and their gradients collected once), one at a time if that fails
+    groups = [[spec] for spec in specs] + [[spec for spec, _ in ensembles if spec.ensemble == kind]
+                                           for kind in args.ensemble_kinds]
+    for group in (g for g in groups if g):
         try:
-            rows += evaluate(task, [spec], truth, batch_size=args.batch_size)
+            rows += evaluate(task, group, truth, batch_size=args.batch_size)
+            continue
         except Exception as error:  # report it in the table's notes, never as a score
-            notes.append(f"`{spec.title}` failed: {type(error).__name__}: {error}")
+            if len(group) == 1:
+                notes.append(f"`{group[0].title}` failed: {type(error).__name__}: {error}")
+                continue
+        for spec in group:
+            try:
+                rows += evaluate(task, [spec], truth, batch_size=args.batch_size)
+            except Exception as error:
+                notes.append(f"`{spec.title}` failed: {type(error).__name__}: {error}")
     print()
     print(format_table(rows))
+    for line in _paired(rows, [(spec.title, single) for spec, single in ensembles]):
+        print(f"- {line}")
+    for kind in args.ensemble_kinds:
+        done = [row for row in rows if row.method.endswith(ENSEMBLE_LABELS[kind]) and row.members_seconds]
+        if done:
+            print(f"- the {ENSEMBLE_LABELS[kind]}: trained in {done[0].members_seconds:.1f} s; gradients collected "
+                  f"in {', '.join(f'{row.collect_seconds:.1f}' for row in done)} s (exact / projected, per member set)")
     collected = {}
     for row in rows:
         collected.setdefault(row.dim, row.collect_seconds)
@@ -130,7 +195,7 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
         print(f"- {note}")
     return {"task": name, "description": task.describe(), "config": task.config, "ground_truth": meta,
             "rows": [{"method": r.method, "lds_mean": r.lds_mean, "lds_se": r.lds_se, "seconds": r.seconds,
-                      "collect_seconds": r.collect_seconds, "dim": r.dim,
+                      "collect_seconds": r.collect_seconds, "members_seconds": r.members_seconds, "dim": r.dim,
                       "lds_per_query": r.lds.per_query.tolist() if r.lds is not None else None} for r in rows],
             "notes": notes}
 
@@ -150,7 +215,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument("--json", default=None, help="also write the results (with per-query LDS) to this file")
     parser.add_argument("--progress", action="store_true", help="progress bar while building ground truth")
+    parser.add_argument("--ensembles", default="checkpoints,seeds",
+                        help=f"ensemble rows on {', '.join(ENSEMBLE_TASKS)} for {', '.join(ENSEMBLE_METHODS)}: "
+                             f"comma-separated kinds of {ENSEMBLES}, or 'none'")
     args = parser.parse_args()
+    args.ensemble_kinds = [] if args.ensembles == "none" else [k for k in args.ensembles.split(",") if k]
+    unknown = [k for k in args.ensemble_kinds if k not in ENSEMBLES]
+    if unknown:
+        parser.error(f"--ensembles: unknown kinds {unknown}; use {', '.join(ENSEMBLES)} or 'none'")
     torch.set_num_threads(args.threads)
     tasks = [t for t in args.tasks.split(",") if t]
     known = gradtrace.available_methods()

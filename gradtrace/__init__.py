@@ -16,7 +16,7 @@ from .methods.dvemb import data_value_embeddings
 from .methods.less import less_features, less_query_features
 from .plan import Plan, plan
 from .projection import LoGra
-from .score import Attributor, Scores
+from .score import Attributor, Ensemble, Scores
 from .sink import StoreWriter
 from .store import GradientSpec, GradientStore
 from .train import TrajectoryWriter
@@ -31,5 +31,5 @@ __all__ = [
     "capture", "Capture", "CaptureCallback", "CaptureReport", "collect", "GradientBatch", "ParamGradient", "LoGra",
     "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
     "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
-    "plan", "Plan", "__version__", "GradBatch", "ParamGrad",
+    "plan", "Plan", "__version__", "GradBatch", "ParamGrad", "Ensemble",
 ]

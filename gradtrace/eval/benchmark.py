@@ -5,6 +5,13 @@ A method is a registered name, its options, and whether it must be fitted first
 is a built-in baseline of independent standard-normal scores (fixed seed), whose LDS should be near 0.
 Per-example gradients of the training examples and queries are collected once, at the task's model
 trained on all the data, with the task's per-example loss, and shared by all methods.
+
+``MethodSpec(name, ensemble="checkpoints" | "seeds", members=C)`` scores the method as an ensemble
+(:class:`gradtrace.Ensemble`, each member's scores divided by their mean absolute value, equal weights) over
+``C`` models: the task's training run saved at ``C`` evenly spaced epochs, the last being the task's model
+(:meth:`Task.checkpoints`), or ``C`` models trained on all the data with seeds ``seed, seed + 1, ...`` (the first
+being the task's model). Each member's gradients are collected and its method fitted at its own weights; the
+ground truth is unchanged.
 """
 
 from __future__ import annotations
@@ -21,17 +28,21 @@ from torch import Tensor
 from ..collect import collect
 from ..methods import available_methods, get_method
 from ..projection.logra import LoGra
-from ..score import Attributor
+from ..score import Attributor, Ensemble
 from .groundtruth import GroundTruth
 from .metrics import QueryMetric, lds
 from .tasks.base import Task
 
-__all__ = ["INHERIT", "RANDOM", "MethodSpec", "Row", "evaluate", "format_table", "unsupported"]
+__all__ = ["ENSEMBLES", "INHERIT", "RANDOM", "MethodSpec", "Row", "ensemble_models", "evaluate", "format_table",
+           "unsupported"]
 
 RANDOM = "random"
 
 
 INHERIT = "inherit"
+
+ENSEMBLES = ("checkpoints", "seeds")
+"""The ensembles a :class:`MethodSpec` can ask for (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,8 @@ class MethodSpec:
     train, **options)``). fit: call ``Attributor.fit(model, train_batches, loss_fn, **fit_options)`` before
     scoring; None = when the method defines ``fit``. projection: the gradients this method scores
     (``gradtrace.LoGra(...)``, or None for exact ones); default: the projection given to :func:`evaluate`.
-    label: the row's name (default: the name, with options).
+    label: the row's name (default: the name, with options). ensemble: None (the task's model), or one of
+    :data:`ENSEMBLES` over ``members`` models (see the module docstring).
     """
 
     name: str
@@ -51,6 +63,8 @@ class MethodSpec:
     fit_options: dict[str, Any] = field(default_factory=dict)
     projection: LoGra | str | None = INHERIT
     label: str | None = None
+    ensemble: str | None = None
+    members: int = 6
 
     @classmethod
     def parse(cls, item: str | tuple[str, dict[str, Any]] | MethodSpec) -> MethodSpec:
@@ -75,7 +89,8 @@ class MethodSpec:
 class Row:
     """One method's result: ``lds_mean`` ± ``lds_se`` (standard error over queries, ``std / sqrt(Q)``);
     ``seconds``: the method's own time (fit + score), not counting the gradient collection it shares with
-    other methods (``collect_seconds``); ``lds``: the per-query values; ``dim``: the gradient dimension."""
+    other methods (``collect_seconds``); ``lds``: the per-query values; ``dim``: the gradient dimension;
+    ``members_seconds``: for an ensemble, the training of its members (shared by the methods that use them)."""
 
     method: str
     lds_mean: float
@@ -85,6 +100,7 @@ class Row:
     lds: QueryMetric | None = None
     options: dict[str, Any] = field(default_factory=dict)
     dim: int = 0
+    members_seconds: float = 0.0
 
 
 def unsupported(name: str) -> str | None:
@@ -147,6 +163,55 @@ class _Gradients:
         return train, queries, seconds
 
 
+def ensemble_models(task: Task, kind: str, count: int) -> list[torch.nn.Module]:
+    """The ``count`` models of an ensemble of ``kind`` (:data:`ENSEMBLES`; see the module docstring)."""
+    if kind == "checkpoints":
+        return task.checkpoints(count)
+    if kind == "seeds":
+        everything = torch.arange(task.num_train)
+        return [task.model] + [task.train(everything, task.settings.seed + s) for s in range(1, count)]
+    raise ValueError(f"ensemble must be one of {ENSEMBLES}, got {kind!r}")
+
+
+class _Members:
+    """The models of each ensemble (trained once) and their training and query gradients, collected once per
+    projection, shared by every method that uses them."""
+
+    def __init__(self, task: Task, batch_size: int, progress: bool) -> None:
+        self.task, self.batch_size, self.progress = task, batch_size, progress
+        self.models: dict[tuple[str, int], tuple[list[torch.nn.Module], float]] = {}
+        self.held: dict[tuple[str, int, str], tuple[list[Any], list[Any], float]] = {}
+
+    def get(self, kind: str, count: int, projection: LoGra | None
+            ) -> tuple[list[torch.nn.Module], list[Any], list[Any], float, float]:
+        """``(models, training gradients, query gradients, collect seconds, training seconds)``, one per member."""
+        if (kind, count) not in self.models:
+            began = time.perf_counter()
+            models = ensemble_models(self.task, kind, count)
+            self.models[kind, count] = (models, time.perf_counter() - began)
+        models, train_seconds = self.models[kind, count]
+        key = (kind, count, repr(None if projection is None else projection.to_dict()))
+        if key not in self.held:
+            task, began = self.task, time.perf_counter()
+            trains = [collect(m, task.train_batches(self.batch_size), task.loss_fn, projection=projection,
+                              progress=self.progress) for m in models]
+            queries = [collect(m, task.query_batches(), task.loss_fn, projection=projection) for m in models]
+            self.held[key] = (trains, queries, time.perf_counter() - began)
+        trains, queries, seconds = self.held[key]
+        return models, trains, queries, seconds, train_seconds
+
+
+def _score_ensemble(spec: MethodSpec, task: Task, models: list[torch.nn.Module], trains: list[Any],
+                    queries: list[Any], projection: LoGra | None, batch_size: int) -> Tensor:
+    """The ensemble's ``[Q, N]`` scores, each member fitted at its own model when the method is fitted."""
+    ensemble = Ensemble(spec.name, trains, **spec.options)
+    fit = getattr(ensemble.method, "fit", None)
+    if spec.fit if spec.fit is not None else callable(fit):
+        ensemble.fit(None, task.train_batches(batch_size), task.loss_fn, models=models,
+                     **_fit_kwargs(fit, projection, spec.fit_options))
+    return ensemble.score(queries, topk=None, matrix=True).matrix
+
+
 def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | MethodSpec],
              ground_truth: GroundTruth, projection: LoGra | None = None, *, batch_size: int = 64,
              seed: int = 0, progress: bool = False) -> list[Row]:
@@ -172,18 +237,28 @@ def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | Me
         reason = unsupported(spec.name)
         if reason is not None:
             raise ValueError(f"cannot evaluate {spec.name!r}: {reason}")
+        if spec.ensemble is not None and (spec.ensemble not in ENSEMBLES or spec.name == RANDOM):
+            raise ValueError(f"cannot evaluate {spec.title!r} as an ensemble {spec.ensemble!r}: ensembles are "
+                             f"{ENSEMBLES} of a registered method")
     _check_ground_truth(task, ground_truth)
     gradients = _Gradients(task, batch_size, progress)
+    members = _Members(task, batch_size, progress)
     rows = []
     for spec in specs:
         chosen = projection if isinstance(spec.projection, str) and spec.projection == INHERIT else spec.projection
-        train, queries, collect_seconds = gradients.get(chosen)
-        began = time.perf_counter()
-        matrix = _score(spec, task, train, queries, chosen, batch_size, seed)
+        members_seconds = 0.0
+        if spec.ensemble is None:
+            train, queries, collect_seconds = gradients.get(chosen)
+            began = time.perf_counter()
+            matrix = _score(spec, task, train, queries, chosen, batch_size, seed)
+        else:
+            models, trains, queries, collect_seconds, members_seconds = members.get(spec.ensemble, spec.members, chosen)
+            began, train = time.perf_counter(), trains[0]
+            matrix = _score_ensemble(spec, task, models, trains, queries, chosen, batch_size)
         seconds = time.perf_counter() - began
         result = lds(matrix, ground_truth.masks, ground_truth.outcomes)
         rows.append(Row(spec.title, result.mean, result.se, seconds, collect_seconds, result, dict(spec.options),
-                        train.vectors.shape[1]))
+                        train.vectors.shape[1], members_seconds))
     return rows
 
 

@@ -65,12 +65,20 @@ class Attributor:
         method: a registered method name (``"grad_dot"``, ``"grad_cos"``, ``"tracin"``, ...) or instance.
         train: training gradients -- a :class:`gradtrace.GradientStore`, its path, a
             :class:`gradtrace.GradientSet` or captured batches; for multi-checkpoint methods a list with
-            one per checkpoint (same examples).
+            one per checkpoint (same examples); for any other method a list makes an :class:`Ensemble`.
         block_rows: training rows per streamed block.
         device: where the products run (default: CPU; blocks are moved there as they stream).
         matrix_bytes: keep the full ``[Q, N]`` matrix when it takes at most this many bytes.
         **method_options: passed to the method (e.g. ``weights=[...]`` learning rates for TracIn).
     """
+
+    def __new__(cls, method: str | Method = "grad_dot", train: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """A list of training gradients for a method that scores one model is an ensemble: an :class:`Ensemble`."""
+        from .ensemble import Ensemble, wants_ensemble
+
+        if cls is Attributor and wants_ensemble(method, train):
+            return Ensemble(method, train, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, method: str | Method = "grad_dot", train: Any = None, *, block_rows: int = 8192,
                  device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:

@@ -9,6 +9,7 @@ whose gradients are attributed. ``config`` describes all of it for cache fingerp
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 import hashlib
 from collections.abc import Callable
@@ -106,6 +107,25 @@ class Task(abc.ABC):
         if self._model is None:
             self._model = self.train(torch.arange(self.num_train), self.settings.seed)
         return self._model
+
+    def checkpoints(self, count: int) -> list[nn.Module]:
+        """The training run of :attr:`model` (all the training examples, seed ``settings.seed``) saved at ``count``
+        evenly spaced points of its schedule, the last at its end (``model``'s weights): after epochs
+        ``round(k * epochs / count)``, ``k = 1..count``. For tasks whose ``train`` takes ``on_epoch``."""
+        epochs = getattr(self.settings, "epochs", None)
+        if epochs is None:
+            raise ValueError(f"task {self.name!r} has no epoch schedule to save checkpoints along")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= epochs:
+            raise ValueError(f"count must be an integer in 1..{epochs} (the epochs of {self.name}), got {count!r}")
+        at = {round(k * epochs / count) for k in range(1, count + 1)}
+        saved: list[nn.Module] = []
+
+        def keep(epoch: int, model: nn.Module) -> None:
+            if epoch in at:
+                saved.append(copy.deepcopy(model).eval())
+
+        self.train(torch.arange(self.num_train), self.settings.seed, on_epoch=keep)
+        return saved
 
     @torch.no_grad()
     def outcome(self, model: nn.Module) -> Tensor:

@@ -14,6 +14,7 @@ without the penalty.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -70,7 +71,10 @@ class DigitsMLPTask(DigitsTask):
     settings_class = DigitsMLPConfig
 
     @torch.enable_grad()
-    def train(self, indices: Tensor, seed: int) -> DigitsReLUMLP:
+    def train(self, indices: Tensor, seed: int,
+              on_epoch: Callable[[int, nn.Module], None] | None = None) -> DigitsReLUMLP:
+        """See :meth:`Task.train`; ``on_epoch(epoch, model)`` is called after each epoch (1-based), e.g. to save
+        checkpoints (:meth:`Task.checkpoints`)."""
         cfg = self.settings
         indices, model = fresh_model(indices, seed, lambda: DigitsReLUMLP(cfg.width, cfg.depth))
         generator = torch.Generator().manual_seed(seed)
@@ -78,7 +82,7 @@ class DigitsMLPTask(DigitsTask):
         # fused: one kernel per step (same update; 1.6x faster training of this small model on CPU)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
         model.train()
-        for _ in range(cfg.epochs):
+        for epoch in range(cfg.epochs):
             order = indices[torch.randperm(indices.numel(), generator=generator)]
             for start in range(0, order.numel(), cfg.batch_size):
                 rows = order[start:start + cfg.batch_size]
@@ -86,6 +90,8 @@ class DigitsMLPTask(DigitsTask):
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+            if on_epoch is not None:
+                on_epoch(epoch + 1, model)
         return model.eval()
 
     @torch.no_grad()

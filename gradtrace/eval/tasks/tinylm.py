@@ -12,6 +12,7 @@ per-example loss that is attributed (:func:`gradtrace.losses.causal_lm_loss`). N
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -111,13 +112,16 @@ class TinyLMTask(Task):
         return GPT2LMHeadModel(config)
 
     @torch.enable_grad()
-    def train(self, indices: Tensor, seed: int) -> nn.Module:
+    def train(self, indices: Tensor, seed: int,
+              on_epoch: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
+        """See :meth:`Task.train`; ``on_epoch(epoch, model)`` is called after each epoch (1-based), e.g. to save
+        checkpoints (:meth:`Task.checkpoints`)."""
         cfg = self.settings
         indices, model = fresh_model(indices, seed, lambda: self.new_model())
         generator = torch.Generator().manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         model.train()
-        for _ in range(cfg.epochs):
+        for epoch in range(cfg.epochs):
             order = indices[torch.randperm(indices.numel(), generator=generator)]
             for start in range(0, order.numel(), cfg.batch_size):
                 rows = order[start:start + cfg.batch_size]
@@ -128,6 +132,8 @@ class TinyLMTask(Task):
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+            if on_epoch is not None:
+                on_epoch(epoch + 1, model)
         return model.eval()
 
     def describe(self) -> str:

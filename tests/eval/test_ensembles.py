@@ -1,0 +1,53 @@
+"""The tasks' checkpoints along their own training run, and ensemble rows of the quality harness."""
+
+import pytest
+import torch
+
+from gradtrace.eval import DigitsMLPTask, DigitsTask, MethodSpec, TinyLMTask, build_lds_ground_truth, evaluate
+from gradtrace.eval.benchmark import ensemble_models
+
+
+def _outputs(model, task):
+    return model(task.x_test[:50])
+
+
+def test_checkpoints_follow_the_tasks_own_run_and_end_at_its_model():
+    task = DigitsMLPTask(num_train=60, num_queries=5, width=16, epochs=5, batch_size=16)
+    seen = []
+    task.train(torch.arange(task.num_train), 0, on_epoch=lambda epoch, model: seen.append(epoch))
+    assert seen == [1, 2, 3, 4, 5]
+    saved = task.checkpoints(2)  # after epochs round(2.5) = 2 and 5
+    assert len(saved) == 2
+    with torch.no_grad():
+        assert torch.equal(_outputs(saved[-1], task), _outputs(task.model, task))  # the same run, bit for bit
+        partial = task.train(torch.arange(task.num_train), 0)  # another run of 5 epochs is the same model...
+        assert torch.equal(_outputs(partial, task), _outputs(saved[-1], task))
+        early = DigitsMLPTask(num_train=60, num_queries=5, width=16, epochs=2, batch_size=16)
+        # ...and checkpoint 0 is the run's state after 2 of its 5 epochs (the batch order depends only on the seed)
+        assert torch.equal(_outputs(saved[0], task), _outputs(early.model, early))
+    with pytest.raises(ValueError, match=r"count must be an integer in 1\.\.5"):
+        task.checkpoints(6)
+    with pytest.raises(ValueError, match="no epoch schedule"):
+        DigitsTask(num_train=30, num_queries=5, steps=2).checkpoints(2)
+
+
+def test_seed_ensembles_start_with_the_tasks_model():
+    task = DigitsMLPTask(num_train=40, num_queries=5, width=8, epochs=2)
+    models = ensemble_models(task, "seeds", 3)
+    assert models[0] is task.model and len(models) == 3
+    with torch.no_grad():
+        assert not torch.equal(_outputs(models[1], task), _outputs(models[0], task))
+    with pytest.raises(ValueError, match="ensemble must be one of"):
+        ensemble_models(task, "bagging", 3)
+
+
+def test_evaluate_scores_ensembles_on_tinylm():
+    task = TinyLMTask(num_train=12, num_queries=3, epochs=2, batch_size=6, vocab_size=300, width=32)
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=6, config=task.config)
+    specs = [MethodSpec("kfac", ensemble="checkpoints", members=2, label="kfac x2"),
+             MethodSpec("grad_dot", ensemble="seeds", members=2, label="dot x2")]
+    rows = evaluate(task, specs, truth, batch_size=5)
+    assert [row.method for row in rows] == ["kfac x2", "dot x2"]
+    assert all(row.lds.per_query.shape == (3,) and row.members_seconds > 0 for row in rows)
+    with pytest.raises(ValueError, match="as an ensemble 'bagging'"):
+        evaluate(task, [MethodSpec("kfac", ensemble="bagging")], truth)

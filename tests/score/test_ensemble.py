@@ -1,0 +1,216 @@
+"""Ensembles over checkpoints / models: equal to the normalised weighted sum of the members' own scores, the same
+top-k, members matched by id, each member fitted at its own weights, and bad input refused with the fix named."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import gradtrace
+from gradtrace.losses import classification_loss
+from gradtrace.methods.influence import CurvatureWeightsWarning
+from gradtrace.score.ensemble import EnsembleError
+from gradtrace.store import SpecMismatch
+from tests.methods.test_trak import Net
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def _data(seed=0, n=26):
+    generator = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 5, generator=generator) * 2, torch.randint(0, 3, (n,), generator=generator)
+    ids = [f"ex{i}" for i in range(n)]
+    batches = [{"inputs": x[i:i + 8], "labels": y[i:i + 8], "id": ids[i:i + 8]} for i in range(0, n, 8)]
+    qx, qy = torch.randn(5, 5, generator=generator), torch.randint(0, 3, (5,), generator=generator)
+    queries = [{"inputs": qx, "labels": qy, "id": [f"q{i}" for i in range(5)]}]
+    return batches, queries
+
+
+def _checkpoints(count=3):
+    """``count`` models: a random init and perturbations of it (checkpoints of different scale)."""
+    torch.manual_seed(0)
+    models = [Net()]
+    for c in range(1, count):
+        model = Net()
+        model.load_state_dict(models[0].state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + c).add_(torch.randn_like(p) * 0.3)
+        models.append(model)
+    return models
+
+
+def _reversed(batches):
+    """The same examples, in reverse order (a member whose store holds another row order)."""
+    out = []
+    for b in reversed(batches):
+        out.append({"inputs": b["inputs"].flip(0), "labels": b["labels"].flip(0), "id": list(reversed(b["id"]))})
+    return out
+
+
+def _members(method, projection=None, options=None, count=3):
+    """Per member: its model, training gradients (member 1 in reverse row order) and query gradients, and the
+    single-model Attributor fitted at its weights."""
+    batches, queries = _data()
+    models = _checkpoints(count)
+    trains, qsets, singles = [], [], []
+    for c, model in enumerate(models):
+        data = _reversed(batches) if c == 1 else batches
+        trains.append(gradtrace.collect(model, data, classification_loss, projection=projection))
+        qsets.append(gradtrace.collect(model, queries, classification_loss, projection=projection))
+        single = gradtrace.Attributor(method, trains[-1], block_rows=4, **(options or {}))
+        singles.append(single.fit(model, batches, classification_loss))
+    return models, batches, trains, qsets, singles
+
+
+def _by_id(matrix, ids, order):
+    """Columns of ``matrix`` (training ids ``ids``) in the order ``order``."""
+    where = {ident: col for col, ident in enumerate(ids)}
+    return matrix[:, [where[i] for i in order]]
+
+
+def _hand(singles, trains, qsets, weights):
+    """The normalised weighted sum in float64 from the single Attributors' matrices, with its float32 error bound.
+
+    Each member's scores carry the GEMM round-off ``gamma_D |q'| |g'|`` (``gamma_D = D eps``, Higham, for the
+    prepared query and training vectors, as the rows reach the product in another block layout); the
+    combination adds ``C`` float32 roundings of the weighted terms. The normaliser is a float64 mean of the
+    same values: its relative error is at most the largest relative element error, covered by the factor 2.
+    """
+    order = list(trains[0].ids)
+    total, bound = 0, 0
+    weights = [w / sum(weights) for w in weights]
+    for single, train, query, weight in zip(singles, trains, qsets, weights):
+        scores = single.score(query, topk=None, matrix=True)
+        matrix = _by_id(scores.matrix.double(), scores.train_ids, order)
+        factor = weight / float(matrix.abs().mean())
+        total = total + factor * matrix
+        bound = bound + factor * (_gemm_bound(single, train, query, order) + len(singles) * EPS * matrix.abs())
+    return total, 2 * bound
+
+
+def _gemm_bound(single, train, query, order):
+    """``gamma_D |q'_q| |g'_i|``: the float32 round-off bound of every product of prepared vectors (``[Q, N]``)."""
+    q = single.method.prepare_queries(query.vectors).double()
+    g = _by_id(single.method.prepare_train(train.vectors).double().t(), train.ids, order)
+    return train.dim * EPS * q.norm(dim=1)[:, None] * g.norm(dim=0)[None, :]
+
+
+CASES = [("grad_dot", None, None), ("grad_cos", None, None), ("kfac", None, None), ("ekfac", None, None),
+         ("ggn", None, None), ("logra", gradtrace.LoGra(rank=2, seed=1), None),
+         ("trak", gradtrace.LoGra(rank=2, seed=1), None), ("kfac", None, {"damping": 0.01})]
+
+
+@pytest.mark.parametrize(("method", "projection", "options"), CASES,
+                         ids=[f"{m}{'-' + str(o) if o else ''}" for m, _, o in CASES])
+def test_ensemble_equals_the_normalised_weighted_sum(method, projection, options):
+    models, batches, trains, qsets, singles = _members(method, projection, options)
+    weights = [0.5, 0.2, 0.3]
+    want, bound = _hand(singles, trains, qsets, weights)
+    ensemble = gradtrace.Attributor(method, trains, weights=[1.0, 0.4, 0.6], block_rows=4, **(options or {}))
+    assert isinstance(ensemble, gradtrace.Ensemble)
+    ensemble.fit(None, batches, classification_loss, models=models)
+    scores = ensemble.score(qsets, topk=None, matrix=True)
+    assert scores.train_ids == list(trains[0].ids) and scores.query_ids == list(qsets[0].ids)
+    assert scores.meta["ensemble"]["weights"] == pytest.approx(weights)
+    gap = (scores.matrix.double() - want).abs()
+    worst = int(gap.argmax())
+    assert bool((gap <= bound).all()), f"gap {float(gap.flatten()[worst]):.3g} > {float(bound.flatten()[worst]):.3g}"
+    # streaming top-k in blocks of 4 rows, no matrix: the top-k of the combined scores
+    streamed = gradtrace.Ensemble(method, trains, weights=weights, block_rows=4, **(options or {}))
+    streamed.fit(models=models, data=batches, loss_fn=classification_loss)
+    kept = streamed.score(qsets, topk=5, matrix=False)
+    assert kept.matrix is None
+    for largest in (True, False):
+        values, index = torch.topk(want, 5, dim=1, largest=largest)
+        top = kept.topk(5, largest)
+        assert bool(((top.values.double() - values).abs() <= bound.gather(1, index)).all())
+        assert top.ids == [[kept.train_ids[j] for j in row] for row in index.tolist()]
+
+
+def test_weights_scale_and_unnormalised_sum():
+    models, batches, trains, qsets, singles = _members("grad_dot")
+    plain = gradtrace.Ensemble("grad_dot", trains, weights=[2, 0, 2], normalize=False).score(qsets, matrix=True)
+    first = singles[0].score(qsets[0], matrix=True).matrix.double()
+    last = singles[2].score(qsets[2], matrix=True).matrix.double()
+    want = 0.5 * first + 0.5 * last  # weights normalised to sum to 1; member 1 weighs nothing
+    order = list(trains[0].ids)
+    bound = 0.5 * sum(_gemm_bound(singles[c], trains[c], qsets[c], order) for c in (0, 2))
+    bound = 2 * (bound + 3 * EPS * (first.abs() + last.abs()))
+    assert bool(((plain.matrix.double() - want).abs() <= bound).all())
+    assert plain.meta["ensemble"]["mean_abs"] is None
+    # one member: normalised scores are that member's divided by their mean absolute value
+    alone = gradtrace.Attributor("grad_dot", [trains[0]]).score([qsets[0]], matrix=True).matrix.double()
+    want = first / first.abs().mean()
+    bound = 2 * (_gemm_bound(singles[0], trains[0], qsets[0], order) / first.abs().mean() + 2 * EPS * want.abs())
+    assert bool(((alone - want).abs() <= bound).all())
+
+
+def test_fit_from_checkpoints_equals_fit_from_models(tmp_path):
+    from safetensors.torch import save_file
+
+    models, batches, trains, qsets, _ = _members("kfac")
+    paths = [tmp_path / "c0.safetensors", tmp_path / "c1.pt", tmp_path / "c2.pt"]
+    save_file({k: v.contiguous() for k, v in models[0].state_dict().items()}, paths[0])
+    for model, path in zip(models[1:], paths[1:]):
+        torch.save(model.state_dict(), path)
+    target = Net()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CurvatureWeightsWarning)  # every member fitted at its own weights
+        stores = [trains[0], trains[1].save(tmp_path / "member1", shard_rows=7), trains[2]]  # reversed rows
+        loaded = gradtrace.Ensemble("kfac", stores).fit(target, batches, classification_loss, checkpoints=paths)
+        a = loaded.score(qsets, matrix=True).matrix
+    b = gradtrace.Ensemble("kfac", trains).fit(models=models, data=batches, loss_fn=classification_loss)
+    torch.testing.assert_close(a, b.score(qsets, matrix=True).matrix, rtol=0, atol=0)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())  # weights restored
+    # fitted at one model's weights for every member: the curvature weights warning names it
+    with pytest.warns(CurvatureWeightsWarning):
+        gradtrace.Ensemble("kfac", trains).fit(models=[models[0]] * 3, data=batches,
+                                               loss_fn=classification_loss).score(qsets)
+
+
+def test_tracin_list_is_still_tracin():
+    _, _, trains, qsets, _ = _members("grad_dot", count=2)
+    attr = gradtrace.Attributor("tracin", trains[:1] * 2, weights=[1.0, 1.0])
+    assert isinstance(attr, gradtrace.Attributor)
+    with pytest.raises(EnsembleError, match="already combines several checkpoints"):
+        gradtrace.Ensemble("tracin", trains)
+
+
+def test_bad_input_is_refused_with_the_fix():
+    models, batches, trains, qsets, _ = _members("kfac")
+    fewer = gradtrace.collect(models[2], batches[:-1], classification_loss)
+    with pytest.raises(EnsembleError, match=r"member 1 holds other examples .* 2 missing \(e.g. \['ex24', 'ex25'\]"):
+        gradtrace.Ensemble("grad_dot", [trains[0], fewer])
+    projected = gradtrace.collect(models[1], batches, classification_loss, projection=gradtrace.LoGra(rank=2))
+    with pytest.raises(SpecMismatch, match=r"member 1's training gradients vs member 0's .*different projections"):
+        gradtrace.Ensemble("grad_dot", [trains[0], projected])
+    ens = gradtrace.Ensemble("kfac", trains)
+    with pytest.raises(EnsembleError, match="2 models for 3 members"):
+        ens.fit(models=models[:2], data=batches, loss_fn=classification_loss)
+    with pytest.raises(EnsembleError, match="4 checkpoints for 3 members"):
+        ens.fit(models[0], batches, classification_loss, checkpoints=[m.state_dict() for m in models + models[:1]])
+    with pytest.raises(EnsembleError, match=r"one model for 3 members: .*models=\[\.\.\.\] or checkpoints="):
+        ens.fit(models[0], batches, classification_loss)
+    with pytest.raises(EnsembleError, match="are loaded into a model"):
+        ens.fit(data=batches, loss_fn=classification_loss, checkpoints=[m.state_dict() for m in models])
+    ens.fit(models=models, data=iter(batches), loss_fn=classification_loss)  # a one-pass iterator serves all
+    with pytest.raises(EnsembleError, match="2 query set\\(s\\) for 3 members"):
+        ens.score(qsets[:2])
+    with pytest.raises(EnsembleError, match="1 query set\\(s\\) for 3 members"):
+        ens.score(qsets[0])
+    renamed = [{**_data()[1][0], "id": [f"z{i}" for i in range(5)]}]
+    other = gradtrace.collect(models[2], renamed, classification_loss)
+    with pytest.raises(EnsembleError, match="query set 2 holds other examples"):
+        ens.score([qsets[0], qsets[1], other])
+    for weights, message in (([1, 2], "2 weights for 3 members"), ([1, -1, 1], "finite and >= 0, got -1.0"),
+                             ([1, math.nan, 1], "finite and >= 0, got nan"), ([0, 0, 0], "all zero")):
+        with pytest.raises(EnsembleError, match=message):
+            gradtrace.Ensemble("grad_dot", trains, weights=weights)
+    with pytest.raises(EnsembleError, match="needs a list of training gradients"):
+        gradtrace.Ensemble("grad_dot", trains[0])
+    zero = gradtrace.GradientSet(torch.zeros_like(trains[2].vectors), list(trains[2].ids), trains[2].spec)
+    with pytest.raises(EnsembleError, match="member 2's scores are all zero"):
+        gradtrace.Ensemble("grad_dot", [trains[0], trains[1], zero]).score(qsets)
