@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,12 @@ from torch import Tensor, nn
 
 from .capture import capture
 from .gradients import GradientSet
-from .losses import default_loss, default_loss_labels
+from .losses import LossFn, default_loss, default_loss_labels
 from .projection.logra import LoGra
 from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
 
 __all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",
            "run_capture", "terminate_as_interrupt"]
-
-LossFn = Callable[[nn.Module, Any], Tensor]
-
 
 class NonFiniteError(ValueError):
     """NaN/inf where gradients need finite numbers: in the model's parameters, or in every example's gradient."""

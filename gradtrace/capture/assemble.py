@@ -12,17 +12,15 @@ reaches it). Finite values are never changed.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..grad.terms import OuterTerm, Term, VectorTerm, is_index
+from ..grad.terms import OuterTerm, Term, VectorTerm, cat_terms, fill_value, is_index, map_tensors, term_tensors
 from .context import ForwardContext
 
-__all__ = ["SiteResult", "join_terms", "nonfinite_examples", "outside_examples", "term_tensors", "zero_outside"]
+__all__ = ["SiteResult", "join_terms", "nonfinite_examples", "outside_examples", "zero_outside"]
 
 
 @dataclass
@@ -34,12 +32,6 @@ class SiteResult:
     terms: dict[str, Term]
 
 
-def term_tensors(term: Term) -> dict[str, Tensor]:
-    """The tensor fields of a term (all with the example axis first)."""
-    return {f.name: getattr(term, f.name) for f in dataclasses.fields(term)
-            if isinstance(getattr(term, f.name), Tensor)}
-
-
 def _signature(term: Term) -> tuple:
     if isinstance(term, OuterTerm):
         return ("outer", is_index(term.rows), is_index(term.cols), term.n_rows, term.n_cols,
@@ -49,37 +41,8 @@ def _signature(term: Term) -> tuple:
     raise TypeError(f"cannot join terms of type {type(term).__name__}")
 
 
-def _fill(x: Tensor) -> int:
-    return 0 if x.is_floating_point() else -1
-
-
-def _pad_tokens(x: Tensor, length: int) -> Tensor:
-    if x.shape[1] == length:
-        return x
-    pad = x.new_full((x.shape[0], length - x.shape[1], *x.shape[2:]), _fill(x))
-    return torch.cat([x, pad], dim=1)
-
-
-def _map(term: Term, fn: Callable[[Tensor], Tensor]) -> Term:
-    return dataclasses.replace(term, **{k: fn(v) for k, v in term_tensors(term).items()})
-
-
-def _cat(terms: list[Term], dim: int) -> Term:
-    """Concatenate same-signature terms along the example (0) or token (1) axis."""
-    if len(terms) == 1:
-        return terms[0]
-    length = max(t.num_tokens for t in terms)
-    fields = {}
-    for key in term_tensors(terms[0]):
-        parts = [getattr(t, key) for t in terms]
-        if dim == 0:
-            parts = [_pad_tokens(p, length) for p in parts]
-        fields[key] = torch.cat(parts, dim=dim)
-    return dataclasses.replace(terms[0], **fields)
-
-
 def _empty_like(term: Term, num_examples: int) -> Term:
-    return _map(term, lambda x: x.new_full((num_examples, 1, *x.shape[2:]), _fill(x)))
+    return map_tensors(term, lambda x: x.new_full((num_examples, 1, *x.shape[2:]), fill_value(x)))
 
 
 def outside_examples(context: ForwardContext) -> Tensor | None:
@@ -130,18 +93,18 @@ def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[F
     for context, _order, term in sorted(entries, key=lambda e: (e[0].index, e[1])):
         mask = outside.get(context.index)
         if mask is not None:
-            term = _map(term, lambda x, mask=mask: zero_outside(x, mask))
-        per_example = _map(term, context.relayout)
+            term = map_tensors(term, lambda x, mask=mask: zero_outside(x, mask))
+        per_example = map_tensors(term, context.relayout)
         groups.setdefault(_signature(per_example), {}).setdefault(context.index, []).append(per_example)
     joined: list[Term] = []
     for by_context in groups.values():
-        per_context = {i: _cat(terms, dim=1) for i, terms in by_context.items()}
+        per_context = {i: cat_terms(terms, dim=1) for i, terms in by_context.items()}
         if sum_contexts:
-            joined.append(_cat(list(per_context.values()), dim=1))
+            joined.append(cat_terms(list(per_context.values()), dim=1))
             continue
         template = next(iter(per_context.values()))
         parts = [per_context.get(c.index) or _empty_like(template, c.num_examples) for c in contexts]
-        joined.append(_cat(parts, dim=0))
+        joined.append(cat_terms(parts, dim=0))
     return joined
 
 

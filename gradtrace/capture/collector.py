@@ -29,10 +29,12 @@ import torch
 from torch import Tensor, nn
 
 from ..data.ids import ContentIds
-from ..grad.batch import GradientBatch, LossConvention, ParamGradient
+from ..grad.batch import GradientBatch, ParamGradient
+from ..grad.terms import term_tensors
+from ..losses import LossConvention
 from ..projection.logra import LoGra, Projector, check_projection_size, unmatched_ranks
 from ..store.spec import IdCollision
-from .assemble import SiteResult, join_terms, nonfinite_examples, outside_examples, term_tensors, zero_outside
+from .assemble import SiteResult, join_terms, nonfinite_examples, outside_examples, zero_outside
 from .context import BatchInfo, ContextSettings, ForwardContext
 from .layer_selection import LayerSpec, select_layers, unwrap
 from .layers import LayerHandler

@@ -18,7 +18,7 @@ from torch import Tensor
 from .batch import GradientBatch, ParamGradient
 from .cost import CostModel, TermShape, default_cost_model
 from .ghost import DEFAULT_MAX_BYTES, ghost_diag, ghost_inner
-from .terms import DenseTerm, OuterTerm, Term, VectorTerm, is_index
+from .terms import DenseTerm, OuterTerm, Term, VectorTerm, cat_terms, is_index
 
 __all__ = ["check_compatible", "concat", "dense_inner", "inner", "param_route", "sq_norms", "to", "token_inner",
            "weighted_sum"]
@@ -246,8 +246,6 @@ def token_inner(a: GradientBatch, b: GradientBatch, *, max_bytes: int = DEFAULT_
 
 def concat(batches: Sequence[GradientBatch]) -> GradientBatch:
     """Concatenate batches along the example axis (same parameters, projection, shapes, dtypes)."""
-    from ..capture.assemble import _cat  # the same joining rule as capture uses
-
     if not batches:
         raise ValueError("concat() needs at least one batch")
     first = batches[0]
@@ -258,7 +256,7 @@ def concat(batches: Sequence[GradientBatch]) -> GradientBatch:
         groups = [b.params[name].terms for b in batches]
         if len({len(g) for g in groups}) != 1:
             raise IncompatibleGradients(f"concat: {name} has a different number of terms across batches")
-        terms = [_cat([g[k] for g in groups], dim=0) for k in range(len(groups[0]))]
+        terms = [cat_terms([g[k] for g in groups], dim=0) for k in range(len(groups[0]))]
         params[name] = ParamGradient(name, pg.shape, terms, pg.projected)
 
     def cat_opt(values):

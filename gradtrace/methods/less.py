@@ -35,10 +35,10 @@ from torch import Tensor, nn
 
 from ..capture import capture
 from ..capture.layer_selection import strip_wrappers, unwrap
-from ..collect import LossFn, run_capture
+from ..collect import run_capture
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
-from ..losses import causal_lm_loss, default_loss
+from ..losses import LossFn, causal_lm_loss, default_loss
 from ..projection.sketch import Sketch
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 from .base import Method, MissingStage, register_method
