@@ -20,8 +20,7 @@ from .projection import LoGra
 from .score import Attributor, Scores
 from .store import GradientSpec, GradientStore, StoreWriter
 from .train import TrajectoryWriter
-
-__version__ = "0.1.0"
+from .version import __version__
 
 # The names before the architecture step (issue #16); kept so that existing code keeps working.
 GradBatch = GradientBatch

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from .capture import capture
+from .common.batches import to_device as _to_device
+from .common.models import context_limit
 from .gradients import GradientSet
 from .losses import LossFn, default_loss, default_loss_labels
 from .projection.logra import LoGra
@@ -131,28 +133,6 @@ def _select_rows(batch: Any, rows: list[int], size: int) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(take(v) for v in batch)
     return take(batch)
-
-
-def _to_device(batch: Any, device: torch.device | None) -> Any:
-    if device is None:
-        return batch
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
-def context_limit(model: nn.Module) -> int | None:
-    """The model's context length from its config (None when it does not say)."""
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None, *,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..common.models import unwrap
 from ..data.ids import ContentIds
 from ..grad.batch import GradientBatch, ParamGradient
 from ..grad.terms import term_tensors
@@ -36,7 +37,7 @@ from ..projection.logra import LoGra, Projector, check_projection_size, unmatche
 from ..store.spec import IdCollision
 from .assemble import SiteResult, join_terms, nonfinite_examples, outside_examples, zero_outside
 from .context import BatchInfo, ContextSettings, ForwardContext
-from .layer_selection import LayerSpec, select_layers, unwrap
+from .layer_selection import LayerSpec, select_layers
 from .layers import LayerHandler
 from .report import CaptureReport
 from .verify import check_batch_sum

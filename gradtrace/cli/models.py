@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from ..collect import NonFiniteError, check_finite_parameters, context_limit
+from ..collect import NonFiniteError, check_finite_parameters
+from ..common.models import context_limit
 from .errors import CliError
 
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]

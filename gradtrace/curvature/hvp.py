@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..capture.layer_selection import unwrap
+from ..common.models import unwrap
 from ..losses import MODEL_KEYS, causal_lm_loss, classification_loss, default_loss, lm_labels, regression_loss
 from .curvature import CurvatureError
 

@@ -11,9 +11,10 @@ scoring sharded over ranks.
 See ``docs/distributed.md``.
 """
 
-from ..score.sharded import RowSubset, rank_rows, score_sharded
+from ..common.ranks import rank_and_world
 from .agree import RankFailure, RankMismatch, agreed, capture_spec, check_same, check_store_writers, gather_objects
-from .env import comm_device, is_distributed, launched_by_torchrun, process_group, rank_and_world
+from .env import comm_device, is_distributed, launched_by_torchrun, process_group
+from .sharded import RowSubset, rank_rows, score_sharded
 
 __all__ = [
     "RankFailure", "RankMismatch", "RowSubset", "agreed", "capture_spec", "check_same", "check_store_writers",

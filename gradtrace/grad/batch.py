@@ -12,7 +12,7 @@ from torch import Tensor
 from ..losses import LossConvention
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm
 
-__all__ = ["GradientBatch", "ParamGradient"]
+__all__ = ["GradientBatch", "ParamGradient", "vectors_to_batch"]
 
 
 @dataclass
@@ -209,3 +209,15 @@ def term_kind(term: Term) -> str:
     if isinstance(term, VectorTerm):
         return "vector"
     return "dense"
+
+
+def vectors_to_batch(vectors: Tensor, like: GradientBatch) -> GradientBatch:
+    """Dense ``[Q, D]`` vectors as a :class:`GradientBatch` with the parameter layout of batch ``like``."""
+    params, start = {}, 0
+    for name, pg in like.params.items():
+        stop = start + pg.numel
+        params[name] = ParamGradient(name, pg.shape, [DenseTerm(vectors[:, start:stop].reshape(-1, *pg.shape))],
+                                     pg.projected)
+        start = stop
+    return GradientBatch(ids=[str(i) for i in range(vectors.shape[0])], params=params,
+                         scale=torch.ones(vectors.shape[0]), convention=like.convention, projection=like.projection)

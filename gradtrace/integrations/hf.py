@@ -44,7 +44,8 @@ import torch
 from transformers import TrainerCallback
 
 from ..capture import Capture
-from ..capture.layer_selection import LayerSpec, strip_wrappers, unwrap
+from ..capture.layer_selection import LayerSpec
+from ..common.models import strip_wrappers, unwrap
 from ..projection.logra import LoGra
 from ..store import GradientStore, StoreWriter
 from ..store.layout import DTYPES

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import capture
-from ..capture.layer_selection import strip_wrappers, unwrap
 from ..collect import run_capture
+from ..common.models import strip_wrappers, unwrap
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..losses import LossFn, causal_lm_loss, default_loss

@@ -22,26 +22,11 @@ from ..methods import Method, get_method
 from ..store.spec import GradientSpec
 from .scores import Scores
 
-__all__ = ["Attributor", "ScoringError", "vectors_to_batch"]
+__all__ = ["Attributor", "ScoringError"]
 
 
 class ScoringError(ValueError):
     """Scoring produced values that cannot be trusted (NaN/inf), with the queries and training rows named."""
-
-
-def vectors_to_batch(vectors: Tensor, like: Any) -> Any:
-    """Dense ``[Q, D]`` vectors as a :class:`GradientBatch` with the parameter layout of batch ``like``."""
-    from ..grad.batch import GradientBatch, ParamGradient
-    from ..grad.terms import DenseTerm
-
-    params, start = {}, 0
-    for name, pg in like.params.items():
-        stop = start + pg.numel
-        params[name] = ParamGradient(name, pg.shape, [DenseTerm(vectors[:, start:stop].reshape(-1, *pg.shape))],
-                                 pg.projected)
-        start = stop
-    return GradientBatch(ids=[str(i) for i in range(vectors.shape[0])], params=params,
-                     scale=torch.ones(vectors.shape[0]), convention=like.convention, projection=like.projection)
 
 
 def _merge(kept: tuple[Tensor, Tensor] | None, block: Tensor, offset: int, k: int,
@@ -193,7 +178,7 @@ class Attributor:
         batches) and a method whose training-side transform is a per-example scaling (dot, cosine, TracIn
         at one checkpoint).
         """
-        from .pairs import _token_shares
+        from .pairs import token_shares as _token_shares
 
         if len(self.train) != 1:
             raise ValueError("per-token scores are computed for one checkpoint at a time")

@@ -30,11 +30,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..distributed.agree import agreed, check_same, gather_objects
-from ..distributed.env import comm_device, rank_and_world
+from ..common.ranks import rank_and_world
 from ..gradients import GradientSet
-from .engine import Attributor
-from .scores import Scores
+from ..score.engine import Attributor
+from ..score.scores import Scores
+from .agree import agreed, check_same, gather_objects
+from .env import comm_device
 
 __all__ = ["SPLITS", "RowSubset", "rank_rows", "score_sharded"]
 
