@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from ..data.corpus import PLANTED
 from ..score import Scores
-from .corpus import PLANTED
 
 __all__ = ["report_planted"]
 

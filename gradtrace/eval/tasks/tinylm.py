@@ -52,7 +52,7 @@ class TinyLMTask(Task):
 
     def __init__(self, settings: TinyLMConfig | None = None, **overrides: Any) -> None:
         super().__init__(replace(settings or TinyLMConfig(), **overrides))
-        from ...demo.corpus import load_plays, train_tokenizer
+        from ...data.corpus import load_plays, train_tokenizer
 
         cfg = self.settings
         docs = load_plays(cfg.num_train + cfg.num_queries, words_per_doc=cfg.words_per_doc, seed=cfg.corpus_seed)
