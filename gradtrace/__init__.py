@@ -18,7 +18,8 @@ from .methods.less import less_features, less_query_features
 from .plan import Plan, plan
 from .projection import LoGra
 from .score import Attributor, Scores
-from .store import GradientSpec, GradientStore, StoreWriter
+from .sink import StoreWriter
+from .store import GradientSpec, GradientStore
 from .train import TrajectoryWriter
 from .version import __version__
 

@@ -24,7 +24,8 @@ from .common.models import context_limit
 from .gradients import GradientSet
 from .losses import LossFn, default_loss, default_loss_labels
 from .projection.logra import LoGra
-from .store import GradientStore, ShardWriter, StoreWriter, model_fingerprint
+from .sink import StoreWriter
+from .store import GradientStore, ShardWriter, model_fingerprint
 
 __all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",
            "run_capture", "terminate_as_interrupt"]

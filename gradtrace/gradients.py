@@ -17,8 +17,8 @@ from torch import Tensor
 
 from .grad.batch import GradientBatch
 from .grad.ops import concat
-from .store.spec import GradientSpec, first_occurrences
-from .store.writer import batch_digests
+from .sink.rows import MemoryRows, RowSink
+from .store.spec import GradientSpec
 
 __all__ = ["GradientSet", "GradientSource", "as_source"]
 
@@ -64,6 +64,7 @@ class GradientSet:
                      keep_batches: bool = False) -> GradientSet:
         """Flatten captured batches, as a store would hold them.
 
+        The rows a store would keep, by the same path (:class:`gradtrace.sink.RowSink` with a memory back end).
         Examples flagged NaN/inf are dropped (their ids in ``dropped`` and ``skipped["nonfinite"]``). An id
         seen before is kept once, as :class:`gradtrace.store.ShardWriter` does: a repeat of the same example
         (same content digest, e.g. a later epoch; or no digest on either side) is skipped and counted in
@@ -72,40 +73,14 @@ class GradientSet:
         """
         if not batches:
             raise ValueError("no gradients: the data was empty or no backward pass was captured")
-        first = batches[0]
-        spec = GradientSpec(params=list(first.dims.items()), projection=first.projection,
-                            convention=first.convention.to_dict(), model=model_fingerprint or {})
-        vectors, ids, steps, dropped, kept_digests = [], [], [], [], []
-        seen: dict[str, str | None] = {}  # id -> content digest of the row kept for it
-        repeats = 0
+        rows = MemoryRows()
+        sink = RowSink(rows, fingerprint=lambda: dict(model_fingerprint or {}))
         for batch in batches:
-            finite = torch.ones(len(batch), dtype=torch.bool)
-            if batch.nonfinite is not None:
-                finite = ~batch.nonfinite.cpu()
-            digests = batch_digests(batch)
-            rows = finite.nonzero().flatten().tolist()
-            keep, new, repeated = first_occurrences(
-                [batch.ids[i] for i in rows], None if digests is None else [digests[i] for i in rows],
-                lambda ident: (ident in seen, seen.get(ident)),
-                lambda ident, step=batch.step: f"kept before backward pass {step}")
-            index = [rows[k] for k in keep]
-            seen.update(new)
-            repeats += len(repeated)
-            flat = batch.flat()
-            vectors.append(flat[torch.tensor(index, dtype=torch.long, device=flat.device)].cpu())
-            ids += [batch.ids[i] for i in index]
-            steps += [batch.step] * len(index)
-            kept_digests += [None if digests is None else digests[i] for i in index]
-            dropped += [batch.ids[i] for i in (~finite).nonzero().flatten().tolist()]
-        kept = None
-        if keep_batches:
-            kept = list(batches)
-        fields: dict[str, list[Any]] = {"step": steps}
-        if any(d is not None for d in kept_digests):
-            fields["digest"] = kept_digests  # saved with the rows by save(): a store compares with them too
-        out = cls(torch.cat(vectors), ids, spec, kept, fields)
-        out.dropped = dropped
-        out.skipped = {"nonfinite": list(dropped), "duplicate": repeats}
+            sink.add(batch)
+        assert rows.spec is not None
+        out = cls(rows.vectors(), rows.ids, rows.spec, list(batches) if keep_batches else None, rows.kept_fields())
+        out.dropped = list(rows.ledger.skipped["nonfinite"])
+        out.skipped = {"nonfinite": list(out.dropped), "duplicate": rows.ledger.skipped["duplicate"]}
         return out
 
     def __len__(self) -> int:

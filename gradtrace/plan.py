@@ -19,7 +19,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from .projection.logra import LoGra
-from .store.writer import row_bytes
+from .store.shards import row_bytes
 
 __all__ = ["Plan", "plan", "RECORD_BYTES_PER_ROW"]
 

@@ -20,11 +20,11 @@ PACKAGE = ROOT / "gradtrace"
 
 # lowest first; a module may import its own layer and the layers below it (docs/architecture.md says why)
 LAYERS: list[set[str]] = [
-    {"common", "losses", "version"},  # the floor: imports nothing from gradtrace above it
+    {"common", "losses", "version", "provenance"},  # the floor: imports nothing from gradtrace above it
     {"data"},  # data in: files -> tokenized batches, the one id rule, the bundled corpus
     {"grad", "projection"},  # per-example gradient containers and ops; LoGra and the sketches
-    {"store", "gradients"},  # rows of gradients: on disk (store) and in memory (GradientSet)
-    {"capture", "collect", "plan"},  # hooks -> GradientBatch; driving a capture over a dataset
+    {"store"},  # rows of gradients on disk: spec, layout, shard writer, reader, artifacts
+    {"capture", "sink", "gradients", "collect", "plan"},  # hooks -> GradientBatch -> rows (sink: store or memory)
     {"curvature"},  # K-FAC / EK-FAC / dense Fisher fitted from captured factors; PCA bases
     {"methods"},  # attribution methods: preconditioning and scoring math
     {"report"},  # HTML report of any Scores-like object
@@ -35,7 +35,10 @@ LAYERS: list[set[str]] = [
 
 # upward imports another part of issue #16 removes; each entry names who and why (delete it once gone)
 PENDING: dict[tuple[str, str], str] = {
-    ("gradtrace.store.writer", "gradtrace.distributed.agree"): "#16 row sink: rank agreement in distributed/ only",
+    ("gradtrace.sink.store_writer", "gradtrace.distributed.agree"): "#16: store writers agree across ranks through "
+                                                                    "distributed/ (above score) from the sink layer",
+    ("gradtrace.store", "gradtrace.sink"): "#16: gradtrace.store.StoreWriter kept public by a lazy re-export of "
+                                           "gradtrace.sink.StoreWriter (the sink sits above store and capture)",
 }
 
 MAX_LINES = 500

@@ -32,7 +32,8 @@ from ..data.corpus import PLANTED, Document, load_plays, train_tokenizer
 from ..losses import lm_labels
 from ..projection.logra import LoGra
 from ..score import Attributor, Scores
-from ..store import GradientStore, StoreWriter
+from ..sink import StoreWriter
+from ..store import GradientStore
 
 __all__ = ["main", "run"]
 

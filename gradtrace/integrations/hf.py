@@ -46,10 +46,11 @@ from transformers import TrainerCallback
 from ..capture import Capture
 from ..capture.layer_selection import LayerSpec
 from ..common.models import strip_wrappers, unwrap
+from ..common.ranks import rank_and_world as dist_rank
 from ..projection.logra import LoGra
-from ..store import GradientStore, StoreWriter
+from ..sink import StoreWriter
+from ..store import GradientStore
 from ..store.layout import DTYPES
-from ..store.writer import dist_rank
 from .fused_head import UnfusedLMHead, captures_output_embedding
 from .trainer_ids import ID_KEY, prepare_ids
 from .trainer_loss import CallLoss, TrainerLoss, loss_ratio

@@ -1,7 +1,7 @@
 """Rows a training run writes to a gradient store: each example's gradient with its place in training.
 
 :class:`TrainerRows` is the capture callback of the Trainer integration. It hands every captured example
-to a :class:`~gradtrace.StoreWriter` with per-row fields
+to a :class:`~gradtrace.StoreWriter`, whose row sink it keys and gives per-row fields
 
 * ``step``: optimizer steps completed when the gradient was taken -- its weights are those a checkpoint
   saved at that step holds (``checkpoint-{step}``);
@@ -17,14 +17,15 @@ Trainer saves in the store's manifest (:func:`record_checkpoints`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
+from ..capture import CaptureCallback
 from ..grad.batch import GradientBatch
-from ..store import StoreWriter
-from ..store.layout import MANIFEST, StoreError, atomic_write_json, lock_is_stale, read_lock
+from ..sink import RowTransform, StoreWriter
+from ..store.artifact import atomic_write_json
+from ..store.layout import MANIFEST, StoreError, lock_is_stale, read_lock
 from ..train.trajectory import TrajectoryKeys, step_weights
 
 __all__ = ["TrainerRows", "checkpoints", "preflight", "record_checkpoints", "shard_rows_for"]
@@ -94,8 +95,9 @@ def checkpoints(store: Any) -> list[dict]:
     return list((manifest.get("config") or {}).get(CONFIG_KEY, {}).get("checkpoints") or [])
 
 
-class TrainerRows:
-    """Capture callback writing each captured example, with its training position, to a store.
+class TrainerRows(RowTransform, CaptureCallback):
+    """Capture callback writing each captured example, with its training position, to a store: the rows of the
+    writer's sink are keyed and given fields by this transform.
 
     ``position`` is updated by the Trainer callback before each captured optimizer step:
     ``{"step", "epoch", "lr"}``.
@@ -107,23 +109,22 @@ class TrainerRows:
         self.auto_shard_rows = auto_shard_rows
         self.position: dict[str, Any] = {"step": 0, "epoch": 0, "lr": 0.0}
         self._keys = TrajectoryKeys()
-        writer.fields = self._fields
+        writer.sink.transform = self
 
-    def _fields(self, batch: GradientBatch) -> dict[str, list]:
+    def keys(self, batch: GradientBatch) -> list[str]:
+        return self._keys(batch.ids, self.position["step"]) if self.trajectory else list(batch.ids)
+
+    def fields(self, batch: GradientBatch) -> dict[str, list]:
         count = len(batch)
         pos = self.position
         fields = {"step": [pos["step"]] * count, "epoch": [pos["epoch"]] * count, "lr": [pos["lr"]] * count,
                   "backward": [batch.step] * count}
         if self.trajectory:
-            fields["example"] = list(batch.meta["example"])
+            fields["example"] = list(batch.ids)
             fields["weight"] = step_weights(batch.scale, pos["lr"])
         return fields
-
-    def _trajectory_batch(self, batch: GradientBatch) -> GradientBatch:
-        keys = self._keys(batch.ids, self.position["step"])
-        return dataclasses.replace(batch, ids=keys, meta={**batch.meta, "example": list(batch.ids)})
 
     def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
         if self.auto_shard_rows and self.writer.writer is None:  # the store opens with this batch
             self.writer.options["shard_rows"] = shard_rows_for(sum(batch.dims.values()))
-        self.writer.on_batch(self._trajectory_batch(batch) if self.trajectory else batch, capture)
+        self.writer.on_batch(batch, capture)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..losses import LossFn, causal_lm_loss, default_loss
 from ..projection.sketch import Sketch
+from ..sink.rows import MemoryRows, RowSink, RowTransform, ShardRows
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 from .base import Method, MissingStage, register_method
 from .similarity import _normalize
@@ -194,58 +195,28 @@ def _default_loss(example_loss: str) -> LossFn:
     return loss
 
 
-class _FeatureSink:
-    """Capture callback: exact per-example gradients -> features -> projected rows (memory or store)."""
+class _LessRows(RowTransform):
+    """Rows of LESS features: exact per-example gradients -> (Adam update directions) -> sketched to ``k`` dims."""
 
-    def __init__(self, model: nn.Module, sketch: Sketch, convention: dict[str, Any],
-                 states: dict[str, AdamState] | None, path: Path | None, dtype: str, options: dict[str, Any]) -> None:
-        self.model, self.sketch, self.convention = model, sketch, convention
+    def __init__(self, sketch: Sketch, convention: dict[str, Any], states: dict[str, AdamState] | None) -> None:
+        self.sketch, self.convention = sketch, convention
         self.states = states  # None: plain gradients
-        self.writer: ShardWriter | None = None
-        self.path, self.dtype, self.options = path, dtype, options
-        self.spec: GradientSpec | None = None
-        self.rows: list[Tensor] = []
-        self.ids: list[str] = []
-        self.dropped: list[str] = []
 
-    def _open(self, batch: GradientBatch) -> None:
-        inputs = list(batch.dims.items())
-        self.spec = GradientSpec(params=[("less", self.sketch.k)], projection=_projection_spec(self.sketch, inputs),
-                                 convention=self.convention, model=model_fingerprint(self.model), dtype=self.dtype)
-        if self.path is not None:
-            _check_store_side(self.path, self.spec, self.options)
-            self.writer = ShardWriter(self.path, self.spec, **self.options)
-
-    def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
-        if batch.projection is not None:
+    def spec(self, layout: GradientSpec) -> GradientSpec:
+        if layout.projection is not None:
             raise ValueError("LESS features need exact per-example gradients (capture without projection)")
-        if self.spec is None:
-            self._open(batch)
-        inputs = [n for n, _ in self.spec.projection["inputs"]]
-        if list(batch.params) != inputs:
-            raise SpecMismatch(f"backward pass {batch.step} captured other parameters than the first one")
-        keep = torch.ones(len(batch), dtype=torch.bool)
-        if batch.nonfinite is not None:
-            keep = ~batch.nonfinite.cpu()
+        return replace(layout, params=[("less", self.sketch.k)],
+                       projection=_projection_spec(self.sketch, layout.params), convention=self.convention)
+
+    def vectors(self, batch: GradientBatch) -> Tensor:
         parts = []
         for name, grad in batch.params.items():
             flat = grad.flat()  # [E, numel] exact gradient of each example's own loss
             parts.append(self.states[name].direction(flat) if self.states is not None else flat)
-        features = torch.cat(parts, dim=1)  # [E, D]
-        rows = self.sketch.project(features, SKETCH_KEY)  # [E, k] float32
-        index = keep.nonzero().flatten().tolist()
-        self.dropped += [batch.ids[i] for i in range(len(batch)) if not bool(keep[i])]
-        ids = [batch.ids[i] for i in index]
-        rows = rows[torch.tensor(index, dtype=torch.long, device=rows.device)] if len(index) < len(batch) else rows
-        if self.writer is not None:
-            self.writer.put(ids, rows)
-        else:
-            self.rows.append(rows.cpu())
-            self.ids += ids
+        return self.sketch.project(torch.cat(parts, dim=1), SKETCH_KEY)  # [E, k] float32
 
-    def on_capture_end(self, capture: Any, error: BaseException | None) -> None:
-        if self.writer is not None:
-            self.writer.close(complete=error is None)
+    def fields(self, batch: GradientBatch) -> dict[str, list]:
+        return {}
 
 
 def _check_store_side(path: Path, spec: GradientSpec, options: dict[str, Any]) -> None:
@@ -283,21 +254,28 @@ def _run(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, projecti
     if states is not None:  # resolve the optimizer state before computing anything
         states = states(cap.selection.param_order)
         convention["optimizer"] = _optimizer_record(states)
-    sink = _FeatureSink(model, projection, convention, states, path, dtype, options)
+    def open_store(spec: GradientSpec) -> ShardWriter:
+        assert path is not None
+        _check_store_side(path, spec, options)
+        return ShardWriter(path, spec, **options)
+
+    rows: ShardRows | MemoryRows = ShardRows(open_store) if path is not None else MemoryRows()
+    sink = RowSink(rows, transform=_LessRows(projection, convention, states), dtype=dtype,
+                   fingerprint=lambda: model_fingerprint(model), what="the first one")
     cap.callbacks.append(sink)
     run_capture(model, data, loss_fn or _default_loss(example_loss), cap, ids=ids, id_key=id_key, skip=skip,
                 device=device, progress=progress, what=f"less ({features})")
-    if path is not None:
-        if sink.writer is None:
+    if isinstance(rows, ShardRows):
+        if rows.writer is None:
             if not skip:
                 raise ValueError("the data produced no examples")
             # resumed with nothing left to compute: mark this rank's part of the store complete
             ShardWriter(path, GradientStore.open(path, verify=False, allow_incomplete=True).spec, resume=True).close()
         return GradientStore.open(path)
-    if not sink.ids:
+    if not rows.ids:
         raise ValueError("the data produced no examples")
-    out = GradientSet(torch.cat(sink.rows), sink.ids, sink.spec)
-    out.dropped = sink.dropped
+    out = GradientSet(rows.vectors(), rows.ids, rows.spec, fields=rows.kept_fields())
+    out.dropped = list(rows.ledger.skipped["nonfinite"])
     return out
 
 

@@ -37,7 +37,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..store.layout import StoreError, atomic_write_json
+from ..store.artifact import atomic_write_json
+from ..store.layout import StoreError
 
 __all__ = [
     "INDEX_FORMAT",

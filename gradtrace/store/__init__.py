@@ -1,9 +1,15 @@
-"""Sharded, memory-mapped, self-describing on-disk gradient stores."""
+"""Sharded, memory-mapped, self-describing on-disk gradient stores (pure I/O: no capture, no collectives).
+
+``StoreWriter``, the capture callback that writes a store, lives in :mod:`gradtrace.sink` and is still
+importable from here.
+"""
+
+from typing import Any
 
 from .layout import StoreError
 from .reader import GradientStore
 from .spec import GradientSpec, IdCollision, SpecMismatch, model_fingerprint
-from .writer import ShardWriter, StoreWriteError, StoreWriter
+from .writer import ShardWriter, StoreWriteError
 
 __all__ = [
     "GradientSpec",
@@ -16,3 +22,13 @@ __all__ = [
     "StoreWriter",
     "model_fingerprint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``gradtrace.store.StoreWriter`` (its public name before the sink layer), resolved on first use so that the
+    store package imports nothing above it."""
+    if name == "StoreWriter":
+        from ..sink import StoreWriter
+
+        return StoreWriter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,9 @@
-"""Directory artifacts (fitted curvature, saved scores): a JSON manifest beside one safetensors file, written
-atomically and verified on load.
+"""The one format helper of gradtrace's artifacts: checksums, atomic writes, and the manifest + tensors layout.
+
+Gradient stores (:mod:`gradtrace.store.layout`: manifest, shard records, rank files, locks), fitted curvature
+and saved scores all write through :func:`atomic_write_bytes` / :func:`create_exclusive` and checksum with
+:func:`checksum` (blake2b-128). Curvature and scores are directory artifacts: a JSON manifest beside one
+safetensors file, written atomically and verified on load (:func:`write_artifact`, :func:`read_artifact`).
 
 ::
 
@@ -24,18 +28,21 @@ Version-1 artifacts (gradtrace before checksums: ``NAME.json`` + ``NAME.safetens
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
+import os
 import re
+import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor
 
-from .layout import atomic_write_bytes, checksum, file_checksum
-
-__all__ = ["ArtifactError", "UncheckedArtifactWarning", "read_artifact", "write_artifact"]
+__all__ = ["ArtifactError", "UncheckedArtifactWarning", "atomic_write_bytes", "atomic_write_json", "canonical_json",
+           "checksum", "create_exclusive", "file_checksum", "fsync_dir", "json_bytes", "read_artifact",
+           "write_artifact"]
 
 LEGACY_VERSION = 1
 """The version that carried no checksums (read with a warning)."""
@@ -47,6 +54,93 @@ class ArtifactError(ValueError):
 
 class UncheckedArtifactWarning(UserWarning):
     """An artifact saved before gradtrace recorded checksums was loaded: its contents could not be verified."""
+
+
+# -- atomic writes and checksums (stores, curvature, scores) ----------------------------------------------
+def checksum(*chunks: bytes) -> str:
+    """The blake2b-128 hex digest every gradtrace artifact records (store records, manifests, tensor files)."""
+    h = hashlib.blake2b(digest_size=16)
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def json_bytes(data: Any) -> bytes:
+    """The bytes a store writes for a JSON document (records, status files, manifest)."""
+    return json.dumps(data, indent=1, sort_keys=False).encode()
+
+
+def file_checksum(path: Path, block: int = 16 * 2**20) -> str:
+    """:func:`checksum` of a file's bytes, read in blocks."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Fsync a directory (a rename inside it is durable after this); best effort where it cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_synced(handle: IO[bytes], data: bytes | memoryview) -> None:
+    """Write ``data`` to an open file and flush it to the disk."""
+    handle.write(data)
+    handle.flush()
+    os.fsync(handle.fileno())
+
+
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync, rename: readers see all or nothing."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        with open(tmp, "wb") as f:
+            _write_synced(f, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, data: Any) -> None:
+    """:func:`atomic_write_bytes` of :func:`json_bytes` ``(data)``."""
+    atomic_write_bytes(path, json_bytes(data))
+
+
+def create_exclusive(path: Path, data: bytes) -> bool:
+    """Create ``path`` holding ``data`` unless it exists; False if it did. Other processes never see the
+    file half-written: the content is written to a temporary file first and hard-linked into place."""
+    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}.{threading.get_ident()}")
+    try:
+        with open(tmp, "wb") as f:
+            _write_synced(f, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links on this file system: exclusive create, then write (not atomic)
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                _write_synced(f, data)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return True
+
 
 
 def canonical_json(data: Any) -> bytes:

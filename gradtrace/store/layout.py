@@ -1,4 +1,5 @@
-"""On-disk layout of a gradient store: file names, atomic writes, checksums, locks.
+"""On-disk layout of a gradient store: file names, manifest checksum, locks (atomic writes and checksums:
+:mod:`gradtrace.store.artifact`, shared with curvature and scores).
 
 ::
 
@@ -29,15 +30,15 @@ data checksums); it cannot be resumed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 import socket
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from .artifact import canonical_json, checksum, create_exclusive
 
 __all__ = [
     "DTYPES",
@@ -49,12 +50,6 @@ __all__ = [
     "SHARD_FILE",
     "StoreError",
     "acquire_lock",
-    "atomic_write_bytes",
-    "atomic_write_json",
-    "checksum",
-    "create_exclusive",
-    "file_checksum",
-    "json_bytes",
     "lock_file",
     "lock_is_stale",
     "manifest_checksum",
@@ -92,18 +87,6 @@ def lock_file(root: Path, rank: int) -> Path:
     return root / f"rank-{rank:05d}.lock"
 
 
-def checksum(*chunks: bytes) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for chunk in chunks:
-        h.update(chunk)
-    return h.hexdigest()
-
-
-def json_bytes(data: Any) -> bytes:
-    """The bytes a store writes for a JSON document (records, status files, manifest)."""
-    return json.dumps(data, indent=1, sort_keys=False).encode()
-
-
 MANIFEST_UNSEALED = ("checksum", "config")
 """Manifest keys its checksum does not cover: itself, and the free-form ``config`` (provenance that tools
 such as the Trainer integration update after the store is created; it does not change how rows are read)."""
@@ -113,75 +96,7 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     """Checksum of what a manifest says about its rows: every key but :data:`MANIFEST_UNSEALED` (format,
     schema version, spec, shard size, world size, creation time); key order and formatting do not matter."""
     body = {k: v for k, v in manifest.items() if k not in MANIFEST_UNSEALED}
-    return checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-
-
-def file_checksum(path: Path, block: int = 16 * 2**20) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync, rename: readers see all or nothing."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    atomic_write_bytes(path, json_bytes(data))
-
-
-def create_exclusive(path: Path, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` unless it exists; False if it did. Other processes never see the
-    file half-written: the content is written to a temporary file first and hard-linked into place."""
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links on this file system: exclusive create, then write (not atomic)
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-    return True
+    return checksum(canonical_json(body))
 
 
 def _pid_alive(pid: int) -> bool:

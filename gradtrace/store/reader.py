@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .artifact import checksum, file_checksum
 from .layout import (
     DTYPES,
     FORMAT,
@@ -20,8 +21,6 @@ from .layout import (
     READABLE_VERSIONS,
     SHARD_FILE,
     StoreError,
-    checksum,
-    file_checksum,
     lock_is_stale,
     manifest_checksum,
     rank_file,

@@ -11,10 +11,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ..grad.batch import GradientBatch
 
 __all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "first_occurrences", "model_fingerprint"]
 
@@ -104,6 +107,21 @@ class GradientSpec:
     convention: dict[str, str]
     model: dict[str, str] = field(default_factory=dict)
     dtype: str = "float32"
+
+    @classmethod
+    def from_batch(cls, batch: GradientBatch, *, model: dict[str, str] | None = None,
+                   dtype: str = "float32") -> GradientSpec:
+        """The layout of ``batch``'s flattened gradients: its parameters and dims, projection and loss convention;
+        ``model``: the :func:`model_fingerprint` to record, ``dtype``: the storage dtype."""
+        return cls(params=list(batch.dims.items()), projection=batch.projection,
+                   convention=batch.convention.to_dict(), model=dict(model or {}), dtype=dtype)
+
+    def check_batch(self, batch: GradientBatch, what: str) -> None:
+        """Raise :class:`SpecMismatch` unless ``batch`` has this layout (parameters, dims, projection); ``what``
+        ends the message: ``"... another projection than {what}"``."""
+        if list(batch.dims.items()) != self.params or batch.projection != self.projection:
+            raise SpecMismatch(f"gradtrace: backward pass {batch.step} captured other parameters or another "
+                               f"projection than {what}")
 
     @property
     def dim(self) -> int:

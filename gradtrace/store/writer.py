@@ -1,34 +1,33 @@
-"""Writing gradient stores: a background shard writer and the capture callback around it.
+"""Writing gradient stores: :class:`ShardWriter` appends one rank's rows to a store, in shards.
 
 The backward pass never waits on disk: :meth:`ShardWriter.put` hands rows to a bounded queue and a
-background thread quantizes each batch and appends it to the open shard's temporary files (checksummed as
-they grow); a full shard is committed atomically (rename, then its record). Memory is bounded by the queue
-(``queue_size`` batches), whatever the shard size or the number of rows: shards are sized in bytes
-(:data:`DEFAULT_SHARD_BYTES`), so a hard kill loses at most one shard's rows. An error in the
-thread (a full disk, a vanished directory) is raised at the next ``put``/``close`` with the state of the
-store: every shard committed before it stays readable, and a later run can resume.
+background thread (:mod:`~gradtrace.store.background`) quantizes each batch and appends it to the open shard's
+temporary files, checksummed as they grow; a full shard is committed atomically (:mod:`~gradtrace.store.shards`).
+Memory is bounded by the queue (``queue_size`` batches), whatever the shard size or the number of rows: shards
+are sized in bytes (:data:`~gradtrace.store.shards.DEFAULT_SHARD_BYTES`), so a hard kill loses at most one
+shard's rows. An error in the thread (a full disk, a vanished directory) is raised at the next
+``put``/``close`` with the state of the store: every shard committed before it stays readable, and a later run
+can resume. Which rows are kept (new ids, finite values) is the rule of :mod:`~gradtrace.store.ledger`.
+
+The capture callback that writes a store, :class:`gradtrace.StoreWriter`, lives above the store, in
+:mod:`gradtrace.sink`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
-import queue
 import shutil
-import threading
 import warnings
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..grad.batch import GradientBatch
-from ..grad.quantize import quantize
+from .artifact import atomic_write_json, create_exclusive, json_bytes
+from .background import BackgroundWriter
 from .layout import (
     DTYPES,
     FORMAT,
@@ -36,12 +35,7 @@ from .layout import (
     SCHEMA_VERSION,
     SHARD_FILE,
     StoreError,
-    _fsync_dir,
     acquire_lock,
-    atomic_write_json,
-    checksum,
-    create_exclusive,
-    json_bytes,
     lock_is_stale,
     manifest_checksum,
     rank_file,
@@ -49,130 +43,21 @@ from .layout import (
     release_lock,
     shard_name,
 )
+from .ledger import IdLedger
 from .reader import scan_shards
-from .spec import GradientSpec, SpecMismatch, first_occurrences, model_fingerprint
+from .shards import ShardSeries, rows_per_shard, utc_now
+from .spec import GradientSpec, SpecMismatch
 
-__all__ = ["DEFAULT_MAX_SHARD_ROWS", "DEFAULT_SHARD_BYTES", "ShardWriter", "StoreWriteError", "StoreWriter",
-           "batch_digests", "dist_rank", "row_bytes", "rows_per_shard"]
-
-DEFAULT_SHARD_BYTES = 256 * 2**20
-"""Default size of a shard's files (data + scales): what a hard kill can lose at most."""
-
-DEFAULT_MAX_SHARD_ROWS = 65536
-"""With the default shard size, rows per shard are capped too: a shard's ids and per-row fields are held in
-memory until its record is written, so small rows must not make a shard of millions of ids."""
-
-_QUANT_MODE = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
+__all__ = ["ShardWriter", "StoreWriteError", "delete_store", "per_row_lists"]
 
 
 class StoreWriteError(StoreError):
     """The background writer failed; committed shards are intact."""
 
 
-def dist_rank() -> tuple[int, int]:
-    """``(rank, world_size)`` of the current torch.distributed process group, or ``(0, 1)``."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def batch_digests(batch: GradientBatch) -> list[str | None] | None:
-    """The content digest of each example of ``batch`` (``batch.meta["digest"]``, set by the capture from the
-    example's unpadded inputs), or None when the batch carries none."""
-    digests = batch.meta.get("digest")
-    if not isinstance(digests, list) or len(digests) != len(batch.ids):
-        return None
-    return digests
-
-
-def row_bytes(dim: int, dtype: str) -> int:
-    """Bytes one stored row takes on disk: ``dim`` values in ``dtype``, plus a float32 scale for int8."""
-    return dim * DTYPES[dtype][1] + (4 if dtype == "int8" else 0)
-
-
-def rows_per_shard(dim: int, dtype: str, shard_rows: int | None = None, shard_bytes: int | None = None) -> int:
-    """Rows per shard: ``shard_rows`` when given, else as many rows as fit in ``shard_bytes`` (default
-    :data:`DEFAULT_SHARD_BYTES`, then at most :data:`DEFAULT_MAX_SHARD_ROWS` rows). Raises ``ValueError`` for
-    both given, a non-positive size, or ``shard_bytes`` smaller than one row."""
-    if shard_rows is not None and shard_bytes is not None:
-        raise ValueError("pass shard_rows or shard_bytes, not both")
-    if shard_rows is not None:
-        if shard_rows < 1:
-            raise ValueError("shard_rows must be positive")
-        return shard_rows
-    one = row_bytes(dim, dtype)
-    if shard_bytes is None:
-        return max(1, min(DEFAULT_MAX_SHARD_ROWS, DEFAULT_SHARD_BYTES // max(1, one)))
-    if shard_bytes < one:
-        raise ValueError(f"shard_bytes={shard_bytes:,} is smaller than one row ({one:,} bytes: {dim:,} values in "
-                         f"{dtype}); pass at least {one:,}")
-    return shard_bytes // max(1, one)
-
-
-class _OpenShard:
-    """The shard being written: its temporary files, their running checksums and sizes, its ids and fields."""
-
-    def __init__(self, shards: Path, name: str, seq: int, scaled: bool) -> None:
-        self.name, self.seq, self.rows = name, seq, 0
-        self.ids: list[str] = []
-        self.fields: dict[str, list] = {}
-        self.parts = ("data", "scale") if scaled else ("data",)
-        self.tmp = {part: shards / f".tmp-{name}.{part}" for part in self.parts}
-        self.final = {part: shards / f"{name}.{part}" for part in self.parts}
-        self.files: dict[str, IO[bytes]] = {}  # raw (unbuffered) files
-        try:
-            for part in self.parts:
-                # unbuffered: each batch goes to the file at once (one write), nothing is held back in memory
-                self.files[part] = open(self.tmp[part], "wb", buffering=0)  # noqa: SIM115 - closed by finish/abandon
-        except BaseException:
-            self.abandon()
-            raise
-        self.hashes = {part: hashlib.blake2b(digest_size=16) for part in self.parts}
-        self.sizes = dict.fromkeys(self.parts, 0)
-
-    def append(self, part: str, values: Tensor) -> None:
-        """Append ``values`` (a CPU tensor) to ``part``'s file, without copying it to ``bytes``."""
-        view = memoryview(values.contiguous().numpy()).cast("B")
-        done = 0
-        while done < len(view):  # a raw write may be short
-            done += self.files[part].write(view[done:])
-        self.hashes[part].update(view)
-        self.sizes[part] += len(view)
-
-    def add_rows(self, ids: list[str], fields: dict[str, list]) -> None:
-        """Record the ids and per-row fields of rows just appended (a field some rows lack: None for them)."""
-        for key in self.fields.keys() - fields.keys():
-            self.fields[key].extend([None] * len(ids))
-        for key, values in fields.items():
-            self.fields.setdefault(key, [None] * self.rows).extend(values)
-        self.ids += ids
-        self.rows += len(ids)
-
-    def finish(self) -> dict[str, dict[str, Any]]:
-        """Fsync, close and rename the files to their final names; returns the record's ``files`` entry."""
-        for part in self.parts:
-            handle = self.files.pop(part)
-            with handle:
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(self.tmp[part], self.final[part])
-        _fsync_dir(next(iter(self.final.values())).parent)
-        return {part: {"name": self.final[part].name, "bytes": self.sizes[part],
-                       "blake2b": self.hashes[part].hexdigest()} for part in self.parts}
-
-    def abandon(self) -> None:
-        """Close and remove the temporary files (a failed writer leaves no partial shard behind)."""
-        for handle in self.files.values():
-            with contextlib.suppress(OSError):
-                handle.close()
-        self.files.clear()
-        for path in self.tmp.values():
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+def per_row_lists(fields: dict[str, Any]) -> dict[str, list]:
+    """Per-row fields as plain lists (tensors and arrays converted with ``tolist()``)."""
+    return {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in fields.items()}
 
 
 def _delete_store(root: Path, own_lock: Path) -> None:
@@ -197,6 +82,24 @@ def _delete_store(root: Path, own_lock: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+def delete_store(root: Path) -> None:
+    """Delete the gradient store at ``root`` (nothing when there is none), holding rank 0's lock while it does;
+    refuses a directory that is not a store and a store another live process is writing."""
+    if not (root / MANIFEST).exists():
+        return
+    try:
+        old = json.loads((root / MANIFEST).read_text())
+    except ValueError:
+        old = {"format": FORMAT}  # a corrupted manifest: replaced, as by ShardWriter
+    if not isinstance(old, dict) or old.get("format") != FORMAT:
+        raise StoreError(f"{root} is not a gradtrace store; choose another directory")
+    lock = acquire_lock(root, 0)
+    try:
+        _delete_store(root, lock)
+    finally:
+        release_lock(root, 0)
 
 
 class ShardWriter:
@@ -239,7 +142,7 @@ class ShardWriter:
             raise ValueError("queue_size must be positive")
         if resume and overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other; pass one of them")
-        auto_rank, auto_world = dist_rank()
+        auto_rank, auto_world = _process_rank() if rank is None or world_size is None else (rank, world_size)
         self.rank = auto_rank if rank is None else rank
         self.world_size = auto_world if world_size is None else world_size
         if not 0 <= self.rank < self.world_size:
@@ -254,23 +157,34 @@ class ShardWriter:
                 self._remove_old()
             self._prepare(resume, overwrite, config or {})
             self._cleanup_uncommitted()
-            self.stored_ids: set[str] = set()
-            self._digests: dict[str, str] = {}  # content digest of each stored id that has one
-            self._committed: list[dict[str, Any]] = []  # this rank's shards, as its rank file lists them
-            self._next_seq, self.rows_written = self._scan_existing()
-            self._resumed_ids = frozenset(self.stored_ids)
-            self.skipped: dict[str, Any] = {"nonfinite": [], "already_stored": 0, "duplicate": 0}
+            self.ledger = IdLedger(str(self.root))
+            self._shards = ShardSeries(self.root, self.rank, spec, shard_rows, self._scan_existing(),
+                                       on_commit=lambda: self._write_status("writing"))
+            self.ledger.mark_resumed()
             self._load_previous_skips()
             self._write_status("writing")
         except BaseException:
             release_lock(self.root, self.rank)
             raise
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
-        self._error: BaseException | None = None
         self._closed = False
-        self._open: _OpenShard | None = None  # the shard being appended to (writer thread only)
-        self._thread = threading.Thread(target=self._run, name=f"gradtrace-store-r{self.rank}", daemon=True)
-        self._thread.start()
+        self._background = BackgroundWriter(lambda item: self._shards.append(*item), self._shards.commit,
+                                            self._shards.abandon, queue_size=queue_size,
+                                            name=f"gradtrace-store-r{self.rank}")
+
+    @property
+    def stored_ids(self) -> set[str]:
+        """Ids the store holds (committed by any rank before this writer opened, or put by it)."""
+        return self.ledger.ids
+
+    @property
+    def skipped(self) -> dict[str, Any]:
+        """Rows not written: ``{"nonfinite": [ids], "already_stored": count, "duplicate": count}``."""
+        return self.ledger.skipped
+
+    @property
+    def rows_written(self) -> int:
+        """Rows of this rank committed to shards."""
+        return self._shards.rows
 
     # -- setup -----------------------------------------------------------------------------------
     _STORE_ENTRIES = ("shards", MANIFEST)
@@ -321,7 +235,7 @@ class ShardWriter:
     def _prepare(self, resume: bool, overwrite: bool, config: dict[str, Any]) -> None:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         manifest = json.loads(json.dumps({
-            "format": FORMAT, "schema_version": SCHEMA_VERSION, "created": _now(), "spec": self.spec.to_dict(),
+            "format": FORMAT, "schema_version": SCHEMA_VERSION, "created": utc_now(), "spec": self.spec.to_dict(),
             "shard_rows": self.shard_rows, "world_size": self.world_size, "config": config}))
         manifest["checksum"] = manifest_checksum(manifest)
         self._manifest = manifest
@@ -379,21 +293,18 @@ class ShardWriter:
             if match and match[3] != "json" and not path.with_suffix(".json").exists():
                 path.unlink(missing_ok=True)
 
-    def _scan_existing(self) -> tuple[int, int]:
+    def _scan_existing(self) -> list[dict[str, Any]]:
         """Read the ids (and digests) every rank committed, checked as a reader checks them (but for data
-        checksums), and this rank's shards (a record committed after the rank file's last update is adopted:
-        the status written next lists it). Returns this rank's next shard number and rows."""
+        checksums), into the ledger; returns this rank's shards (a record committed after the rank file's last
+        update is adopted: the status written next lists it)."""
         shards, _, _ = scan_shards(self.root, self._manifest, verify=False,
                                    where=f" in {self.root} (remove that shard or pass overwrite=True)")
+        committed = []
         for shard in shards:
-            ids = shard.record["ids"]
-            self.stored_ids.update(ids)
-            digests = (shard.record.get("fields") or {}).get("digest")
-            if digests is not None:
-                self._digests.update((i, d) for i, d in zip(ids, digests) if d is not None)
+            self.ledger.add_existing(shard.record["ids"], (shard.record.get("fields") or {}).get("digest"))
             if shard.rank == self.rank:
-                self._committed.append(shard.entry)
-        return len(self._committed), sum(e["rows"] for e in self._committed)
+                committed.append(shard.entry)
+        return committed
 
     def _load_previous_skips(self) -> None:
         """Keep the non-finite ids an earlier run of this rank recorded (they are in no shard)."""
@@ -403,37 +314,28 @@ class ShardWriter:
             return
         earlier = previous.get("nonfinite") if isinstance(previous, dict) else None
         if isinstance(earlier, list):
-            self.skipped["nonfinite"] = [i for i in earlier if i not in self.stored_ids]
+            self.ledger.skipped["nonfinite"] = [i for i in earlier if i not in self.ledger.ids]
 
     def _write_status(self, status: str, error: str | None = None) -> None:
         """Replace this rank's status file (atomically): status, counts, every committed shard, skips."""
         skipped = {k: (list(v) if isinstance(v, list) else v) for k, v in dict(self.skipped).items()}  # a snapshot
         atomic_write_json(rank_file(self.root, self.rank), {
-            "rank": self.rank, "status": status, "rows": self.rows_written, "shards": self._next_seq,
-            "updated": _now(), "skipped": skipped, "error": error, "committed": list(self._committed)})
+            "rank": self.rank, "status": status, "rows": self.rows_written, "shards": self._shards.next_seq,
+            "updated": utc_now(), "skipped": skipped, "error": error, "committed": list(self._shards.committed)})
 
     # -- writing ---------------------------------------------------------------------------------
     def select_new(self, ids: Sequence[str], digests: Sequence[str | None] | None = None) -> list[int]:
         """Positions of the ``ids`` the store does not hold yet (first occurrence); the others are counted
         as skipped (``already_stored`` by an earlier run, or ``duplicate``) and from now on the kept ones are
-        taken as stored.
+        taken as stored (see :meth:`IdLedger.select_new`).
 
         ``digests``: content digest of each row (None where unknown). An id seen before with another digest
         raises :class:`IdCollision` (nothing of this call is taken as stored then)."""
-        keep, new, repeats = first_occurrences(
-            ids, digests, lambda ident: (ident in self.stored_ids, self._digests.get(ident)),
-            lambda ident: f"{'stored in' if ident in self._resumed_ids else 'written earlier in this run to'} "
-                          f"{self.root}")
-        for ident in repeats:
-            self.skipped["already_stored" if ident in self._resumed_ids else "duplicate"] += 1
-        self.stored_ids.update(new)
-        self._digests.update((i, d) for i, d in new.items() if d is not None)
-        return keep
+        return self.ledger.select_new(ids, digests)
 
     def note_nonfinite(self, ids: Sequence[str]) -> None:
         """Record ids whose gradients held NaN/inf (not stored; listed in the rank status file)."""
-        listed = set(self.skipped["nonfinite"])
-        self.skipped["nonfinite"] += [i for i in ids if i not in listed and i not in self.stored_ids]
+        self.ledger.note_nonfinite(ids)
 
     def put(self, ids: Sequence[Any], vectors: Tensor, fields: dict[str, Any] | None = None, *,
             selected: bool = False, digests: Sequence[str | None] | None = None) -> None:
@@ -449,7 +351,7 @@ class ShardWriter:
         ids = [str(i) for i in ids]
         if vectors.dim() != 2 or vectors.shape[1] != self.spec.dim or vectors.shape[0] != len(ids):
             raise ValueError(f"expected [{len(ids)}, {self.spec.dim}] vectors, got {tuple(vectors.shape)}")
-        fields = {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in (fields or {}).items()}
+        fields = per_row_lists(fields or {})
         if digests is not None:
             fields["digest"] = [None if d is None else str(d) for d in digests]
         for key, values in fields.items():
@@ -460,16 +362,7 @@ class ShardWriter:
         except (TypeError, ValueError) as err:
             raise ValueError(f"per-row fields must be JSON values: {err}") from None
         vectors = vectors.detach()
-        finite = torch.isfinite(vectors).all(dim=1).cpu() if vectors.numel() else torch.ones(len(ids), dtype=torch.bool)
-        if not bool(finite.all()):
-            bad = [ids[i] for i in (~finite).nonzero().flatten().tolist()]
-            warnings.warn(f"gradtrace: {len(bad)} row(s) with NaN/inf values are not stored: {bad[:5]}", stacklevel=2)
-            if selected:
-                self.stored_ids.difference_update(bad)
-                for ident in bad:
-                    self._digests.pop(ident, None)
-            self.note_nonfinite(bad)
-        positions = finite.nonzero().flatten().tolist()  # one pass, not a tensor read per row
+        positions = self.ledger.finite_rows(ids, vectors, selected=selected)
         row_digests = fields.get("digest")
         keep = positions if selected else [positions[k] for k in self.select_new(
             [ids[p] for p in positions], None if row_digests is None else [row_digests[p] for p in positions])]
@@ -481,77 +374,18 @@ class ShardWriter:
             rows = vectors[torch.tensor(keep, device=vectors.device)].to("cpu", torch.float32)
             ids = [ids[p] for p in keep]
             fields = {k: [v[p] for p in keep] for k, v in fields.items()}
-        self._queue.put((ids, rows, fields))
-        if self._error is not None:  # the writer died while this put waited; the rows were not written
+        self._background.put((ids, rows, fields))
+        if self._background.error is not None:  # the writer died while this put waited; the rows were not written
             self._raise_if_failed()
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
+        error = self._background.error
+        if error is not None:
             raise StoreWriteError(
-                f"writing {self.root} failed: {self._error!r}. {self.rows_written} rows of rank {self.rank} are "
-                f"committed ({self._next_seq} shards) and readable with GradientStore.open(..., "
+                f"writing {self.root} failed: {error!r}. {self.rows_written} rows of rank {self.rank} are "
+                f"committed ({self._shards.next_seq} shards) and readable with GradientStore.open(..., "
                 "allow_incomplete=True); rows queued after them are lost. Fix the cause and resume with resume=True"
-            ) from self._error
-
-    def _run(self) -> None:
-        try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    if self._open is not None:
-                        self._commit()
-                    return
-                self._append(*item)
-        except BaseException as err:  # surfaced to the caller by put()/close()
-            self._error = err
-            if self._open is not None:
-                self._open.abandon()
-                self._open = None
-            while True:  # drain so that a blocked put() returns and sees the error
-                try:
-                    if self._queue.get_nowait() is None:
-                        break
-                except queue.Empty:
-                    break
-
-    def _append(self, ids: list[str], rows: Tensor, fields: dict[str, list]) -> None:
-        """Quantize one batch's ``rows`` ``[n, dim]`` float32 and append them to the open shard(s), committing
-        each shard that fills up."""
-        done = 0
-        while done < len(ids):
-            if self._open is None:
-                self._open = _OpenShard(self.root / "shards", shard_name(self.rank, self._next_seq), self._next_seq,
-                                        scaled=self.spec.dtype == "int8")
-            shard = self._open
-            take = min(len(ids) - done, self.shard_rows - shard.rows)
-            part = slice(done, done + take)
-            q = quantize(rows[part], _QUANT_MODE[self.spec.dtype])
-            shard.append("data", q.data.view(torch.int16) if q.data.dtype == torch.bfloat16 else q.data)
-            if q.scale is not None:
-                shard.append("scale", q.scale.to(torch.float32))
-            shard.add_rows(ids[part], {k: v[part] for k, v in fields.items()})
-            done += take
-            if shard.rows == self.shard_rows:
-                self._commit()
-
-    def _commit(self) -> None:
-        """Commit the open shard: files renamed to their names, then its record (the commit point), then the
-        rank file listing it (a crash before that: the record is adopted by the next writer)."""
-        shard, self._open = self._open, None
-        assert shard is not None
-        try:
-            files = shard.finish()
-        except BaseException:
-            shard.abandon()
-            raise
-        record = {"name": shard.name, "rank": self.rank, "seq": shard.seq, "rows": shard.rows, "dim": self.spec.dim,
-                  "dtype": self.spec.dtype, "files": files, "ids": shard.ids, "fields": shard.fields,
-                  "written": _now()}
-        atomic_write_json(self.root / "shards" / f"{shard.name}.json", record)  # the commit point
-        self._committed.append({"name": shard.name, "rows": shard.rows, "record": checksum(json_bytes(record))})
-        self._next_seq += 1
-        self.rows_written += shard.rows
-        self._write_status("writing")
+            ) from error
 
     def close(self, complete: bool = True) -> None:
         """Write what is buffered, wait for the thread, and mark this rank complete (or interrupted).
@@ -561,14 +395,12 @@ class ShardWriter:
         if self._closed:
             return
         self._closed = True
-        if self._error is None:
-            self._queue.put(None)
-        self._thread.join()
+        self._background.close()
         try:
-            if self._error is not None:
+            if self._background.error is not None:
                 # the disk may still be full: the status then stays "writing", which reads as incomplete too
                 with contextlib.suppress(OSError):
-                    self._write_status("failed", repr(self._error))
+                    self._write_status("failed", repr(self._background.error))
                 self._raise_if_failed()
             status = "complete" if complete else "interrupted"
             try:
@@ -576,7 +408,7 @@ class ShardWriter:
             except OSError as err:
                 raise StoreWriteError(
                     f"could not mark rank {self.rank} of {self.root} {status} ({err}): its {self.rows_written} rows "
-                    f"({self._next_seq} shards) are committed and readable with GradientStore.open(..., "
+                    f"({self._shards.next_seq} shards) are committed and readable with GradientStore.open(..., "
                     "allow_incomplete=True); free space and resume with resume=True to complete it") from err
         finally:
             release_lock(self.root, self.rank)
@@ -588,105 +420,8 @@ class ShardWriter:
         self.close(complete=exc is None)
 
 
-class StoreWriter:
-    """Capture callback writing every captured example's gradient vector to a store.
+def _process_rank() -> tuple[int, int]:
+    """``(rank, world size)`` of the running process group, or ``(0, 1)``: the writer's default shard namespace."""
+    from ..common.ranks import rank_and_world  # the floor's helper
 
-    ``capture(model, projection=LoGra(...), callbacks=[StoreWriter("runs/train")])``: each backward
-    pass's examples are flattened (projected ones are small), examples flagged NaN/inf are skipped and
-    recorded, ids already in the store are skipped (``resume=True``; also the repeats of later epochs),
-    and the rest queued for the background writer. Per-row fields ``step`` (backward pass) and anything
-    ``fields(batch)`` returns are stored with each row. The spec (and the model fingerprint) is taken at
-    the first backward pass.
-
-    Args:
-        path: store directory.
-        dtype: storage format, ``"float32"``, ``"bfloat16"`` or ``"int8"`` (per-row scale).
-        shard_rows, shard_bytes, queue_size, resume, overwrite, rank, world_size: see :class:`ShardWriter`.
-        fields: optional ``fn(batch) -> {name: per-row list}`` of extra per-row metadata.
-        config: recorded in the manifest.
-    """
-
-    def __init__(self, path: str | Path, *, dtype: str = "float32", shard_rows: int | None = None,
-                 shard_bytes: int | None = None, queue_size: int = 8, resume: bool = False,
-                 overwrite: bool = False, rank: int | None = None,
-                 world_size: int | None = None, fields=None, config: dict[str, Any] | None = None) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.path = Path(path)
-        self.dtype = dtype
-        if shard_rows is not None and shard_bytes is not None:
-            raise ValueError("pass shard_rows or shard_bytes, not both")
-        self.options = dict(shard_rows=shard_rows, shard_bytes=shard_bytes, queue_size=queue_size, resume=resume,
-                            overwrite=overwrite, rank=rank, world_size=world_size, config=config)
-        self.fields = fields
-        self.writer: ShardWriter | None = None
-        self.model = None
-        self._together = False  # several ranks write this store (set when the capture starts)
-
-    def on_capture_start(self, capture) -> None:
-        self.model = capture.model
-        world = dist_rank()[1]
-        self._together = world > 1 and self.options["world_size"] in (None, world)
-        if self._together:
-            # the ranks write one store: same capture and store on all of them, or an error on every rank
-            from ..distributed.agree import agreed, check_store_writers
-
-            check_store_writers(self, capture)
-            if self.options["overwrite"]:
-                # rank 0 replaces the old store now, before any rank's writer opens (and holds its lock)
-                with agreed(f"replacing the store {self.path}"):
-                    if dist_rank()[0] == 0 and (self.path / MANIFEST).exists():
-                        try:
-                            old = json.loads((self.path / MANIFEST).read_text())
-                        except ValueError:
-                            old = {"format": FORMAT}  # a corrupted manifest: replaced, as by ShardWriter
-                        if not isinstance(old, dict) or old.get("format") != FORMAT:
-                            raise StoreError(f"{self.path} is not a gradtrace store; choose another directory")
-                        lock = acquire_lock(self.path, 0)
-                        try:
-                            _delete_store(self.path, lock)
-                        finally:
-                            release_lock(self.path, 0)
-                self.options = {**self.options, "overwrite": False}
-
-    def spec_for(self, batch: GradientBatch) -> GradientSpec:
-        return GradientSpec(params=list(batch.dims.items()), projection=batch.projection,
-                            convention=batch.convention.to_dict(),
-                            model=model_fingerprint(self.model) if self.model is not None else {}, dtype=self.dtype)
-
-    def open(self, spec: GradientSpec) -> ShardWriter:
-        if self.writer is None:
-            self.writer = ShardWriter(self.path, spec, **self.options)
-        return self.writer
-
-    def on_batch(self, batch: GradientBatch, capture=None) -> None:
-        if self.writer is None:
-            self.open(self.spec_for(batch))
-        writer = self.writer
-        spec = writer.spec
-        if list(batch.dims.items()) != spec.params or batch.projection != spec.projection:
-            raise SpecMismatch(f"gradtrace: backward pass {batch.step} captured other parameters or another "
-                               f"projection than the store {self.path} was opened with")
-        candidates = list(range(len(batch)))
-        if batch.nonfinite is not None and bool(batch.nonfinite.any()):
-            bad = set(batch.nonfinite.nonzero().flatten().tolist())
-            writer.note_nonfinite([batch.ids[i] for i in candidates if i in bad])
-            candidates = [i for i in candidates if i not in bad]
-        digests = batch_digests(batch)
-        keep = [candidates[k] for k in writer.select_new(
-            [batch.ids[i] for i in candidates], None if digests is None else [digests[i] for i in candidates])]
-        if not keep:
-            return
-        sub = batch if len(keep) == len(batch) else batch.select(keep)
-        fields = {"step": [batch.step] * len(keep)}
-        if self.fields is not None:
-            extra = self.fields(sub)
-            fields.update({k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in extra.items()})
-        writer.put(sub.ids, sub.flat(), fields, selected=True,
-                   digests=None if digests is None else [digests[i] for i in keep])
-
-    def on_capture_end(self, capture, error: BaseException | None) -> None:
-        if self.writer is not None:
-            self.writer.close(complete=error is None)
-        if error is None and self._together:
-            torch.distributed.barrier()  # every rank's part is committed: the store opens complete on every rank
+    return rank_and_world()

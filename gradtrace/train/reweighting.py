@@ -39,7 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from ..losses import LossFn
-from ..store.layout import atomic_write_json
+from ..store.artifact import atomic_write_json
 from .cycle import Cycle
 
 __all__ = ["SAMAReweighting", "adam_update_jacobian"]

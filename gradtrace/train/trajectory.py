@@ -27,6 +27,7 @@ kept), with per-row fields:
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -34,11 +35,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..capture import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
-from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
+from ..sink.rows import MemoryRows, RowBackend, RowSink, RowTransform, ShardRows
+from ..store import GradientSpec, GradientStore, ShardWriter, model_fingerprint
 
-__all__ = ["FIELDS", "TrajectoryKeys", "TrajectoryWriter", "step_weights"]
+__all__ = ["FIELDS", "TrajectoryKeys", "TrajectoryRows", "TrajectoryWriter", "step_weights"]
 
 FIELDS = ("example", "step", "lr", "weight", "backward")
 
@@ -68,7 +71,26 @@ def step_weights(scale: Tensor, lr: float) -> list[float]:
     return torch.where(scale > 0, lr / scale.clamp(min=1e-300), torch.zeros_like(scale)).tolist()
 
 
-class TrajectoryWriter:
+class TrajectoryRows(RowTransform):
+    """Rows of a trajectory: keyed ``f"{id}@{step}"`` by optimizer step, with the fields of :data:`FIELDS`."""
+
+    def __init__(self, writer: TrajectoryWriter) -> None:
+        self.writer = writer
+        self._keys = TrajectoryKeys()
+
+    def spec(self, layout: GradientSpec) -> GradientSpec:
+        return dataclasses.replace(layout, convention={**layout.convention, "features": "trajectory"})
+
+    def keys(self, batch: GradientBatch) -> list[str]:
+        return self._keys(batch.ids, self.writer.step)
+
+    def fields(self, batch: GradientBatch) -> dict[str, list]:
+        lr, count = self.writer.learning_rate(), len(batch)
+        return {"example": list(batch.ids), "step": [self.writer.step] * count, "lr": [lr] * count,
+                "weight": step_weights(batch.scale, lr), "backward": [batch.step] * count}
+
+
+class TrajectoryWriter(CaptureCallback):
     """Capture callback recording each example's (projected) gradient at every optimizer step.
 
     Args:
@@ -98,15 +120,28 @@ class TrajectoryWriter:
                         "config": {"trajectory": {"optimizer": type(optimizer).__name__, "start_step": start_step},
                                    **(config or {})}}
         self.step = int(start_step)  # the optimizer step the next backward pass belongs to
-        self.spec: GradientSpec | None = None
-        self.writer: ShardWriter | None = None
         self.model = None
         self._handle: Any = None
         self._warned = False
-        self._keys = TrajectoryKeys()
-        self._vectors: list[Tensor] = []
-        self._ids: list[str] = []
-        self._fields: dict[str, list[Any]] = {name: [] for name in FIELDS}
+        backend: RowBackend = ShardRows(self._open_store) if self.path is not None else MemoryRows()
+        self.sink = RowSink(backend, transform=TrajectoryRows(self), dtype=self.dtype,
+                            what="the trajectory started with",
+                            fingerprint=lambda: model_fingerprint(self.model) if self.model is not None else {})
+
+    def _open_store(self, spec: GradientSpec) -> ShardWriter:
+        assert self.path is not None
+        return ShardWriter(self.path, spec, **self.options)
+
+    @property
+    def spec(self) -> GradientSpec | None:
+        """The spec of the recorded rows (None before the first backward pass)."""
+        return self.sink.spec
+
+    @property
+    def writer(self) -> ShardWriter | None:
+        """The store's writer while a capture session writes it (None otherwise)."""
+        backend = self.sink.backend
+        return backend.writer if isinstance(backend, ShardRows) and self.sink.opened else None
 
     # -- capture callback ----------------------------------------------------------------------
     def on_capture_start(self, capture: Any) -> None:
@@ -126,50 +161,15 @@ class TrajectoryWriter:
                           "records group 0's (DVEmb then mis-weights the other groups' parameters)", stacklevel=3)
         return float(groups[0]["lr"])
 
-    def _open(self, batch: GradientBatch) -> None:
-        convention = {**batch.convention.to_dict(), "features": "trajectory"}
-        self.spec = GradientSpec(params=list(batch.dims.items()), projection=batch.projection, convention=convention,
-                                 model=model_fingerprint(self.model) if self.model is not None else {},
-                                 dtype=self.dtype)
-
     def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
-        if self.spec is None:
-            self._open(batch)
-        if list(batch.dims.items()) != self.spec.params or batch.projection != self.spec.projection:
-            raise SpecMismatch(f"gradtrace: backward pass {batch.step} captured other parameters or another "
-                               "projection than the trajectory started with")
-        if self.path is not None and self.writer is None:
-            self.writer = ShardWriter(self.path, self.spec, **self.options)
-        keep = list(range(len(batch)))
-        if batch.nonfinite is not None and bool(batch.nonfinite.any()):
-            bad = set(batch.nonfinite.nonzero().flatten().tolist())
-            if self.writer is not None:
-                self.writer.note_nonfinite([batch.ids[i] for i in keep if i in bad])
-            keep = [i for i in keep if i not in bad]
-        if not keep:
-            return
-        sub = batch if len(keep) == len(batch) else batch.select(keep)
-        lr, step = self.learning_rate(), self.step
-        keys = self._keys(sub.ids, step)
-        weight = step_weights(sub.scale, lr)
-        fields = {"example": list(sub.ids), "step": [step] * len(keys), "lr": [lr] * len(keys),
-                  "weight": weight, "backward": [batch.step] * len(keys)}
-        vectors = sub.flat()  # [E, dim] float32 gradient of each example's own loss
-        if self.writer is not None:
-            self.writer.put(keys, vectors, fields)
-        else:
-            self._vectors.append(vectors.detach().cpu())
-            self._ids += keys
-            for name, values in fields.items():
-                self._fields[name] += values
+        self.sink.add(batch)
 
     def on_capture_end(self, capture: Any, error: BaseException | None) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
         if self.writer is not None:
-            self.writer.close(complete=error is None)
-            self.writer = None
+            self.sink.close(complete=error is None)
             self.options.update(resume=True, overwrite=False)  # a later session appends
 
     # -- results -------------------------------------------------------------------------------
@@ -181,6 +181,7 @@ class TrajectoryWriter:
             if self.writer is not None:
                 raise RuntimeError("the capture is still running: read the trajectory after it ends")
             return GradientStore.open(self.path)
-        vectors = torch.cat(self._vectors) if self._vectors else torch.zeros(0, self.spec.dim)
-        return GradientSet(vectors, list(self._ids), self.spec,
-                           fields={k: list(v) for k, v in self._fields.items()})
+        rows = self.sink.backend
+        assert isinstance(rows, MemoryRows)
+        return GradientSet(rows.vectors(), list(rows.ids), self.spec,
+                           fields={k: list(v) for k, v in rows.kept_fields().items()})

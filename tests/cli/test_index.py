@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import gradtrace
-from gradtrace.store.layout import checksum
+from gradtrace.store.artifact import checksum
 from tests.cli.conftest import copy_store, error_line, flat, invoke
 from tests.store.common import reseal_record
 

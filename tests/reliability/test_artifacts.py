@@ -21,8 +21,7 @@ from gradtrace.methods.influence import CurvatureWeightsWarning
 from gradtrace.score.engine import ScoringError
 from gradtrace.score.scores import ScoresError
 from gradtrace.store import artifact
-from gradtrace.store.artifact import UncheckedArtifactWarning
-from gradtrace.store.layout import checksum
+from gradtrace.store.artifact import UncheckedArtifactWarning, checksum
 from tests import tiny
 from tests.cli import conftest as cli_fixtures
 from tests.cli.conftest import error_line, invoke

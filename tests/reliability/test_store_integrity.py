@@ -18,7 +18,8 @@ from gradtrace.cli.inspect import describe
 from gradtrace.cli.main import app
 from gradtrace.store import GradientStore, ShardWriter, StoreError, StoreWriteError
 from gradtrace.store import writer as writer_module
-from gradtrace.store.layout import checksum, manifest_checksum
+from gradtrace.store.artifact import checksum
+from gradtrace.store.layout import manifest_checksum
 from tests import tiny
 
 NUM, SHARD_ROWS = 10, 4  # shards r00000-000000..2 of 4, 4, 2 rows

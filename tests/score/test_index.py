@@ -18,7 +18,7 @@ from gradtrace.curvature import Curvature
 from gradtrace.score.index import FaissMissing, Index, IndexMismatch, build_index, store_fingerprint
 from gradtrace.score.shortlist import score_with_index
 from gradtrace.store import GradientStore, ShardWriter
-from gradtrace.store.layout import checksum
+from gradtrace.store.artifact import checksum
 from tests.store.common import reseal_record
 
 pytest.importorskip("faiss")

@@ -53,7 +53,7 @@ def status(path: Path, rank: int = 0) -> dict:
 def reseal_record(root: Path, record: dict) -> None:
     """Rewrite shard ``record`` as a writer would commit it: its file, and its checksum in the rank file's list
     (the store then opens as if another tool had written it that way: a consistent change, not a corruption)."""
-    from gradtrace.store.layout import checksum
+    from gradtrace.store.artifact import checksum
 
     raw = json.dumps(record).encode()
     (Path(root) / "shards" / f"{record['name']}.json").write_bytes(raw)

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-import gradtrace.store.writer as writer_module
+import gradtrace.store.shards as writer_module
 from gradtrace.store import GradientStore, ShardWriter, StoreError, StoreWriteError
 from tests.store.common import make_rows, make_spec, status
 

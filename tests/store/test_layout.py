@@ -10,7 +10,8 @@ from unittest import mock
 
 import pytest
 
-from gradtrace.store.layout import StoreError, acquire_lock, create_exclusive, lock_file, release_lock
+from gradtrace.store.artifact import create_exclusive
+from gradtrace.store.layout import StoreError, acquire_lock, lock_file, release_lock
 
 
 def _race(target, n=8):

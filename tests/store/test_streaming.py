@@ -8,7 +8,7 @@ import torch
 
 from gradtrace.grad.quantize import quantize
 from gradtrace.store import GradientStore, ShardWriter
-from gradtrace.store.writer import DEFAULT_MAX_SHARD_ROWS, DEFAULT_SHARD_BYTES, row_bytes, rows_per_shard
+from gradtrace.store.shards import DEFAULT_MAX_SHARD_ROWS, DEFAULT_SHARD_BYTES, row_bytes, rows_per_shard
 from tests.store.common import DIM, make_rows, make_spec, write
 
 INT8_ROW = DIM + 4  # int8 values and one float32 scale
