@@ -106,7 +106,7 @@ def _sft_mode(args: argparse.Namespace, model) -> dict:
 
     import gradtrace
     import gradtrace.data as gd
-    from gradtrace.demo.corpus import train_tokenizer
+    from gradtrace.data.corpus import train_tokenizer
 
     rng = random.Random(0)
     sentence = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))

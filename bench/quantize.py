@@ -48,7 +48,7 @@ def _compare(name: str, train: torch.Tensor, queries: torch.Tensor) -> None:
 
 
 def demo_workload() -> None:
-    from gradtrace.demo.corpus import PLANTED
+    from gradtrace.data.corpus import PLANTED
     from gradtrace.demo.run import run
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,7 @@ from datasets import Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import gradtrace
-from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.data.corpus import PLANTED, load_plays, train_tokenizer
 from gradtrace.demo.report import report_planted
 from gradtrace.integrations.hf import GradtraceCallback
 

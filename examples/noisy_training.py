@@ -95,7 +95,7 @@ def lm_task(seed: int = 0, fraction: float = 0.3, num_docs: int = 240, batch_siz
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from gradtrace.demo.corpus import load_plays, train_tokenizer
+    from gradtrace.data.corpus import load_plays, train_tokenizer
 
     hf_logging.set_verbosity_error()
     docs = load_plays(num_docs + validation_docs + 40, words_per_doc=24, seed=seed)

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import gradtrace
-from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.data.corpus import PLANTED, load_plays, train_tokenizer
 from gradtrace.demo.report import report_planted
 
 # run as a script, this file's directory comes first on sys.path and the file would shadow the olmo_core package

@@ -23,7 +23,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import gradtrace
-from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.data.corpus import PLANTED, load_plays, train_tokenizer
 from gradtrace.demo.report import report_planted
 
 

@@ -24,7 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from trl import SFTConfig, SFTTrainer
 
 import gradtrace
-from gradtrace.demo.corpus import PLANTED, load_plays, train_tokenizer
+from gradtrace.data.corpus import PLANTED, load_plays, train_tokenizer
 from gradtrace.demo.report import report_planted
 from gradtrace.integrations.hf import GradtraceCallback
 

@@ -9,8 +9,9 @@ Sign convention everywhere: a positive score means the training example helps th
 
 from .capture import Capture, CaptureCallback, CaptureReport, capture
 from .collect import collect
-from .grad import GradientBatch, LossConvention, ParamGradient
+from .grad import GradientBatch, ParamGradient
 from .gradients import GradientSet
+from .losses import LossConvention
 from .methods import available_methods
 from .methods.dvemb import data_value_embeddings
 from .methods.less import less_features, less_query_features
@@ -20,8 +21,7 @@ from .score import Attributor, Ensemble, Scores
 from .sink import StoreWriter
 from .store import GradientSpec, GradientStore
 from .train import TrajectoryWriter
-
-__version__ = "0.1.0"
+from .version import __version__
 
 # The names before the architecture step (issue #16); kept so that existing code keeps working.
 GradBatch = GradientBatch

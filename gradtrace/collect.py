@@ -11,16 +11,17 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .capture import CaptureCallback, capture
 from .capture.dataset import run_capture
 from .gradients import GradientSet
+from .losses import LossFn
 from .options import CaptureOptions, StoreOptions, takes_options, with_record
 from .projection.logra import LoGra
 from .sink import StoreWriter
@@ -28,9 +29,6 @@ from .store import GradientStore, ShardWriter, model_fingerprint
 
 __all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",
            "terminate_as_interrupt"]
-
-LossFn = Callable[[nn.Module, Any], Tensor]
-
 
 class NonFiniteError(ValueError):
     """NaN/inf where gradients need finite numbers: in the model's parameters, or in every example's gradient."""
@@ -111,28 +109,6 @@ class _NonFiniteTally(CaptureCallback):
             first = ", ".join(self.nonfinite[:3]) + (" ..." if self.examples > 3 else "")
             raise NonFiniteError(f"collect(): all {self.examples} examples have NaN/inf gradients ({first}); {kept}. "
                                  "Check the data and the model's dtype (float16/bfloat16 can overflow)")
-
-
-def _to_device(batch: Any, device: torch.device | None) -> Any:
-    if device is None:
-        return batch
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
-def context_limit(model: nn.Module) -> int | None:
-    """The model's context length from its config (None when it does not say)."""
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 @takes_options(options=CaptureOptions, store_options=StoreOptions)

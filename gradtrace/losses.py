@@ -1,17 +1,46 @@
-"""Per-example loss functions for :func:`gradtrace.collect` (``loss_fn(model, batch) -> [B]``)."""
+"""Per-example losses: the loss functions of :func:`gradtrace.collect` (``loss_fn(model, batch) -> [B]``, typed
+:data:`LossFn`) and the :class:`LossConvention` that says which loss a captured gradient is the gradient of.
+
+This module sits on the bottom floor of the package (it imports nothing from gradtrace), so every layer may use it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["causal_lm_loss", "classification_loss", "default_loss_labels", "regression_loss", "lm_labels",
-           "token_cross_entropy"]
+__all__ = ["MODEL_KEYS", "LossConvention", "LossFn", "causal_lm_loss", "classification_loss", "default_loss_labels",
+           "regression_loss", "lm_labels", "token_cross_entropy"]
 
-_MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
+"""The keys of a tokenized batch that a language model's forward takes (the others are labels, ids, ...)."""
+
+LossFn = Callable[[nn.Module, Any], Tensor]
+"""A per-example loss: ``loss_fn(model, batch) -> [B]``, one loss per row of the batch."""
+
+
+@dataclass(frozen=True)
+class LossConvention:
+    """How captured gradients relate to the training loop's loss.
+
+    reduction: how the loop combined examples into the loss it called ``backward()`` on:
+        ``"mean"`` (mean over the rows of each forward call), ``"sum"``, or ``"token_mean"``
+        (sum over all target tokens of the batch divided by their count, or by the
+        ``num_items_in_batch`` the Hugging Face Trainer passes).
+    example_loss: the loss each captured gradient is the gradient of: ``"sum"`` over the example's
+        target tokens (default) or the per-token ``"mean"``.
+    """
+
+    reduction: str = "mean"
+    example_loss: str = "sum"
+
+    def to_dict(self) -> dict[str, str]:
+        return {"reduction": self.reduction, "example_loss": self.example_loss}
 
 
 # autograd nodes that keep neither their output nor a view of it for their own backward: logits made by one of
@@ -111,7 +140,7 @@ def causal_lm_loss(model: nn.Module, batch: dict[str, Any], *, mean: bool = Fals
     see :func:`token_cross_entropy` (the logits here never leave this function).
     """
     labels = lm_labels(batch, ignore_index)
-    kwargs = {k: batch[k] for k in _MODEL_KEYS if batch.get(k) is not None}
+    kwargs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
     logits = model(**kwargs).logits  # [B, T, V]
     labels = labels.to(logits.device)
     # logits at t predict labels[t + 1]; shifting the labels (not the logits) avoids copying [B, T, V]

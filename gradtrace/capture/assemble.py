@@ -8,21 +8,31 @@ kind), forward calls along the example axis -- and checked for NaN/inf per examp
 Positions that belong to no example (padding) never make an example non-finite: their NaN/inf are
 replaced by 0 (:func:`zero_outside`), which is what a finite padded position contributes anyway (no loss
 reaches it). Finite values are never changed.
+
+:func:`build_batch` then reduces the joined terms over tokens under LoGra (unless tokens are kept) and gives the
+examples their ids, loss scales and target counts; examples with NaN/inf gradients are flagged (or raise),
+examples without a target token are warned about.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from ..grad.terms import OuterTerm, Term, VectorTerm, is_index
+from ..grad.batch import GradientBatch, ParamGradient
+from ..grad.terms import OuterTerm, Term, VectorTerm, cat_terms, fill_value, is_index, map_tensors, term_tensors
+from ..losses import LossConvention
 from .context import ForwardContext
+from .example_ids import ExampleIds
 
-__all__ = ["SiteResult", "join_terms", "nonfinite_examples", "outside_examples", "term_tensors", "zero_outside"]
+if TYPE_CHECKING:
+    from .collector import Capture
+
+__all__ = ["SiteResult", "build_batch", "join_terms", "nonfinite_examples", "outside_examples", "zero_outside"]
 
 
 @dataclass
@@ -34,12 +44,6 @@ class SiteResult:
     terms: dict[str, Term]
 
 
-def term_tensors(term: Term) -> dict[str, Tensor]:
-    """The tensor fields of a term (all with the example axis first)."""
-    return {f.name: getattr(term, f.name) for f in dataclasses.fields(term)
-            if isinstance(getattr(term, f.name), Tensor)}
-
-
 def _signature(term: Term) -> tuple:
     if isinstance(term, OuterTerm):
         return ("outer", is_index(term.rows), is_index(term.cols), term.n_rows, term.n_cols,
@@ -49,37 +53,8 @@ def _signature(term: Term) -> tuple:
     raise TypeError(f"cannot join terms of type {type(term).__name__}")
 
 
-def _fill(x: Tensor) -> int:
-    return 0 if x.is_floating_point() else -1
-
-
-def _pad_tokens(x: Tensor, length: int) -> Tensor:
-    if x.shape[1] == length:
-        return x
-    pad = x.new_full((x.shape[0], length - x.shape[1], *x.shape[2:]), _fill(x))
-    return torch.cat([x, pad], dim=1)
-
-
-def _map(term: Term, fn: Callable[[Tensor], Tensor]) -> Term:
-    return dataclasses.replace(term, **{k: fn(v) for k, v in term_tensors(term).items()})
-
-
-def _cat(terms: list[Term], dim: int) -> Term:
-    """Concatenate same-signature terms along the example (0) or token (1) axis."""
-    if len(terms) == 1:
-        return terms[0]
-    length = max(t.num_tokens for t in terms)
-    fields = {}
-    for key in term_tensors(terms[0]):
-        parts = [getattr(t, key) for t in terms]
-        if dim == 0:
-            parts = [_pad_tokens(p, length) for p in parts]
-        fields[key] = torch.cat(parts, dim=dim)
-    return dataclasses.replace(terms[0], **fields)
-
-
 def _empty_like(term: Term, num_examples: int) -> Term:
-    return _map(term, lambda x: x.new_full((num_examples, 1, *x.shape[2:]), _fill(x)))
+    return map_tensors(term, lambda x: x.new_full((num_examples, 1, *x.shape[2:]), fill_value(x)))
 
 
 def outside_examples(context: ForwardContext) -> Tensor | None:
@@ -130,18 +105,18 @@ def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[F
     for context, _order, term in sorted(entries, key=lambda e: (e[0].index, e[1])):
         mask = outside.get(context.index)
         if mask is not None:
-            term = _map(term, lambda x, mask=mask: zero_outside(x, mask))
-        per_example = _map(term, context.relayout)
+            term = map_tensors(term, lambda x, mask=mask: zero_outside(x, mask))
+        per_example = map_tensors(term, context.relayout)
         groups.setdefault(_signature(per_example), {}).setdefault(context.index, []).append(per_example)
     joined: list[Term] = []
     for by_context in groups.values():
-        per_context = {i: _cat(terms, dim=1) for i, terms in by_context.items()}
+        per_context = {i: cat_terms(terms, dim=1) for i, terms in by_context.items()}
         if sum_contexts:
-            joined.append(_cat(list(per_context.values()), dim=1))
+            joined.append(cat_terms(list(per_context.values()), dim=1))
             continue
         template = next(iter(per_context.values()))
         parts = [per_context.get(c.index) or _empty_like(template, c.num_examples) for c in contexts]
-        joined.append(_cat(parts, dim=0))
+        joined.append(cat_terms(parts, dim=0))
     return joined
 
 
@@ -158,3 +133,85 @@ def nonfinite_examples(terms: list[Term], num_examples: int, device: torch.devic
                 sums = x.reshape(x.shape[0], -1).sum(1, dtype=torch.float32)
                 bad |= ~torch.isfinite(sums).to(device)
     return bad
+
+
+def build_batch(capture: Capture, results: list[SiteResult], step: int, convention: LossConvention,
+                ids: ExampleIds) -> GradientBatch:
+    """The :class:`GradientBatch` of backward pass ``step`` from its layer ``results`` (``capture``'s layers,
+    projection and settings; ``convention``: the loss convention in force, a side pass's own one included)."""
+    contexts = sorted({id(r.context): r.context for r in results}.values(), key=lambda c: c.index)
+    sum_contexts = capture.multi_forward == "sum" and len(contexts) > 1
+    if sum_contexts and len({c.num_examples for c in contexts}) != 1:
+        raise ValueError("gradtrace: multi_forward='sum' needs the same number of examples in every forward "
+                         f"call, got {[c.num_examples for c in contexts]}")
+    params = _param_gradients(capture, results, contexts, sum_contexts)
+    used = contexts[:1] if sum_contexts else contexts
+    resolved = [ids.resolve(c) for c in used]
+    names = [i for call_ids, _ in resolved for i in call_ids]
+    digests = None if any(d is None for _, d in resolved) else [x for _, d in resolved for x in d]
+    first = next(iter(params.values())).terms[0]
+    device = next(iter(term_tensors(first).values())).device
+    scale = torch.cat([c.example_scale.to(device) for c in used])
+    num_targets = None
+    if all(c.num_targets is not None for c in used):
+        num_targets = torch.cat([c.num_targets.to(device) for c in used])
+    bad = nonfinite_examples([t for pg in params.values() for t in pg.terms], len(names), device)
+    projection = capture.projection
+    batch = GradientBatch(ids=names, params=params, scale=scale, convention=convention, step=step,
+                          nonfinite=bad, num_targets=num_targets,
+                          projection=projection.to_dict() if projection is not None else None,
+                          meta={"forward_call": [c.index for c in used for _ in range(c.num_examples)],
+                                **({"digest": digests} if digests is not None else {})},
+                          num_tokens=_token_axis(contexts))
+    if bool(bad.any()):
+        flagged = [names[i] for i in bad.nonzero().flatten().tolist()]
+        message = (f"gradtrace: {len(flagged)} example(s) have NaN/inf gradients in backward pass {step}: "
+                   f"{', '.join(flagged[:5])}{' ...' if len(flagged) > 5 else ''} (flagged in batch.nonfinite)")
+        if capture.nonfinite == "raise":
+            raise FloatingPointError(message)
+        warnings.warn(message, stacklevel=3)
+    if num_targets is not None:
+        _warn_no_targets(names, num_targets, step)
+    return batch
+
+
+def _param_gradients(capture: Capture, results: list[SiteResult], contexts: list[ForwardContext],
+                     sum_contexts: bool) -> dict[str, ParamGradient]:
+    """Each captured parameter's per-example gradient, in the capture's parameter order."""
+    by_param: dict[str, list] = {}
+    for r in results:
+        for name, term in r.terms.items():
+            by_param.setdefault(name, []).append((r.context, r.order, term))
+    shapes = {h.params[role]: h.shapes[role] for h in capture.handlers for role in h.params}
+    # padded positions are no example's: their NaN/inf must not make an example non-finite (packed rows
+    # are split into documents by relayout, which drops them already)
+    outside = {c.index: outside_examples(c) for c in contexts if not c.packed}
+    projector = capture.projector
+    params: dict[str, ParamGradient] = {}
+    for name in capture.selection.param_order:
+        if name not in by_param:
+            continue
+        terms = join_terms(by_param[name], contexts, sum_contexts, outside)
+        shape = tuple(terms[0].shape) if projector is not None else shapes[name]
+        grad = ParamGradient(name, shape, terms, projected=projector is not None)
+        if projector is not None and not capture.projection.keep_tokens:
+            grad = grad.reduced()
+        params[name] = grad
+    return params
+
+
+def _warn_no_targets(ids: list[str], num_targets: Tensor, step: int) -> None:
+    """Warn about examples without a target token: their loss, hence their gradient, is zero."""
+    empty = (num_targets == 0).nonzero().flatten().tolist()
+    if empty:
+        names = [ids[i] for i in empty]
+        warnings.warn(f"gradtrace: {len(names)} example(s) have no target token in backward pass {step} (a single "
+                      f"token, or every label ignored), so their gradients are zero: {', '.join(names[:5])}"
+                      f"{' ...' if len(names) > 5 else ''}", stacklevel=4)
+
+
+def _token_axis(contexts: list[ForwardContext]) -> int | None:
+    """Token positions per example when every forward call had sequence inputs."""
+    if any(c.seq_len is None for c in contexts):
+        return None
+    return max(c.example_len if c.packed else c.seq_len for c in contexts)

@@ -29,15 +29,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..grad.batch import GradientBatch, LossConvention
+from ..common.models import unwrap
+from ..grad.batch import GradientBatch
+from ..losses import LossConvention
 from ..options import CaptureOptions, takes_options
 from ..projection.logra import LoGra, Projector, check_projection_size, unmatched_ranks
-from .assemble import SiteResult, outside_examples, zero_outside
-from .build import build_batch
+from .assemble import SiteResult, build_batch, outside_examples, zero_outside
 from .callbacks import CaptureCallback, as_callback
 from .context import BatchInfo, ContextSettings, ForwardContext
 from .example_ids import ExampleIds
-from .layer_selection import LayerSpec, select_layers, unwrap
+from .layer_selection import LayerSpec, select_layers
 from .layers import LayerHandler
 from .report import CaptureReport
 from .verify import check_batch_sum

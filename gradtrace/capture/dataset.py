@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..losses import default_loss, default_loss_labels
-
-if TYPE_CHECKING:
-    from ..collect import LossFn
+from ..common.batches import to_device
+from ..common.models import context_limit
+from ..losses import LossFn, default_loss, default_loss_labels
 
 __all__ = ["batch_size", "run_capture"]
 
@@ -62,8 +61,6 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
     Returns the number of examples processed. Examples whose id is in ``skip`` are not computed. The model's
     mode and ``param.grad`` are restored afterwards.
     """
-    from ..collect import _to_device, context_limit  # batch helpers (kept in collect.py until the floor has them)
-
     device = torch.device(device) if device is not None else None
     was_training = model.training
     if eval_mode:
@@ -101,7 +98,7 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
                     if length > limit:
                         raise ValueError(f"{what}(): a batch has sequences of {length} tokens but the model's "
                                          f"context is {limit}; truncate or split them")
-                batch = _to_device(batch, device)
+                batch = to_device(batch, device)
                 fn = loss_fn or default_loss(batch, single_backward=True)
                 info: dict[str, Any] = {} if raw_ids is None else {"ids": raw_ids}
                 if loss_fn is None:  # the capture learns each example's target count (zero ones are warned about)

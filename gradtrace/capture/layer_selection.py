@@ -9,45 +9,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from ..common.models import canonical_param_names, strip_wrappers, unwrap
 from .layers import LayerHandler, find_handler
 
-__all__ = ["LayerSpec", "Selection", "canonical_param_names", "select_layers", "strip_wrappers"]
+__all__ = ["LayerSpec", "Selection", "select_layers"]
 
 LayerSpec = str | type
 """A module name glob (``"*.mlp.*"``, ``"lm_head"``) or a module class (``nn.Linear``)."""
 
 # modules that apply their children's parameters functionally: the children's forward (and hooks) never run
 _FUNCTIONAL_PARENTS = (nn.MultiheadAttention,)
-
-_WRAPPER_TOKENS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def strip_wrappers(name: str) -> str:
-    """A module/parameter name without the prefixes that FSDP1, activation checkpointing and
-    ``torch.compile`` wrappers insert, so names match the unwrapped model's."""
-    for token in _WRAPPER_TOKENS:
-        name = name.replace(token, "")
-    return name
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's model inside DataParallel / DistributedDataParallel / compile wrappers."""
-    while True:
-        if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
-def canonical_param_names(model: nn.Module) -> dict[int, str]:
-    """``id(parameter) -> name``: the first name ``named_parameters()`` gives it (tied ones once)."""
-    names: dict[int, str] = {}
-    for name, param in unwrap(model).named_parameters():
-        names.setdefault(id(param), strip_wrappers(name))
-    return names
-
 
 @dataclass
 class Unsupported:

@@ -116,7 +116,7 @@ def write_resolved(directory: Path, command: str, values: dict[str, Any]) -> Pat
 
 def provenance(command: str) -> dict[str, Any]:
     """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version."""
-    from .. import __version__
+    from ..version import __version__
 
     return {"version": __version__, "command": command,
             "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),

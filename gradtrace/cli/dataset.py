@@ -1,5 +1,5 @@
 """The commands' data: :func:`gradtrace.data.load` with the ``Data`` options (one place for collect, fit and
-score), and the texts of a dataset for ``gradtrace topk``."""
+score); the texts of a dataset for ``gradtrace topk`` come from :func:`gradtrace.data.prepare.dataset_texts`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 from .groups import DataOptions
 
-__all__ = ["data_kwargs", "dataset_texts", "read_dataset"]
+__all__ = ["data_kwargs", "read_dataset"]
 
 
 def data_kwargs(opts: DataOptions) -> dict[str, Any]:
@@ -27,17 +27,3 @@ def read_dataset(path: Path, tokenizer: Any, opts: DataOptions, max_length: int 
 
     return load(path, tokenizer, max_length=max_length, truncate=opts.truncate, batch_size=opts.batch_size,
                 pad_id=pad_id, what=what, generate=generate, **data_kwargs(opts))
-
-
-def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *, text_field: str, id_field: str,
-                  what: str) -> dict[str, str]:
-    """``{id: text}`` of a dataset, read with the data options ``recorded`` when it was collected or scored
-    (format, fields, split, --eos, --max-length, --generate), ``text_field``/``id_field`` as given."""
-    from ..data import texts
-
-    defaults = DataOptions()
-    options = {key: recorded.get(name, getattr(defaults, name)) for key, name in
-               (("format", "data_format"), ("split", "split"), ("prompt_field", "prompt_field"),
-                ("completion_field", "completion_field"), ("messages_field", "messages_field"), ("add_eos", "eos"))}
-    return texts(path, tokenizer, max_length=recorded.get("max_length"), what=what, text_field=text_field,
-                 id_field=id_field, prompts=bool(recorded.get("generate")), **options)

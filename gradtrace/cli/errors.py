@@ -14,17 +14,11 @@ from contextlib import contextmanager
 
 import typer
 
+from ..common.errors import BAD_INPUT_EXIT
+from ..common.errors import UsageError as CliError
+
 __all__ = ["BAD_INPUT_EXIT", "CliError", "fail", "reported_errors"]
 
-BAD_INPUT_EXIT = 2
-
-
-class CliError(Exception):
-    """Bad input found by a command: reported as ``Error: <message>``, exit code ``exit_code``."""
-
-    def __init__(self, message: str, exit_code: int = BAD_INPUT_EXIT) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def fail(message: str, exit_code: int = BAD_INPUT_EXIT) -> typer.Exit:

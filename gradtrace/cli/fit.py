@@ -80,9 +80,8 @@ def run(opts: FitOptions) -> None:
     """
     import gradtrace
     from gradtrace.curvature import fit_curvature
+    from gradtrace.projection import LoGra, projection_from_dict
     from gradtrace.store import GradientStore
-
-    from .score import projection_from_spec
 
     phases = Phases()
     cv, data_opts, model_opts = opts.curvature_options, opts.data_options, opts.model_options
@@ -110,7 +109,8 @@ def run(opts: FitOptions) -> None:
             if not recorded:
                 raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
             model_dir = Path(recorded)
-        projection = projection_from_spec(store.spec.projection, store.root)
+        projection = projection_from_dict(store.spec.projection, expect=LoGra,
+                                          what=f"the gradients of store {store.root}")
         with phases("load model"):
             tokenizer = load_tokenizer(model_dir)
             model = load_model(model_dir, device, model_opts.model_dtype)

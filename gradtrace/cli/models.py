@@ -2,48 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..collect import NonFiniteError, check_finite_parameters, context_limit
+from ..collect import NonFiniteError, check_finite_parameters
+from ..common.errors import first_line as _first_line
+from ..common.model_dir import check_model_dir as _check_dir
+from ..common.model_dir import load_tokenizer
+from ..common.model_dir import quiet_loading as _quiet
+from ..common.models import context_limit
 from .errors import CliError
 
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model",
-                   "vocab.txt")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _check_dir(path: Path) -> Path:
-    path = Path(path)
-    if not path.exists():
-        raise CliError(f"model directory {path} does not exist (models are loaded from local directories only)")
-    if not path.is_dir():
-        raise CliError(f"model {path} is not a directory; give a directory written by save_pretrained()")
-    if not (path / "config.json").is_file():
-        raise CliError(f"{path} is not a Hugging Face model directory (no config.json)")
-    return path
-
-
-def load_tokenizer(path: Path) -> Any:
-    """``AutoTokenizer.from_pretrained(path, local_files_only=True)``; a directory without one is an error."""
-    path = _check_dir(path)
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        raise CliError(f"model directory {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
-                       "save one there with tokenizer.save_pretrained()")
-    from transformers import AutoTokenizer
-
-    try:
-        with _quiet():
-            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as err:
-        raise CliError(f"cannot load the tokenizer of {path}: {_first_line(err)}") from None
 
 
 def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Module:
@@ -81,26 +56,6 @@ def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Modu
 def _pickle_files(path: Path) -> list[Path]:
     """The pickle-based weight files of a model directory (``pytorch_model*.bin``, ``*.pt``, ``*.pth``)."""
     return sorted(p for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern))
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Silence loading chatter: stdout prints and transformers' weight-loading progress bar."""
-    from transformers.utils import logging as hf_logging
-
-    bar = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        if bar:
-            hf_logging.enable_progress_bar()
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..methods import available_methods, get_method
+from ..projection import LoGra, projection_from_dict
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
@@ -25,7 +26,7 @@ from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_
 from .options import Group, cli, resolved
 from .report import Phases, console
 
-__all__ = ["OPTIONS", "ScoreOptions", "projection_from_spec", "run"]
+__all__ = ["OPTIONS", "ScoreOptions", "run"]
 
 CLI_METHODS = ("grad_dot", "grad_cos", "tracin", "kfac", "ekfac", "ggn", "logra")
 """The methods the command line runs end to end (their stages: none, learning rates, or ``gradtrace fit``). The
@@ -151,7 +152,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     import gradtrace
     from gradtrace.store import GradientStore
 
-    from ..distributed import agreed, score_sharded
+    from ..distributed import agreed
+    from ..score.sharded import score_sharded
 
     phases = Phases()
     sc, ck, data_opts, model_opts = (opts.scoring_options, opts.checkpoint_options, opts.data_options,
@@ -206,7 +208,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
 
         with phases("tokens"):  # every rank: the same pairs re-captured, no collective
             token_attributions(attributor, query_sets[0], query_data, scores, store=stores[0], model_dir=models[0],
-                               projection=projection_from_spec(stores[0].spec.projection, stores[0].root),
+                               projection=projection_from_dict(stores[0].spec.projection, expect=LoGra,
+                                                               what=f"the gradients of store {stores[0].root}"),
                                device=device, model_dtype=model_opts.model_dtype, k=sc.topk,
                                progress=opts.progress and rank == 0)
     final = replace(opts, store=opts.store.absolute(), queries=opts.queries.absolute(),
@@ -274,7 +277,8 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
     from gradtrace.collect import NonFiniteError
 
     data_opts = opts.data_options
-    projections = [projection_from_spec(s.spec.projection, s.root) for s in stores]
+    projections = [projection_from_dict(s.spec.projection, expect=LoGra, what=f"the gradients of store {s.root}")
+                   for s in stores]
     with phases("read queries"):
         tokenizer = load_tokenizer(models[0])
     query_sets, max_length, batches = [], None, None
@@ -360,27 +364,6 @@ def _models(given: list[Path], stores: list[Any]) -> list[Path]:
                            "MODEL_DIR")
         models.append(Path(recorded))
     return models
-
-
-def projection_from_spec(spec: dict[str, Any] | None, root: Path) -> Any:
-    """The :class:`gradtrace.LoGra` that reproduces a store's projection (None for exact gradients)."""
-    from ..projection.logra import LoGra
-
-    if spec is None:
-        return None
-    if spec.get("kind") != "logra":
-        raise CliError(f"store {root} was collected with a {spec.get('kind')!r} projection; gradtrace score rebuilds "
-                       "LoGra projections only (compute the query gradients in Python with the same projection)")
-    try:
-        projection = LoGra(rank=int(spec["rank_rows"]), seed=int(spec["seed"]), rank_rows=int(spec["rank_rows"]),
-                           rank_cols=int(spec["rank_cols"]), vector_rank=int(spec["vector_rank"]),
-                           ranks=tuple(tuple(r) for r in spec.get("ranks", ())))
-    except (KeyError, TypeError, ValueError) as err:
-        raise CliError(f"store {root} records an incomplete LoGra projection ({err!r})") from None
-    if projection.to_dict() != spec:
-        raise CliError(f"store {root} was projected with {spec}, which this gradtrace cannot reproduce "
-                       f"({projection.to_dict()}); use the gradtrace version that wrote it")
-    return projection
 
 
 def _check_match(store: Any, queries: Any, model_dir: Path) -> None:

@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from rich.table import Table
 
+from ..data.prepare import dataset_texts
 from .config import read_resolved
-from .dataset import dataset_texts
 from .errors import CliError
 from .models import load_tokenizer
 from .options import cli

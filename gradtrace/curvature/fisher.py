@@ -12,7 +12,6 @@ over passes, estimate the chosen Fisher.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,7 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..losses import (
-    _MODEL_KEYS,
+    MODEL_KEYS,
+    LossFn,
     causal_lm_loss,
     classification_loss,
     default_loss,
@@ -33,7 +33,6 @@ __all__ = ["fisher_passes", "FISHERS", "EXACT_MAX_OUTPUTS", "num_classes_of", "r
 
 FISHERS = ("empirical", "true", "exact")
 EXACT_MAX_OUTPUTS = 32  # fisher="auto" enumerates labels (one fitting pass each) up to this many outputs
-LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 def _kind(loss_fn: LossFn | None) -> str:
@@ -49,7 +48,7 @@ def _kind(loss_fn: LossFn | None) -> str:
 def _sampled_lm(generator: torch.Generator, weight: float) -> LossFn:
     def loss(model: nn.Module, batch: dict[str, Any]) -> Tensor:
         labels = lm_labels(batch)
-        logits = model(**{k: batch[k] for k in _MODEL_KEYS if batch.get(k) is not None}).logits
+        logits = model(**{k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}).logits
         targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1).to(logits.device)
         with torch.no_grad():
             probs = torch.softmax(logits.float().flatten(0, 1), dim=-1)

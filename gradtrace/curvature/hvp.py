@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..capture.layer_selection import unwrap
-from ..losses import _MODEL_KEYS, causal_lm_loss, classification_loss, default_loss, lm_labels, regression_loss
+from ..common.models import unwrap
+from ..losses import MODEL_KEYS, causal_lm_loss, classification_loss, default_loss, lm_labels, regression_loss
 from .curvature import CurvatureError
 
 __all__ = ["GGNOperator", "EmpiricalFisherOperator", "arnoldi", "conjugate_gradient", "dense_matrix",
@@ -120,7 +120,7 @@ class GGNOperator:
         frozen.update({n: b for n, b in self.model.named_buffers()})
         mask = None
         if self.kind == "lm":
-            kwargs = {k: batch[k] for k in _MODEL_KEYS if batch.get(k) is not None}
+            kwargs = {k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}
             labels = lm_labels(batch).to(self.device)
             shifted = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
             mask = shifted != -100

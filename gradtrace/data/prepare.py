@@ -8,6 +8,7 @@ problem is found here, before collection starts, so a bad record never leaves a 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from .ids import ContentIds, content_hash
 from .sources import Source, open_source
 from .tokenize import TokenChunk, tokenize_chunk
 
-__all__ = ["load"]
+__all__ = ["dataset_texts", "load"]
 
 SHOWN_IDS = 5
 
@@ -302,3 +303,19 @@ def texts(source: Any, tokenizer: Any | None = None, *, max_length: int | None =
     if not out:
         raise DataError(f"{what} file {src.name} holds no examples")
     return out
+
+
+# the data options a run records (``gradtrace collect``/``score`` configurations) -> :func:`load`'s keywords
+_RECORDED_OPTIONS = (("format", "data_format"), ("split", "split"), ("prompt_field", "prompt_field"),
+                     ("completion_field", "completion_field"), ("messages_field", "messages_field"),
+                     ("add_eos", "eos"))
+
+
+def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *, text_field: str, id_field: str,
+                  what: str) -> dict[str, str]:
+    """``{id: text}`` of a dataset, read with the data options ``recorded`` when it was collected or scored
+    (format, fields, split, --eos, --max-length, --generate; :func:`load`'s defaults, which are the commands',
+    where absent), ``text_field``/``id_field`` as given."""
+    options = {key: recorded[name] for key, name in _RECORDED_OPTIONS if name in recorded}
+    return texts(path, tokenizer, max_length=recorded.get("max_length"), what=what, text_field=text_field,
+                 id_field=id_field, prompts=bool(recorded.get("generate")), **options)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..common.errors import first_line
 from .errors import DataError
 
 __all__ = ["Chunk", "Source", "SUFFIXES", "open_source"]
@@ -155,7 +156,7 @@ def _parquet(path: Path, chunk_rows: int) -> Source:
     try:
         reader = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises ArrowInvalid / OSError for non-Parquet bytes
-        raise DataError(f"{path} is not a readable Parquet file ({_first_line(err)})") from None
+        raise DataError(f"{path} is not a readable Parquet file ({first_line(err)})") from None
 
     def chunks() -> Iterator[Chunk]:
         start = 0
@@ -191,7 +192,7 @@ def _csv(path: Path, chunk_rows: int) -> Iterator[Chunk]:
 
 
 def _csv_reason(err: Exception) -> str:
-    reason = _first_line(err)
+    reason = first_line(err)
     return "not UTF-8 text; re-encode it as UTF-8" if "UTF8" in reason or "UTF-8" in reason else reason
 
 
@@ -202,11 +203,6 @@ def _pyarrow_module(name: str, path: Path) -> Any:
         return importlib.import_module(f"pyarrow.{name}")
     except ImportError:
         raise DataError(f"{path}: reading {path.suffix} files needs pyarrow (pip install 'gradtrace[data]')") from None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 # -- datasets ------------------------------------------------------------------------------------------------

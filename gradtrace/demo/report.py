@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from ..data.corpus import PLANTED
 from ..score import Scores
-from .corpus import PLANTED
 
 __all__ = ["report_planted"]
 
@@ -14,7 +14,7 @@ def report_planted(scores: Scores, texts: Mapping[str, str], say: Callable[[str]
                    show: int = 3, k: int = 3, width: int = 50) -> int:
     """Print the top ``k`` training documents of the first ``show`` queries and return the recall@1 hits.
 
-    ``scores`` holds one query per planted fact, in the order of :data:`~gradtrace.demo.corpus.PLANTED`;
+    ``scores`` holds one query per planted fact, in the order of :data:`~gradtrace.data.corpus.PLANTED`;
     ``texts`` maps training ids to their text. A hit is a query whose own planted document ranks first.
     """
     top = scores.topk(k)

@@ -28,12 +28,12 @@ import torch
 from .. import data as gd
 from ..capture import capture
 from ..collect import collect
+from ..data.corpus import PLANTED, Document, load_plays, train_tokenizer
 from ..losses import lm_labels
 from ..projection.logra import LoGra
 from ..score import Attributor, Scores
 from ..sink import StoreWriter
 from ..store import GradientStore
-from .corpus import PLANTED, Document, load_plays, train_tokenizer
 
 __all__ = ["main", "run"]
 

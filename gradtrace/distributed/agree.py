@@ -21,9 +21,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..common.ranks import rank_and_world
 from ..store.layout import StoreError, lock_is_stale, read_lock
 from ..store.spec import SpecMismatch
-from .env import rank_and_world
 
 __all__ = ["RankFailure", "RankMismatch", "agreed", "capture_spec", "check_same", "check_store_writers",
            "gather_objects"]

@@ -1,4 +1,5 @@
-"""The process group gradtrace runs in: rank and world size, torchrun detection, the device collectives use."""
+"""The process group gradtrace runs in: torchrun detection, joining the group, the device collectives use (rank and
+world size: :func:`gradtrace.common.ranks.rank_and_world`, on the bottom floor for every layer)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_device", "is_distributed", "launched_by_torchrun", "process_group", "rank_and_world"]
+from ..common.ranks import rank_and_world
+
+__all__ = ["comm_device", "is_distributed", "launched_by_torchrun", "process_group"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def rank_and_world(group: Any = None) -> tuple[int, int]:
-    """``(rank, world size)`` in ``group`` (the default group when None), or ``(0, 1)`` without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
 
 
 def is_distributed(group: Any = None) -> bool:

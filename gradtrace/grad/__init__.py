@@ -1,6 +1,7 @@
 """Per-example gradient containers and the operations on them."""
 
-from .batch import GradientBatch, LossConvention, ParamGradient
+from ..losses import LossConvention
+from .batch import GradientBatch, ParamGradient
 from .cost import CostModel, MachineProfile
 from .ops import concat, inner, sq_norms, token_inner
 from .quantize import QuantizedRows, quantize, spearman

@@ -9,28 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..losses import LossConvention
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm
 
-__all__ = ["GradientBatch", "LossConvention", "ParamGradient"]
-
-
-@dataclass(frozen=True)
-class LossConvention:
-    """How captured gradients relate to the training loop's loss.
-
-    reduction: how the loop combined examples into the loss it called ``backward()`` on:
-        ``"mean"`` (mean over the rows of each forward call), ``"sum"``, or ``"token_mean"``
-        (sum over all target tokens of the batch divided by their count, or by the
-        ``num_items_in_batch`` the Hugging Face Trainer passes).
-    example_loss: the loss each captured gradient is the gradient of: ``"sum"`` over the example's
-        target tokens (default) or the per-token ``"mean"``.
-    """
-
-    reduction: str = "mean"
-    example_loss: str = "sum"
-
-    def to_dict(self) -> dict[str, str]:
-        return {"reduction": self.reduction, "example_loss": self.example_loss}
+__all__ = ["GradientBatch", "ParamGradient", "vectors_to_batch"]
 
 
 @dataclass
@@ -227,3 +209,15 @@ def term_kind(term: Term) -> str:
     if isinstance(term, VectorTerm):
         return "vector"
     return "dense"
+
+
+def vectors_to_batch(vectors: Tensor, like: GradientBatch) -> GradientBatch:
+    """Dense ``[Q, D]`` vectors as a :class:`GradientBatch` with the parameter layout of batch ``like``."""
+    params, start = {}, 0
+    for name, pg in like.params.items():
+        stop = start + pg.numel
+        params[name] = ParamGradient(name, pg.shape, [DenseTerm(vectors[:, start:stop].reshape(-1, *pg.shape))],
+                                     pg.projected)
+        start = stop
+    return GradientBatch(ids=[str(i) for i in range(vectors.shape[0])], params=params,
+                         scale=torch.ones(vectors.shape[0]), convention=like.convention, projection=like.projection)

@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .batch import GradientBatch, ParamGradient
 from .cost import CostModel, TermShape, default_cost_model
 from .ghost import DEFAULT_MAX_BYTES, ghost_diag, ghost_inner
-from .terms import DenseTerm, OuterTerm, Term, VectorTerm, is_index
+from .terms import DenseTerm, OuterTerm, Term, VectorTerm, cat_terms, is_index
+
+if TYPE_CHECKING:  # ops need only the batch's fields: batch.py calls into ops, not the other way
+    from .batch import GradientBatch, ParamGradient
 
 __all__ = ["check_compatible", "concat", "dense_inner", "inner", "param_route", "sq_norms", "to", "token_inner",
            "weighted_sum"]
@@ -246,8 +249,6 @@ def token_inner(a: GradientBatch, b: GradientBatch, *, max_bytes: int = DEFAULT_
 
 def concat(batches: Sequence[GradientBatch]) -> GradientBatch:
     """Concatenate batches along the example axis (same parameters, projection, shapes, dtypes)."""
-    from ..capture.assemble import _cat  # the same joining rule as capture uses
-
     if not batches:
         raise ValueError("concat() needs at least one batch")
     first = batches[0]
@@ -258,8 +259,8 @@ def concat(batches: Sequence[GradientBatch]) -> GradientBatch:
         groups = [b.params[name].terms for b in batches]
         if len({len(g) for g in groups}) != 1:
             raise IncompatibleGradients(f"concat: {name} has a different number of terms across batches")
-        terms = [_cat([g[k] for g in groups], dim=0) for k in range(len(groups[0]))]
-        params[name] = ParamGradient(name, pg.shape, terms, pg.projected)
+        terms = [cat_terms([g[k] for g in groups], dim=0) for k in range(len(groups[0]))]
+        params[name] = dataclasses.replace(pg, terms=terms)
 
     def cat_opt(values):
         return None if any(v is None for v in values) else torch.cat(list(values))
@@ -269,11 +270,12 @@ def concat(batches: Sequence[GradientBatch]) -> GradientBatch:
         if isinstance(value, list) and all(isinstance(b.meta.get(key), list) for b in batches):
             meta[key] = [x for b in batches for x in b.meta[key]]
     lengths = [b.num_tokens for b in batches]
-    return GradientBatch(ids=[i for b in batches for i in b.ids], params=params,
-                     scale=torch.cat([b.scale for b in batches]), convention=first.convention, step=first.step,
-                     nonfinite=cat_opt([b.nonfinite for b in batches]),
-                     num_targets=cat_opt([b.num_targets for b in batches]), projection=first.projection,
-                     meta=meta, num_tokens=None if None in lengths else max(lengths))
+    # the convention, step and projection are the first batch's (check_compatible made them agree)
+    return dataclasses.replace(first, ids=[i for b in batches for i in b.ids], params=params,
+                               scale=torch.cat([b.scale for b in batches]),
+                               nonfinite=cat_opt([b.nonfinite for b in batches]),
+                               num_targets=cat_opt([b.num_targets for b in batches]),
+                               meta=meta, num_tokens=None if None in lengths else max(lengths))
 
 
 def to(

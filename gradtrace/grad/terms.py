@@ -15,12 +15,14 @@ Terms never hold a loss scale: they are already in the per-example loss conventi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
-__all__ = ["DenseTerm", "OuterTerm", "Term", "VectorTerm", "is_index"]
+__all__ = ["DenseTerm", "OuterTerm", "Term", "VectorTerm", "cat_terms", "fill_value", "is_index", "map_tensors",
+           "term_tensors"]
 
 
 def is_index(factor: Tensor) -> bool:
@@ -169,3 +171,42 @@ def _scatter_rows(index: Tensor, values: Tensor, width: int) -> Tensor:
     out = values.new_zeros(num_examples * width, n)
     out.index_add_(0, flat[keep], values[keep])
     return out.view(num_examples, width, n)
+
+
+# -- joining terms: one rule for capture (sites -> examples) and for concat() (batches -> one batch) ----------------
+def term_tensors(term: Term) -> dict[str, Tensor]:
+    """The tensor fields of a term (all with the example axis first)."""
+    return {f.name: getattr(term, f.name) for f in fields(term) if isinstance(getattr(term, f.name), Tensor)}
+
+
+def map_tensors(term: Term, fn: Callable[[Tensor], Tensor]) -> Term:
+    """``term`` with ``fn`` applied to each of its tensor fields."""
+    return replace(term, **{k: fn(v) for k, v in term_tensors(term).items()})
+
+
+def fill_value(x: Tensor) -> int:
+    """What a position holding nothing contains: 0 in a dense factor, -1 (no row) in an index factor."""
+    return 0 if x.is_floating_point() else -1
+
+
+def _pad_tokens(x: Tensor, length: int) -> Tensor:
+    """``x`` (``[E, T, ...]``) padded with :func:`fill_value` to ``length`` tokens."""
+    if x.shape[1] == length:
+        return x
+    pad = x.new_full((x.shape[0], length - x.shape[1], *x.shape[2:]), fill_value(x))
+    return torch.cat([x, pad], dim=1)
+
+
+def cat_terms(terms: list[Term], dim: int) -> Term:
+    """Concatenate same-kind terms along the example (0) or token (1) axis; along examples, shorter token axes
+    are padded with positions that hold nothing."""
+    if len(terms) == 1:
+        return terms[0]
+    length = max(t.num_tokens for t in terms)
+    joined = {}
+    for key in term_tensors(terms[0]):
+        parts = [getattr(t, key) for t in terms]
+        if dim == 0:
+            parts = [_pad_tokens(p, length) for p in parts]
+        joined[key] = torch.cat(parts, dim=dim)
+    return replace(terms[0], **joined)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..capture import Capture
-from ..capture.layer_selection import strip_wrappers, unwrap
-from ..distributed.env import rank_and_world as dist_rank
+from ..common.models import strip_wrappers, unwrap
+from ..common.ranks import rank_and_world as dist_rank
 from ..options import with_record
 from ..sink import StoreWriter
 from .fused_head import UnfusedLMHead, captures_output_embedding

@@ -27,7 +27,9 @@ from torch import Tensor
 if TYPE_CHECKING:
     from ..store.spec import GradientSpec
 
-__all__ = ["Method", "MissingStage", "available_methods", "get_method", "register_method"]
+__all__ = ["SIGN_CONVENTION", "Method", "MissingStage", "available_methods", "get_method", "register_method"]
+
+SIGN_CONVENTION = "positive = the training example helps the query (lowers its loss)"
 
 _METHODS: dict[str, type[Method]] = {}
 

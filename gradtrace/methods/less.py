@@ -35,11 +35,10 @@ from torch import Tensor, nn
 
 from ..capture import capture
 from ..capture.dataset import run_capture
-from ..capture.layer_selection import strip_wrappers, unwrap
-from ..collect import LossFn
+from ..common.models import strip_wrappers, unwrap
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
-from ..losses import causal_lm_loss, default_loss
+from ..losses import LossFn, causal_lm_loss, default_loss
 from ..projection.sketch import Sketch
 from ..sink.rows import MemoryRows, RowSink, RowTransform, ShardRows
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint

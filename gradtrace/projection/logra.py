@@ -13,22 +13,52 @@ shared by several layers (tied embeddings) are projected consistently at all the
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from pathlib import Path
-from typing import Any
+from functools import cached_property
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["LoGra", "Projector", "check_projection_size", "gaussian_matrix", "stable_seed"]
+from .base import register_projection
+
+__all__ = ["LoGra", "PCABasis", "Projector", "check_projection_size", "gaussian_matrix", "register_pca", "stable_seed"]
 
 _SCHEME = "gradtrace/logra/v1"
 
 
+class PCABasis(Protocol):
+    """The directions ``LoGra(init="pca")`` projects onto, built from a fitted K-FAC curvature by
+    :func:`gradtrace.curvature.pca.pca_basis` (this package sits below the curvature and never imports it)."""
+
+    fingerprint: str  # a hash of the eigendata: stores projected with different bases are refused
+
+    def directions(self, param: str, axis: str, n: int, k: int) -> Tensor:
+        """``[k, n]``: the top-``k`` directions (rows) of axis ``axis`` of parameter ``param`` (``n`` wide)."""
+        ...
+
+
+_PCA: dict[str, Callable[..., Any]] = {}
+
+
+def register_pca(*, fit: Callable[..., LoGra], basis: Callable[[Any], PCABasis]) -> None:
+    """Plug in how :meth:`LoGra.pca` fits a basis (``fit``) and how ``LoGra(init="pca", basis=...)`` turns a
+    fitted curvature or its directory into a :class:`PCABasis` (``basis``); :mod:`gradtrace.curvature.pca` does
+    this when gradtrace is imported."""
+    _PCA.update(fit=fit, basis=basis)
+
+
+def _pca(name: str) -> Callable[..., Any]:
+    if name not in _PCA:
+        raise RuntimeError("PCA-initialised LoGra needs gradtrace.curvature (import gradtrace)")
+    return _PCA[name]
+
+
+@register_projection("logra")
 @dataclass(frozen=True)
 class LoGra:
     """LoGra projection spec.
@@ -68,21 +98,15 @@ class LoGra:
         if self.init == "pca":
             if self.basis is None:
                 raise ValueError("LoGra(init='pca') needs basis= (a fitted K-FAC curvature): see LoGra.pca(...)")
-            if isinstance(self.basis, (str, Path)):
-                from ..curvature import Curvature
-
-                object.__setattr__(self, "basis", Curvature.load(self.basis))
+            object.__setattr__(self, "basis", _pca("basis")(self.basis))
 
     @classmethod
     def pca(cls, model: Any, data: Any, loss_fn: Any = None, *, rank: int = 16, fisher: str = "empirical",
             layers: Any = None, exclude: Any = None, ranks: Any = (), **options: Any) -> LoGra:
-        """Fit K-FAC factors on exact gradients of ``data`` and return a PCA-initialised LoGra spec."""
-        from ..curvature import fit_curvature
-
-        basis = fit_curvature(model, data, loss_fn, kind="kfac", fisher=fisher, layers=layers, exclude=exclude,
-                              join_bias=False, **options)
-        return cls(rank=rank, init="pca", basis=basis, ranks=ranks,
-                   **{k: v for k, v in options.items() if k == "seed"})
+        """Fit K-FAC factors on exact gradients of ``data`` and return a PCA-initialised LoGra spec
+        (:func:`gradtrace.curvature.pca.pca_logra`)."""
+        return _pca("fit")(model, data, loss_fn, rank=rank, fisher=fisher, layers=layers, exclude=exclude,
+                           ranks=ranks, **options)
 
     def k_for(self, param: str, axis: str) -> int:
         """Projected size of axis ``axis`` (``"rows"``, ``"cols"``, ``"vector"``) of parameter ``param``."""
@@ -104,6 +128,16 @@ class LoGra:
     def k_vector(self) -> int:
         return self.vector_rank or self.rank
 
+    @cached_property
+    def projector(self) -> Projector:
+        """The matrices of this spec, generated once and cached per device."""
+        return Projector(self)
+
+    def project(self, grads: Tensor, key: str = "") -> Tensor:
+        """Per-example gradients ``[E, *shape]`` of parameter ``key`` projected as capture projects them:
+        ``[E, k]`` float32 (see :meth:`Projector.project_full`)."""
+        return self.projector.project_full(key, grads, tuple(grads.shape[1:]))
+
     @classmethod
     def from_dict(cls, spec: dict) -> LoGra:
         """Rebuild a spec from :meth:`to_dict` (e.g. a store's manifest), refusing other schemes."""
@@ -119,7 +153,7 @@ class LoGra:
         if self.ranks:  # absent when unused, so specs without overrides stay as they were
             out["ranks"] = [list(r) for r in self.ranks]
         if self.init == "pca":
-            out.update(distribution="pca", init="pca", basis=basis_fingerprint(self.basis))
+            out.update(distribution="pca", init="pca", basis=self.basis.fingerprint)
         return out
 
 
@@ -172,50 +206,6 @@ def check_projection_size(spec: LoGra, shapes: dict[str, tuple[int, ...]]) -> No
         "(16-128 is typical)")
 
 
-def basis_fingerprint(basis: Any) -> str:
-    """A hash of a PCA basis's eigendata: stores projected with different bases are refused."""
-    cached = getattr(basis, "_fingerprint", None)
-    if cached is None:
-        h = hashlib.blake2b(digest_size=8)
-        for name in sorted(basis.blocks):
-            eig = basis.blocks[name]
-            for value in (getattr(eig, "q_rows", None), getattr(eig, "q_cols", None), getattr(eig, "q", None),
-                          eig.eigenvalues):
-                if value is not None:
-                    h.update(name.encode())
-                    h.update(value.detach().cpu().contiguous().numpy().tobytes())
-        cached = h.hexdigest()
-        with contextlib.suppress(AttributeError):  # frozen containers just recompute
-            basis._fingerprint = cached
-    return cached
-
-
-def pca_matrix(basis: Any, param: str, axis: str, n: int, k: int) -> Tensor:
-    """``[k, n]``: the top-``k`` eigenvectors (rows) of ``param``'s factor on ``axis`` in a K-FAC ``basis``."""
-    eig = basis.blocks.get(param)
-    if eig is None:
-        raise ValueError(f"the PCA basis has no factors for {param}: fit it on the same layers")
-    if axis == "vector":
-        vectors, values = getattr(eig, "q", None), eig.eigenvalues
-    else:
-        if getattr(eig.block, "bias", None) is not None:
-            raise ValueError(f"{param}'s basis joins a bias column: fit it with join_bias=False (LoGra.pca does)")
-        vectors = eig.q_rows if axis == "rows" else eig.q_cols
-        values = eig.rows_eig if axis == "rows" else eig.cols_eig
-    if values is None or values.numel() != n:
-        raise ValueError(f"the PCA basis of {param} ({axis}) has {None if values is None else values.numel()} "
-                         f"directions, the gradient has {n}")
-    order = torch.argsort(values, descending=True)[: min(k, n)]
-    if vectors is None:  # diagonal factor (one-hot side): the top-k coordinates
-        top = torch.zeros(len(order), n)
-        top[torch.arange(len(order)), order] = 1.0
-    else:
-        top = vectors[:, order].t().to(torch.float32)
-    if k > n:  # keep the declared shape: the extra directions carry nothing
-        top = torch.cat([top, torch.zeros(k - n, n)])
-    return top.contiguous()
-
-
 def stable_seed(*parts: object) -> int:
     """A 63-bit integer derived from ``parts`` by a cryptographic hash (stable across runs)."""
     digest = hashlib.blake2b("|".join(str(p) for p in parts).encode(), digest_size=8).digest()
@@ -246,7 +236,7 @@ class Projector:
         if mat is None:
             k = self.k(param, axis)
             if self.spec.init == "pca":
-                mat = pca_matrix(self.spec.basis, param, axis, n, k).to(device)
+                mat = self.spec.basis.directions(param, axis, n, k).to(device)
             else:
                 mat = gaussian_matrix(k, n, stable_seed(_SCHEME, self.spec.seed, param, axis, n, k)).to(device)
             self._cache[key] = mat

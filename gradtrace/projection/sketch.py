@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .base import register_projection
 from .logra import gaussian_matrix, stable_seed
 
 __all__ = ["SCHEME", "DenseProjection", "Sketch", "SparseProjection", "from_spec"]
@@ -72,6 +73,14 @@ class Sketch:
         """The spec as stored in manifests: every field that determines the projected numbers."""
         return {"scheme": SCHEME, "kind": self.kind, "k": self.k, "seed": self.seed, "nnz": None,
                 "block": self.block}
+
+    @classmethod
+    def from_dict(cls, spec: dict[str, Any]) -> Sketch:
+        """Rebuild the projection :meth:`to_dict` described (:func:`from_spec`, with the default chunk and no cache)."""
+        sketch = from_spec(spec)
+        if not isinstance(sketch, cls):
+            raise ValueError(f"a {spec.get('kind')!r} sketch is not a {cls.__name__}")
+        return sketch
 
     def check_same(self, other: Sketch | dict[str, Any]) -> None:
         """Raise ``ValueError`` naming the differing fields unless ``other`` projects identically.
@@ -178,6 +187,7 @@ class Sketch:
         raise NotImplementedError
 
 
+@register_projection("gaussian", "rademacher")
 class DenseProjection(Sketch):
     """Dense random projection with i.i.d. Gaussian ``N(0, 1/k)`` or Rademacher ``+-1/sqrt(k)`` entries.
 
@@ -212,6 +222,7 @@ class DenseProjection(Sketch):
         return parts[0]
 
 
+@register_projection("sparse")
 class SparseProjection(Sketch):
     """Block SJLT / CountSketch: each input coordinate hits ``nnz`` output rows with random signs.
 

@@ -273,8 +273,8 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
                  self_method: str | None = None, self_k: int = 20, title: str | None = None,
                  text_source: str = "texts", query_source: str = "queries") -> Report:
     """The :class:`Report` of ``scores`` (see :func:`gradtrace.report.render_report` for the arguments)."""
-    from .. import __version__
-    from ..score.scores import SIGN_CONVENTION
+    from ..methods.base import SIGN_CONVENTION
+    from ..version import __version__
 
     if k < 1 or per_page < 1 or max_chars < 1 or self_k < 1:
         raise ReportError("k, per_page, max_chars and self_k must be at least 1")

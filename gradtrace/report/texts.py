@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..common.errors import UsageError
+from ..common.model_dir import load_tokenizer
 from ..data.errors import DataError
+from ..data.prepare import dataset_texts
 from .errors import ReportError
 
 __all__ = ["DataSource", "read_texts", "recorded_sources", "resolve_source"]
@@ -25,7 +28,7 @@ __all__ = ["DataSource", "read_texts", "recorded_sources", "resolve_source"]
 class DataSource:
     """A dataset file and how to read it: the text/id fields, the tokenizer and max length that content-hash
     ids need (None: the file has its own ids), and the other data options recorded with it (format, split,
-    prompt/completion/messages fields, --generate; see :func:`gradtrace.cli.dataset.dataset_texts`)."""
+    prompt/completion/messages fields, --generate; see :func:`gradtrace.data.prepare.dataset_texts`)."""
 
     path: Path
     text_field: str = "text"
@@ -37,16 +40,12 @@ class DataSource:
 
 def read_texts(source: DataSource, *, what: str = "data") -> dict[str, str]:
     """``{id: text}`` of ``source``, ids computed as the collect/score commands computed them."""
-    from ..cli.dataset import dataset_texts
-    from ..cli.errors import CliError
-    from ..cli.models import load_tokenizer
-
     try:
         tokenizer = load_tokenizer(source.model) if source.model is not None else None
         recorded = {**source.recorded, "max_length": source.max_length}
         return dataset_texts(source.path, tokenizer, recorded, text_field=source.text_field,
                              id_field=source.id_field, what=what)
-    except (CliError, DataError) as err:
+    except (UsageError, DataError) as err:
         raise ReportError(str(err)) from None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,26 +22,11 @@ from ..methods import Method, get_method
 from ..store.spec import GradientSpec
 from .scores import Scores
 
-__all__ = ["Attributor", "ScoringError", "vectors_to_batch"]
+__all__ = ["Attributor", "ScoringError"]
 
 
 class ScoringError(ValueError):
     """Scoring produced values that cannot be trusted (NaN/inf), with the queries and training rows named."""
-
-
-def vectors_to_batch(vectors: Tensor, like: Any) -> Any:
-    """Dense ``[Q, D]`` vectors as a :class:`GradientBatch` with the parameter layout of batch ``like``."""
-    from ..grad.batch import GradientBatch, ParamGradient
-    from ..grad.terms import DenseTerm
-
-    params, start = {}, 0
-    for name, pg in like.params.items():
-        stop = start + pg.numel
-        params[name] = ParamGradient(name, pg.shape, [DenseTerm(vectors[:, start:stop].reshape(-1, *pg.shape))],
-                                 pg.projected)
-        start = stop
-    return GradientBatch(ids=[str(i) for i in range(vectors.shape[0])], params=params,
-                     scale=torch.ones(vectors.shape[0]), convention=like.convention, projection=like.projection)
 
 
 def _merge(kept: tuple[Tensor, Tensor] | None, block: Tensor, offset: int, k: int,
@@ -56,6 +41,11 @@ def _merge(kept: tuple[Tensor, Tensor] | None, block: Tensor, offset: int, k: in
         values, order = torch.topk(values, min(k, values.shape[1]), dim=1, largest=largest)
         indices = torch.gather(indices, 1, order)
     return values, indices
+
+
+# ``(wants(method, train) -> bool, ensemble class)``: what ``Attributor(method, [train_1, ...])`` builds instead of
+# a single-model engine (filled by gradtrace.score.ensemble when the score package is imported)
+ENSEMBLES: list[tuple[Callable[[Any, Any], bool], Callable[..., Any]]] = []
 
 
 class Attributor:
@@ -73,11 +63,12 @@ class Attributor:
     """
 
     def __new__(cls, method: str | Method = "grad_dot", train: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """A list of training gradients for a method that scores one model is an ensemble: an :class:`Ensemble`."""
-        from .ensemble import Ensemble, wants_ensemble
-
-        if cls is Attributor and wants_ensemble(method, train):
-            return Ensemble(method, train, *args, **kwargs)
+        """A list of training gradients for a method that scores one model is an ensemble: an :class:`Ensemble`
+        (``score/ensemble.py`` registers itself in :data:`ENSEMBLES`, so the engine imports nothing above it)."""
+        if cls is Attributor:
+            for wants, ensemble in ENSEMBLES:
+                if wants(method, train):
+                    return ensemble(method, train, *args, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, method: str | Method = "grad_dot", train: Any = None, *, block_rows: int = 8192,
@@ -202,7 +193,7 @@ class Attributor:
         batches) and a method whose training-side transform is a per-example scaling (dot, cosine, TracIn
         at one checkpoint).
         """
-        from .pairs import _token_shares
+        from .pairs import token_shares as _token_shares
 
         if len(self.train) != 1:
             raise ValueError("per-token scores are computed for one checkpoint at a time")

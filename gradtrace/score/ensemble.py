@@ -43,7 +43,7 @@ from ..grad.batch import GradientBatch
 from ..gradients import GradientSet, as_source
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
-from .engine import Attributor, _block_buffer, _check_block, _check_prepared, _read_block
+from .engine import ENSEMBLES, Attributor, _block_buffer, _check_block, _check_prepared, _read_block
 from .scores import Scores
 
 __all__ = ["Ensemble", "EnsembleError", "is_member_list"]
@@ -382,3 +382,6 @@ def _state_dict(checkpoint: Any) -> Mapping[str, Tensor]:
 
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+ENSEMBLES.append((wants_ensemble, Ensemble))

@@ -365,7 +365,7 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
     for offset, block in blocks:
         faiss_index.add(_checked(block, offset, store, params.normalize))
     timings["add_s"] = time.perf_counter() - added
-    from .. import __version__
+    from ..version import __version__
 
     meta = {"store": str(Path(str(store.root)).resolve()), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_s": time.perf_counter() - start, **timings, "gradtrace": __version__,

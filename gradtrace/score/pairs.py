@@ -25,7 +25,7 @@ from torch import Tensor
 
 from .scores import Scores
 
-__all__ = ["PairRows", "kept_scores", "module_attributions", "pair_rows", "read_rows", "sum_tolerance",
+__all__ = ["PairRows", "kept_scores", "module_attributions", "pair_rows", "read_rows", "sum_tolerance", "token_shares",
            "token_attributions", "token_records"]
 
 
@@ -154,13 +154,13 @@ def _check_decomposition(side: str, shares: Tensor, totals: Tensor, pairs: PairR
                          f"the pair's score {float(totals[p]):.6g}: {hint}")
 
 
-def _token_shares(token_set: Any, ids: Sequence[str], dense: Tensor, what: str) -> Tensor:
+def token_shares(token_set: Any, ids: Sequence[str], dense: Tensor, what: str) -> Tensor:
     """``[len(ids), T, F]``: each token of the examples ``ids`` (from a set collected with ``keep_tokens=True``)
     against the ``[F, D]`` vectors ``dense``, one captured batch at a time -- each batch keeps its own token
     layout (a layer used several times per forward lays its uses out per batch length) -- right-padded with
     zeros to the longest batch."""
+    from ..grad.batch import vectors_to_batch
     from ..grad.ops import token_inner
-    from .engine import vectors_to_batch
 
     if not getattr(token_set, "batches", None):
         raise ValueError(f"token-level attribution needs the {what}' token-level gradients: collect them with "
@@ -237,7 +237,7 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
         prepared_rows = method.prepare_train(read_rows(source, unique))  # [U, D]
         # <P g_q, y> = sum_t <g_qt, P y> for a symmetric linear P; a normalization divides by |g_q| instead
         right = prepared_rows if normalizes else method.prepare_queries(prepared_rows)
-        shares = _token_shares(query_set, list(scores.query_ids), right, "queries")  # [Q, T_q, U]
+        shares = token_shares(query_set, list(scores.query_ids), right, "queries")  # [Q, T_q, U]
         if normalizes:
             shares = shares / raw_queries.norm(dim=1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
         per_pair = shares[pairs.queries, :, inverse]  # [P, T_q]
@@ -252,7 +252,7 @@ def token_attributions(attributor: Any, queries: Any, scores: Scores, *, query_s
         source.spec.check_compatible(train_tokens.spec, "token-level training gradients vs the training gradients")
         ids = [scores.train_ids[t] for t in unique.tolist()]
         recaptured = train_tokens.read(0, len(train_tokens)).to(torch.float32)[train_tokens.index_of(ids)]  # [U, D]
-        shares = _token_shares(train_tokens, ids, prepared, "training examples")  # [U, T_i, Q]
+        shares = token_shares(train_tokens, ids, prepared, "training examples")  # [U, T_i, Q]
         plain = recaptured @ prepared.t()  # [U, Q]; the training transform scales each example:
         scaled = method.prepare_train(recaptured) @ prepared.t()
         nonzero = plain != 0

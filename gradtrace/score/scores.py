@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..methods.base import SIGN_CONVENTION
 from ..store.artifact import ArtifactError, read_artifact, write_artifact
 
 __all__ = ["Scores", "ScoresError", "TopK"]
@@ -25,7 +26,6 @@ VERSION = 2
 """2: manifest and tensors checksummed (version 1, without checksums, still loads with a warning)."""
 _TENSORS = ("matrix", "top_values", "top_indices", "bottom_values", "bottom_indices")
 
-SIGN_CONVENTION = "positive = the training example helps the query (lowers its loss)"
 
 
 class ScoresError(ArtifactError):

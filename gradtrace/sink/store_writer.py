@@ -86,8 +86,8 @@ class StoreWriter(CaptureCallback):
 
     def on_capture_start(self, capture: Any) -> None:
         # imported here: gradtrace.distributed's package imports the sharded scoring, which imports this module
+        from ..common.ranks import rank_and_world
         from ..distributed.agree import agreed, check_store_writers
-        from ..distributed.env import rank_and_world
 
         self.model = capture.model
         rank, world = rank_and_world()

@@ -422,6 +422,6 @@ class ShardWriter:
 
 def _process_rank() -> tuple[int, int]:
     """``(rank, world size)`` of the running process group, or ``(0, 1)``: the writer's default shard namespace."""
-    from ..distributed.env import rank_and_world  # the floor's helper; distributed/__init__ imports scoring
+    from ..common.ranks import rank_and_world  # the floor's helper
 
     return rank_and_world()

