@@ -437,7 +437,7 @@ class Capture:
                 f"gradtrace: {handler.name} was re-run during backward (reentrant activation checkpointing) after "
                 f"{len(self._contexts)} forward calls; its activations cannot be matched to one of them. Use "
                 "non-reentrant checkpointing (use_reentrant=False) or one forward call per backward pass.")
-        terms = handler.backward(saved, grad.detach(), context.token_scale, self.projector)
+        terms = handler.backward(saved, grad.detach(), context.scales, self.projector)
         self._results.append(SiteResult(context, order, {handler.params[role]: t for role, t in terms.items()}))
 
     def _make_param_hook(self, name: str) -> Callable:

@@ -238,6 +238,11 @@ class ForwardContext:
             return per_token.to(device)
         return self.example_scale.to(device).unsqueeze(1).expand(self.batch_size, num_tokens)
 
+    @property
+    def scales(self) -> TokenScales:
+        """The per-token scale of this call as handed to layer handlers (see :class:`TokenScales`)."""
+        return TokenScales(self)
+
     # -- identity -----------------------------------------------------------------------------
     def content_ids(self) -> list[str]:
         """Content hashes of each example's unpadded tokens (or of its input row)."""
@@ -259,3 +264,19 @@ class ForwardContext:
         if valid is None:
             return [content_hash(row) for row in tokens]
         return [content_hash(row[mask]) for row, mask in zip(tokens, valid)]
+
+
+class TokenScales:
+    """The per-token loss scale of one forward call: callable as a ``TokenScale`` (``[B, num_tokens]``), and
+    ``rows``: the ``[B]`` scale of each row's example when every token of a row belongs to that one example (rows
+    not packed), else None. Handlers use ``rows`` to sum a row's tokens before projecting (exact, fewer products)."""
+
+    def __init__(self, context: ForwardContext) -> None:
+        self._context = context
+
+    def __call__(self, num_tokens: int, device: torch.device) -> Tensor:
+        return self._context.token_scale(num_tokens, device)
+
+    @property
+    def rows(self) -> Tensor | None:
+        return None if self._context.packed else self._context.example_scale

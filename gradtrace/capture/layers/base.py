@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ...grad.terms import Term
+from ...grad.terms import Term, VectorTerm
 from ...projection.logra import Projector
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "TokenScale",
     "detached_copy",
     "find_handler",
+    "projected_vector",
     "probe_output_scale",
     "register_layer",
     "registered_handlers",
@@ -204,6 +205,23 @@ def tokens_last(x: Tensor, width: int) -> Tensor:
     if x.dim() < 2:
         raise ValueError(f"expected a batched input of shape [batch, ..., {width}], got {tuple(x.shape)}")
     return x.reshape(x.shape[0], -1, width)
+
+
+def projected_vector(projector: Projector, param: str, values: Tensor, scale: TokenScale) -> VectorTerm:
+    """The per-example gradient ``sum_t scale_t values_t`` of vector parameter ``param``, LoGra-projected.
+
+    Projection is linear, so when tokens are not kept (``LoGra(keep_tokens=False)``) and every token of a row
+    belongs to the row's example (``scale.rows`` is given: rows not packed), the row's tokens are summed first and
+    the sum projected: a ``[B, n] x [n, k]`` product instead of ``[B*T, n] x [n, k]`` (the same sum, rounded in
+    another order). A non-finite sum (NaN/inf somewhere in the row, possibly at padding that the assembly cleans per
+    token) takes the per-token path.
+    """
+    rows = getattr(scale, "rows", None)
+    if rows is not None and not projector.spec.keep_tokens:
+        total = torch.einsum("btn,b->bn", values.to(torch.float32), rows.to(device=values.device))
+        if bool(torch.isfinite(total).all()):
+            return VectorTerm(projector.project(param, "vector", total).unsqueeze(1))
+    return VectorTerm(scaled(projector.project(param, "vector", values), scale))
 
 
 def scaled(x: Tensor, scale: TokenScale) -> Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ...grad.terms import OuterTerm, Term, VectorTerm
 from ...projection.logra import Projector
-from .base import LayerHandler, TokenScale, register_layer, scaled
+from .base import LayerHandler, TokenScale, projected_vector, register_layer, scaled
 
 
 @register_layer
@@ -80,7 +80,6 @@ class ConvHandler(LayerHandler):
                 grads = exact
             terms["weight"] = OuterTerm(rows=grads, cols=saved, n_rows=grads.shape[-1], n_cols=saved.shape[-1])
         if "bias" in self.params:
-            values = exact if projector is None else scaled(
-                projector.project(self.params["bias"], "vector", out_grads), scale)
-            terms["bias"] = VectorTerm(values)
+            terms["bias"] = (VectorTerm(exact) if projector is None
+                             else projected_vector(projector, self.params["bias"], out_grads, scale))
         return terms

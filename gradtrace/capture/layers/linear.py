@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ...grad.terms import OuterTerm, Term, VectorTerm
 from ...projection.logra import Projector
-from .base import LayerHandler, TokenScale, register_layer, scaled, tokens_last
+from .base import LayerHandler, TokenScale, projected_vector, register_layer, scaled, tokens_last
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
@@ -81,8 +81,7 @@ class LinearHandler(LayerHandler):
                 terms["weight"] = OuterTerm(rows=grads, cols=saved, n_rows=k_g, n_cols=k_a)
         if "bias" in self.params:
             if projector is not None:
-                values = scaled(projector.project(self.params["bias"], "vector", out_grads), scale)
+                terms["bias"] = projected_vector(projector, self.params["bias"], out_grads, scale)
             else:
-                values = exact_grads
-            terms["bias"] = VectorTerm(values)
+                terms["bias"] = VectorTerm(exact_grads)
         return terms

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ...grad.terms import Term, VectorTerm
 from ...projection.logra import Projector
-from .base import LayerHandler, TokenScale, detached_copy, register_layer, scaled
+from .base import LayerHandler, TokenScale, detached_copy, projected_vector, register_layer, scaled
 
 _CHANNEL_NORMS = (nn.modules.batchnorm._NormBase,)  # BatchNorm*, SyncBatchNorm, InstanceNorm*: channel dim 1
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "rms_norm_eps")
@@ -158,12 +158,9 @@ class NormHandler(LayerHandler):
         if "weight" in self.params:
             xhat = self._xhat(saved).reshape(batch, -1, self.width)
             values = out_grads.to(torch.float32) * xhat
-            if projector is not None:
-                values = projector.project(self.params["weight"], "vector", values)
-            terms["weight"] = VectorTerm(scaled(values, scale))
+            terms["weight"] = (projected_vector(projector, self.params["weight"], values, scale)
+                               if projector is not None else VectorTerm(scaled(values, scale)))
         if "bias" in self.params:
-            values = out_grads
-            if projector is not None:
-                values = projector.project(self.params["bias"], "vector", values)
-            terms["bias"] = VectorTerm(scaled(values, scale))
+            terms["bias"] = (projected_vector(projector, self.params["bias"], out_grads, scale)
+                             if projector is not None else VectorTerm(scaled(out_grads, scale)))
         return terms
