@@ -206,3 +206,28 @@ def test_trajectory_writer_refuses_a_setting_given_twice_or_one_it_fixes(tmp_pat
         TrajectoryWriter(tmp_path / "t", optimizer, store_options=StoreOptions(shard_bytes=1 << 20))
     with pytest.raises(ValueError, match="resume/overwrite apply to a store"):
         TrajectoryWriter(None, optimizer, store_options=StoreOptions(resume=True))
+
+
+def test_scores_record_what_produced_them_and_keep_it_through_save_and_load(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    spec = gradtrace.store.GradientSpec(params=[("w", 5)], projection=None,
+                                        convention={"reduction": "sum", "example_loss": "sum"})
+    train = [gradtrace.GradientSet(torch.randn(6, 5, generator=gen), [f"t{i}" for i in range(6)], spec)
+             for _ in range(2)]
+    queries = [gradtrace.GradientSet(torch.randn(2, 5, generator=gen), ["q0", "q1"], spec) for _ in range(2)]
+    scores = gradtrace.Attributor("tracin", train, weights=[0.5, 0.25], block_rows=4).score(queries, topk=3,
+                                                                                              matrix=True)
+    want = 0.5 * queries[0].vectors @ train[0].vectors.t() + 0.25 * queries[1].vectors @ train[1].vectors.t()
+    # two weighted 5-term float32 dot products per score: a few float32 eps (1.2e-7) of their size, 1e-5 bounds it
+    torch.testing.assert_close(scores.matrix, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    recorded = {"method": "tracin", "method_options": scores.meta["options"], "checkpoint_weights": [0.5, 0.25],
+                "topk": 3, "matrix": True, "block_rows": 4, "device": "cpu"}
+    assert scores.meta["gradtrace"]["options"] == {"score": recorded}
+    assert scores.meta["options"]["weights"] == [0.5, 0.25]  # the fields older readers use are unchanged
+    assert scores.meta["method"] == "tracin" and scores.meta["checkpoints"] == 2 and scores.meta["spec"]["dim"] == 5
+    scores.save(tmp_path / "scores")
+    assert gradtrace.Scores.load(tmp_path / "scores").meta["gradtrace"]["options"] == {"score": recorded}
+    streamed = gradtrace.Attributor("grad_dot", train[0]).score(queries[0], topk=2, matrix=False)
+    assert streamed.meta["gradtrace"]["options"]["score"] | {"method_options": None} == {
+        "method": "grad_dot", "method_options": None, "checkpoint_weights": [1.0], "topk": 2, "matrix": False,
+        "block_rows": gradtrace.Attributor("grad_dot", train[0]).block_rows, "device": "cpu"}
