@@ -44,7 +44,8 @@ from .layout import (
     shard_name,
 )
 from .ledger import IdLedger
-from .reader import check_manifest, scan_shards
+from .manifest import check_manifest
+from .reader import scan_shards
 from .shards import ShardSeries, rows_per_shard, utc_now
 from .spec import GradientSpec, SpecMismatch
 

@@ -162,9 +162,9 @@ def test_lock_of_a_live_process_is_respected(store_path):
 
 
 def test_reader_writer_and_delete_share_one_manifest_check(tmp_path, store_path):
-    """store.reader.check_manifest is the one format/schema/checksum rule: opening, writing to and deleting a
+    """store.manifest.check_manifest is the one format/schema/checksum rule: opening, writing to and deleting a
     store refuse the same manifests with the same words, each naming what to do."""
-    from gradtrace.store.reader import check_manifest
+    from gradtrace.store.manifest import check_manifest
     from gradtrace.store.writer import delete_store
 
     foreign = tmp_path / "foreign"
