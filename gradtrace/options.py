@@ -1,8 +1,9 @@
 """Typed option objects of the Python API, one per concern, shared by every entry point.
 
 * :class:`CaptureOptions` -- what is captured and how the loop's loss is read (``capture``, ``collect``,
-  ``fit_curvature``, ``GradtraceCallback``);
-* :class:`StoreOptions` -- how a gradient store is written (``collect``, ``GradtraceCallback``);
+  ``fit_curvature``, ``GradtraceCallback``, ``less_features``/``less_query_features``);
+* :class:`StoreOptions` -- how a gradient store is written (``collect``, ``GradtraceCallback``, the LESS
+  features, ``TrajectoryWriter``);
 * :class:`FitOptions` -- which curvature is fitted and how (``fit_curvature``).
 
 Each entry point takes them as ``options=`` / ``store_options=`` / ``fit_options=`` *and* keeps its keyword
@@ -188,13 +189,15 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def takes_options(**groups: type) -> Callable[[F], F]:
+def takes_options(*, own: Sequence[str] = (), **groups: type) -> Callable[[F], F]:
     """Decorate an entry point taking option objects (``options=CaptureOptions``, ...) beside keyword arguments.
 
     For each group parameter: given an object, its fields replace the keyword arguments of the same names (one
     given as a keyword too is an error; a field the entry point has no keyword for must be at its default);
     without one, the keyword arguments are collected into one. Either way the entry point receives both the
-    keyword values and the resolved object in the group parameter.
+    keyword values and the resolved object in the group parameter. ``own`` names keyword arguments that share a
+    field's name but mean something else (LESS's ``projection`` is its sketch, not a LoGra spec): the entry point
+    fixes those fields, as it fixes the fields it has no keyword for.
     """
 
     def decorate(fn: F) -> F:
@@ -205,11 +208,11 @@ def takes_options(**groups: type) -> Callable[[F], F]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             for param, cls in groups.items():
-                options = _resolve(cls, bound.arguments.get(param), bound.arguments, signature, what, param)
+                taken = [f for f in fields(cls) if f.name in signature.parameters and f.name not in own]
+                options = _resolve(cls, bound.arguments.get(param), bound.arguments, signature, taken, what, param)
                 bound.arguments[param] = options
-                for f in fields(cls):
-                    if f.name in signature.parameters:
-                        bound.arguments[f.name] = getattr(options, f.name)
+                for f in taken:
+                    bound.arguments[f.name] = getattr(options, f.name)
             return fn(*bound.args, **bound.kwargs)
 
         return wrapper  # type: ignore[return-value]
@@ -217,11 +220,10 @@ def takes_options(**groups: type) -> Callable[[F], F]:
     return decorate
 
 
-def _resolve(cls: type, given: Any, arguments: dict[str, Any], signature: inspect.Signature, what: str,
-             param: str) -> Any:
+def _resolve(cls: type, given: Any, arguments: dict[str, Any], signature: inspect.Signature,
+             taken: list[dataclasses.Field], what: str, param: str) -> Any:
     """The option object of group ``param``: ``given`` (checked against the explicit keyword ``arguments``) or one
-    built from the keyword arguments and the signature's defaults."""
-    taken = [f for f in fields(cls) if f.name in signature.parameters]
+    built from the keyword arguments and the signature's defaults of the fields the entry point ``taken``."""
     if given is None:
         values = {f.name: arguments.get(f.name, signature.parameters[f.name].default) for f in taken}
         return cls(**values)
@@ -247,9 +249,10 @@ RECORD_KEY = "gradtrace"
 
 def with_record(config: dict[str, Any] | None, **objects: Any) -> dict[str, Any]:
     """``config`` (not modified) with the resolved option ``objects`` recorded as
-    ``config["gradtrace"]["options"][name]`` (:func:`record`); the user's keys are left as they are."""
+    ``config["gradtrace"]["options"][name]`` (:func:`record`; a None object is left out); the user's keys are left
+    as they are."""
     out = dict(config or {})
     block = dict(out.get(RECORD_KEY) or {})
-    block["options"] = {name: record(obj) for name, obj in objects.items()}
+    block["options"] = {name: record(obj) for name, obj in objects.items() if obj is not None}
     out[RECORD_KEY] = block
     return out

@@ -214,6 +214,30 @@ def test_reexports_are_lazy_getattr_only():
             f"{module} imports {target} outside its module __getattr__"
 
 
+def _private_imports() -> list[tuple[str, str, str]]:
+    """``(module, source module, name)`` for each ``_private`` name a gradtrace module imports from gradtrace."""
+    found = []
+    for module, path in MODULES.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            source = ".".join(base + ([node.module] if node.module else []))
+            found += [(module, source, alias.name) for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return found
+
+
+def test_no_private_name_is_imported_across_packages():
+    unit = lambda name: name.split(".")[1] if "." in name else ""
+    private = _private_imports()
+    assert ("gradtrace.score.ensemble", "gradtrace.score.engine", "_check_block") in private  # within score: fine
+    across = [f"{module} imports {name} from {source}" for module, source, name in private
+              if unit(module) != unit(source)]
+    assert not across, "private names imported across packages (make them public):\n" + "\n".join(across)
+
+
 def test_no_module_over_500_lines():
     long = {name: n for name, path in MODULES.items()
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}

@@ -16,7 +16,7 @@ from .dataset import read_dataset
 from .errors import CliError
 from .groups import DATA_HELP, DataOptions, ModelOptions, ProjectionOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
-from .options import Group, cli, resolved
+from .options import Group, cli, progress_flag, resolved
 from .report import Phases, console, human_bytes
 
 __all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "projection_label", "run"]
@@ -43,8 +43,7 @@ class CollectOptions:
     data_options: DataOptions
     projection_options: ProjectionOptions
     model_options: ModelOptions
-    progress: bool = field(default=True, metadata=cli("Show a progress bar and the time profile.",
-                                                      "--progress/--no-progress"))
+    progress: bool = progress_flag("Show a progress bar and the time profile.")
     dry_run: bool = field(default=False, metadata=cli(
         "Print the plan (examples, tokens, dims and bytes per example, store size against free disk, time) and "
         "stop: nothing is written."))

@@ -19,7 +19,7 @@ from .dataset import read_dataset
 from .errors import CliError
 from .groups import DataOptions, ModelOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
-from .options import Group, cli, resolved
+from .options import Group, cli, progress_flag, resolved
 from .report import Phases, console
 
 __all__ = ["OPTIONS", "FitOptions", "run"]
@@ -65,8 +65,7 @@ class FitOptions:
     curvature_options: CurvatureOptions
     data_options: DataOptions
     model_options: ModelOptions
-    progress: bool = field(default=True, metadata=cli("Show progress bars and the time profile.",
-                                                      "--progress/--no-progress"))
+    progress: bool = progress_flag()
 
 
 OPTIONS = FitOptions

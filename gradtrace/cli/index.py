@@ -14,7 +14,7 @@ from typing import Literal
 
 from .config import write_resolved
 from .errors import CliError
-from .options import Group, cli, resolved
+from .options import Group, cli, progress_flag, resolved
 from .report import Phases, console, human_bytes
 
 __all__ = ["OPTIONS", "IndexOptions", "run"]
@@ -54,7 +54,7 @@ class IndexOptions:
     out: Path = field(metadata=cli("Directory to save the index in.", "--out", "-o", metavar="INDEX"))
     build_options: BuildOptions
     overwrite: bool = field(default=False, metadata=cli("Replace an index already saved in --out."))
-    progress: bool = field(default=True, metadata=cli("Show a progress bar.", "--progress/--no-progress"))
+    progress: bool = progress_flag("Show a progress bar.")
 
 
 OPTIONS = IndexOptions

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, fields, is_dataclass
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -25,7 +25,7 @@ import typer
 from .config import CONFIG_HELP, load_config
 from .errors import CliError, fail, reported_errors
 
-__all__ = ["COMMANDS", "Group", "cli", "config_keys", "flat_fields", "make_command", "resolved"]
+__all__ = ["COMMANDS", "Group", "cli", "config_keys", "flat_fields", "make_command", "progress_flag", "resolved"]
 
 T = TypeVar("T")
 
@@ -42,6 +42,11 @@ def cli(help: str, *flags: str, argument: bool = False, **typer_kwargs: Any) -> 
     """
     kind = "argument" if argument else "option"
     return {"cli": {"kind": kind, "decls": flags, "help": help, "kwargs": typer_kwargs}}
+
+
+def progress_flag(help: str = "Show progress bars and the time profile.") -> Any:
+    """The ``progress: bool`` field of a command's options: ``--progress/--no-progress``, on by default."""
+    return field(default=True, metadata=cli(help, "--progress/--no-progress"))
 
 
 class Group:

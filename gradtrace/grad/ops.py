@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -118,21 +118,29 @@ def _term_flat(term: Term) -> Tensor:
     return term.materialize().reshape(term.num_examples, -1)
 
 
+def _sum_term_pairs(terms_a: list[Term], terms_b: list[Term], ghost: Callable[[OuterTerm, OuterTerm], Tensor],
+                    flat: Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """A bilinear form of two parameter gradients, summed over every pair of their terms: ``ghost(ta, tb)`` when
+    both are outer terms (never materialized), else ``flat`` of the two flattened terms (``[E, n]`` each)."""
+    total = None
+    for ta in terms_a:
+        for tb in terms_b:
+            if isinstance(ta, OuterTerm) and isinstance(tb, OuterTerm):
+                part = ghost(ta, tb)
+            else:
+                part = flat(_term_flat(ta), _term_flat(tb))
+            total = part if total is None else total + part
+    return total
+
+
 def param_inner(pa: ParamGradient, pb: ParamGradient, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,
                 cost_model: CostModel | None = None) -> Tensor:
     """``[E1, E2]`` inner products of one parameter's per-example gradients."""
     chosen = param_route(pa, pb, route, max_bytes, cost_model)
     if chosen == "materialize":
         return _materialized_inner(pa, pb, max_bytes)
-    total = None
-    for ta in pa.terms:
-        for tb in pb.terms:
-            if isinstance(ta, OuterTerm) and isinstance(tb, OuterTerm):
-                part = ghost_inner(ta, tb, max_bytes=max_bytes)
-            else:
-                part = _term_flat(ta) @ _term_flat(tb).t()
-            total = part if total is None else total + part
-    return total
+    return _sum_term_pairs(pa.terms, pb.terms, lambda ta, tb: ghost_inner(ta, tb, max_bytes=max_bytes),
+                           lambda flat_a, flat_b: flat_a @ flat_b.t())
 
 
 def inner(a: GradientBatch, b: GradientBatch, *, per_param: bool = False, route: str = "auto",
@@ -170,15 +178,8 @@ def param_sq_norms(pg: ParamGradient, route: str = "auto", max_bytes: int = DEFA
         return sum(pg.flat_rows(r0, min(pg.num_rows, r0 + step)).pow(2).sum(1) for r0 in range(0, pg.num_rows, step))
     if route != "ghost":
         raise ValueError(f"route must be 'auto', 'ghost' or 'materialize', got {route!r}")
-    total = None
-    for ta in pg.terms:
-        for tb in pg.terms:
-            if isinstance(ta, OuterTerm) and isinstance(tb, OuterTerm):
-                part = ghost_diag(ta, tb, max_bytes=max_bytes)
-            else:
-                part = (_term_flat(ta) * _term_flat(tb)).sum(1)
-            total = part if total is None else total + part
-    return total
+    return _sum_term_pairs(pg.terms, pg.terms, lambda ta, tb: ghost_diag(ta, tb, max_bytes=max_bytes),
+                           lambda flat_a, flat_b: (flat_a * flat_b).sum(1))
 
 
 def sq_norms(a: GradientBatch, *, per_param: bool = False, route: str = "auto", max_bytes: int = DEFAULT_MAX_BYTES,

@@ -38,8 +38,16 @@ def _dense(factor: Tensor, width: int, dtype: torch.dtype) -> Tensor:
     return hot * (factor >= 0).unsqueeze(-1).to(dtype)
 
 
+class _PerExample:
+    """What every term shares: each tensor field has the example axis first."""
+
+    def map_examples(self, fn: Callable[[Tensor], Tensor]) -> Term:
+        """The term with ``fn`` applied to each of its tensor fields (an index, a slice, a move of examples)."""
+        return map_tensors(self, fn)
+
+
 @dataclass
-class OuterTerm:
+class OuterTerm(_PerExample):
     """Per-example gradient ``G_e = sum_t rows[e, t] (x) cols[e, t]`` of a matrix parameter.
 
     rows: ``[E, T, n_rows]`` float, or ``[E, T]`` integer ids of one-hot rows (``-1`` = none).
@@ -92,19 +100,22 @@ class OuterTerm:
         cols = _dense(self.cols, self.n_cols, dtype)
         return rows.unsqueeze(-1) * cols.unsqueeze(-2)
 
-    def map_examples(self, fn) -> OuterTerm:
-        return replace(self, rows=fn(self.rows), cols=fn(self.cols))
 
 
 @dataclass
-class VectorTerm:
-    """Per-example gradient ``g_e = sum_t values[e, t]`` of a vector parameter. values: ``[E, T, n]``."""
+class _SummedValues(_PerExample):
+    """A term held as one tensor ``values`` with the example axis first."""
 
     values: Tensor
 
     @property
     def num_examples(self) -> int:
         return self.values.shape[0]
+
+
+@dataclass
+class VectorTerm(_SummedValues):
+    """Per-example gradient ``g_e = sum_t values[e, t]`` of a vector parameter. values: ``[E, T, n]``."""
 
     @property
     def num_tokens(self) -> int:
@@ -125,19 +136,10 @@ class VectorTerm:
     def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.values.to(dtype)
 
-    def map_examples(self, fn) -> VectorTerm:
-        return replace(self, values=fn(self.values))
-
 
 @dataclass
-class DenseTerm:
+class DenseTerm(_SummedValues):
     """An already summed per-example gradient. values: ``[E, *shape]``."""
-
-    values: Tensor
-
-    @property
-    def num_examples(self) -> int:
-        return self.values.shape[0]
 
     @property
     def num_tokens(self) -> int:
@@ -152,10 +154,6 @@ class DenseTerm:
 
     def token_materialize(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return self.values.to(dtype).unsqueeze(1)
-
-    def map_examples(self, fn) -> DenseTerm:
-        return replace(self, values=fn(self.values))
-
 
 Term = OuterTerm | VectorTerm | DenseTerm
 

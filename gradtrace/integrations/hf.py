@@ -200,7 +200,19 @@ class GradtraceCallback(TrainerCallback):
 
 
 def _trainer_in_stack(callback: GradtraceCallback, depth: int = 12) -> Any:
-    """The Trainer whose constructor is calling ``on_init_end`` (it holds ``callback``), or None."""
+    """The Trainer whose constructor is calling ``on_init_end`` (it holds ``callback``), or None.
+
+    The fallback that keeps ``Trainer(..., callbacks=[callback])`` working; :meth:`GradtraceCallback.attach` is
+    the explicit path. No event hands a callback its Trainer (transformers 5.x, ``trainer_callback.py``
+    ``CallbackHandler.call_event``: ``model``, ``processing_class``, ``optimizer``, ``lr_scheduler``,
+    ``train_dataloader``, ``eval_dataloader`` only), and the session needs the Trainer itself: the id column must
+    join the dataset, collator and signature columns before ``get_train_dataloader`` drops unused columns
+    (``trainer.py`` ``_inner_training_loop``: the loader is built before ``on_train_begin``), every micro-batch's
+    inputs and ``num_items_in_batch`` reach only ``Trainer.compute_loss`` (``training_step``), and the loss
+    normaliser reads ``current_gradient_accumulation_steps``, ``model_accepts_loss_kwargs``,
+    ``compute_loss_func`` and the accelerator (:mod:`.trainer_loss`). ``on_init_end`` is called at the end of
+    ``Trainer.__init__``, whose frame (``self``) is a few frames up.
+    """
     from transformers import Trainer
 
     frame = sys._getframe(1)

@@ -39,6 +39,7 @@ from ..common.models import strip_wrappers, unwrap
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..losses import LossFn, causal_lm_loss, default_loss
+from ..options import CaptureOptions, StoreOptions, takes_options, with_record
 from ..projection.sketch import Sketch
 from ..sink.rows import MemoryRows, RowSink, RowTransform, ShardRows
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
@@ -232,35 +233,39 @@ def _check_store_side(path: Path, spec: GradientSpec, options: dict[str, Any]) -
 
 
 def _run(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, projection: Sketch, states: Any,
-         features: str, *, layers: Sequence[Any] | None, exclude: Sequence[Any] | None, example_loss: str,
-         store: str | Path | None, dtype: str, overwrite: bool, resume: bool, shard_rows: int,
+         features: str, *, options: CaptureOptions, store_options: StoreOptions, store: str | Path | None,
          ids: Sequence[Any] | None, id_key: str, device: torch.device | str | None, progress: bool
          ) -> GradientSet | GradientStore:
+    """Capture ``data``'s exact gradients as the resolved ``options`` say and turn them into LESS features
+    (Adam directions when ``states`` resolves an optimizer state), kept in memory or written to ``store`` as
+    ``store_options`` say (the store records both objects)."""
     if not isinstance(projection, Sketch):
         raise TypeError("projection must be a gradtrace.projection.sketch.DenseProjection or SparseProjection (LESS "
                         f"projects the whole feature vector), got {type(projection).__name__}")
-    if example_loss not in ("mean", "sum"):
-        raise ValueError(f"example_loss must be 'mean' or 'sum', got {example_loss!r}")
-    if store is None and (resume or overwrite):
+    if store is None and (store_options.resume or store_options.overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
     path = Path(store) if store is not None else None
     skip: set[str] = set()
-    if path is not None and resume and (path / "manifest.json").exists():
+    if path is not None and store_options.resume and (path / "manifest.json").exists():
         skip = set(GradientStore.open(path, verify=False, allow_incomplete=True).ids)
-    options = {"shard_rows": shard_rows, "resume": resume, "overwrite": overwrite}
-    cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum", projection=None,
-                  callbacks=[], keep_batches=False)
+    writer_options = {"shard_rows": store_options.shard_rows, "resume": store_options.resume,
+                      "overwrite": store_options.overwrite,
+                      "config": with_record(None, capture=options, store=store_options)}
+    # each gradient is that of the example's own loss (the loss function reduces its tokens: example_loss)
+    cap = capture(model, layers=options.layers, exclude=options.exclude, reduction="sum", example_loss="sum",
+                  projection=None, callbacks=[], keep_batches=False)
+    example_loss = options.example_loss
     convention: dict[str, Any] = {"reduction": "sum", "example_loss": example_loss, "features": features}
     if states is not None:  # resolve the optimizer state before computing anything
         states = states(cap.selection.param_order)
         convention["optimizer"] = _optimizer_record(states)
     def open_store(spec: GradientSpec) -> ShardWriter:
         assert path is not None
-        _check_store_side(path, spec, options)
-        return ShardWriter(path, spec, **options)
+        _check_store_side(path, spec, writer_options)
+        return ShardWriter(path, spec, **writer_options)
 
     rows: ShardRows | MemoryRows = ShardRows(open_store) if path is not None else MemoryRows()
-    sink = RowSink(rows, transform=_LessRows(projection, convention, states), dtype=dtype,
+    sink = RowSink(rows, transform=_LessRows(projection, convention, states), dtype=store_options.dtype,
                    fingerprint=lambda: model_fingerprint(model), what="the first one")
     cap.callbacks.append(sink)
     run_capture(model, data, loss_fn or _default_loss(example_loss), cap, ids=ids, id_key=id_key, skip=skip,
@@ -279,13 +284,15 @@ def _run(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, projecti
     return out
 
 
+@takes_options(options=CaptureOptions, store_options=StoreOptions, own=("projection",))
 def less_features(model: nn.Module, optimizer_state: torch.optim.Optimizer | dict[str, Any], data: Iterable[Any],
                   loss_fn: LossFn | None = None, *, projection: Sketch, layers: Sequence[Any] | None = None,
                   exclude: Sequence[Any] | None = None, param_names: Sequence[str] | None = None,
                   example_loss: str = "mean", store: str | Path | None = None, dtype: str = "float32",
-                  overwrite: bool = False, resume: bool = False, shard_rows: int = 4096,
+                  overwrite: bool = False, resume: bool = False, shard_rows: int | None = 4096,
                   ids: Sequence[Any] | None = None, id_key: str = "id", device: torch.device | str | None = None,
-                  progress: bool = False) -> GradientSet | GradientStore:
+                  progress: bool = False, options: CaptureOptions | None = None,
+                  store_options: StoreOptions | None = None) -> GradientSet | GradientStore:
     """LESS training features at one checkpoint: projected Adam updates of each example's exact gradient.
 
     Args:
@@ -306,29 +313,35 @@ def less_features(model: nn.Module, optimizer_state: torch.optim.Optimizer | dic
         store, dtype, overwrite, resume, shard_rows: write to a gradient store instead of returning a
             :class:`~gradtrace.GradientSet`.
         ids, id_key, device, progress: as for :func:`gradtrace.collect`.
+        options, store_options: ``layers``/``exclude``/``example_loss`` as a
+            :class:`gradtrace.options.CaptureOptions` (its other fields stay at their defaults: LESS captures exact
+            gradients of each example's own loss) and ``dtype``/``overwrite``/``resume``/``shard_rows`` as a
+            :class:`gradtrace.options.StoreOptions`, instead of the keywords (an object's fields are the settings:
+            ``CaptureOptions()`` means ``example_loss="sum"``). A store records the resolved objects
+            (``config["gradtrace"]["options"]`` of its manifest), as :func:`gradtrace.collect` does.
     """
     def resolve(names: list[str]) -> dict[str, AdamState]:
         return adam_states(model, optimizer_state, names, param_names=param_names)
 
-    return _run(model, data, loss_fn, projection, resolve, "adam", layers=layers, exclude=exclude,
-                example_loss=example_loss, store=store, dtype=dtype, overwrite=overwrite, resume=resume,
-                shard_rows=shard_rows, ids=ids, id_key=id_key, device=device, progress=progress)
+    return _run(model, data, loss_fn, projection, resolve, "adam", options=options, store_options=store_options,
+                store=store, ids=ids, id_key=id_key, device=device, progress=progress)
 
 
+@takes_options(options=CaptureOptions, store_options=StoreOptions, own=("projection",))
 def less_query_features(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None, *, projection: Sketch,
                         layers: Sequence[Any] | None = None, exclude: Sequence[Any] | None = None,
                         example_loss: str = "mean", store: str | Path | None = None, dtype: str = "float32",
-                        overwrite: bool = False, resume: bool = False, shard_rows: int = 4096,
+                        overwrite: bool = False, resume: bool = False, shard_rows: int | None = 4096,
                         ids: Sequence[Any] | None = None, id_key: str = "id",
-                        device: torch.device | str | None = None, progress: bool = False
+                        device: torch.device | str | None = None, progress: bool = False,
+                        options: CaptureOptions | None = None, store_options: StoreOptions | None = None
                         ) -> GradientSet | GradientStore:
     """LESS query (validation) features: plain per-example gradients, projected with the same sketch.
 
     Same arguments as :func:`less_features` without the optimizer state; capture the same layers.
     """
-    return _run(model, data, loss_fn, projection, None, "sgd", layers=layers, exclude=exclude,
-                example_loss=example_loss, store=store, dtype=dtype, overwrite=overwrite, resume=resume,
-                shard_rows=shard_rows, ids=ids, id_key=id_key, device=device, progress=progress)
+    return _run(model, data, loss_fn, projection, None, "sgd", options=options, store_options=store_options,
+                store=store, ids=ids, id_key=id_key, device=device, progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------------ method

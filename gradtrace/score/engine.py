@@ -20,7 +20,7 @@ from torch import Tensor
 from ..gradients import as_source
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
-from .scores import Scores
+from .scores import Scores, scoring_meta
 
 __all__ = ["Attributor", "ScoringError"]
 
@@ -178,9 +178,8 @@ class Attributor:
                 bottom = _merge(bottom, scores, offset, topk, largest=False)
         self.profile["stream_s"] = time.perf_counter() - stream
         self.profile["rows_per_s"] = num_train / max(self.profile["stream_s"], 1e-9)
-        meta = {"method": self.method.name, "options": self.method.options(), "spec": {
-            "projection": self.spec.projection, "convention": self.spec.convention, "dim": self.spec.dim,
-            "model": self.spec.model}, "checkpoints": len(self.train), "profile": dict(self.profile)}
+        meta = scoring_meta(self.method, self.spec, weights=weights, topk=topk, matrix=keep_matrix,
+                            block_rows=self.block_rows, device=self.device, profile=self.profile)
         cpu = lambda kept: None if kept is None else (kept[0].cpu(), kept[1].cpu())
         return Scores(train_ids=self.train_ids, query_ids=list(query_sets[0].ids), method=self.method.name,
                       matrix=full.cpu() if full is not None else None, top=cpu(top), bottom=cpu(bottom), meta=meta)

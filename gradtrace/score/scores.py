@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,14 +18,34 @@ import torch
 from torch import Tensor
 
 from ..methods.base import SIGN_CONVENTION
+from ..options import RECORD_KEY
 from ..store.artifact import ArtifactError, read_artifact, write_artifact
 
-__all__ = ["Scores", "ScoresError", "TopK"]
+__all__ = ["Scores", "ScoresError", "TopK", "scoring_meta"]
 
 FORMAT = "gradtrace-scores"
 VERSION = 2
 """2: manifest and tensors checksummed (version 1, without checksums, still loads with a warning)."""
 _TENSORS = ("matrix", "top_values", "top_indices", "bottom_values", "bottom_indices")
+
+
+def scoring_meta(method: Any, spec: Any, *, weights: Sequence[float], topk: int | None, matrix: bool,
+                 block_rows: int, device: Any, profile: dict[str, Any]) -> dict[str, Any]:
+    """The ``meta`` of freshly computed :class:`Scores`: what produced them.
+
+    ``method`` (a :class:`gradtrace.methods.Method`) and the ``spec`` of the training gradients, as before
+    (``meta["method"]``, ``meta["options"]``, ``meta["spec"]``, ``meta["checkpoints"]``, ``meta["profile"]``),
+    and the resolved scoring settings in ``meta["gradtrace"]["options"]["score"]``, where stores and curvatures
+    record theirs: the method and its options, the checkpoints' ``weights``, ``topk``, whether the full
+    ``matrix`` was kept, ``block_rows`` and the ``device``.
+    """
+    options = method.options()
+    resolved = {"method": method.name, "method_options": options, "checkpoint_weights": [float(w) for w in weights],
+                "topk": topk, "matrix": bool(matrix), "block_rows": int(block_rows), "device": str(device)}
+    return {"method": method.name, "options": options,
+            "spec": {"projection": spec.projection, "convention": spec.convention, "dim": spec.dim,
+                     "model": spec.model},
+            "checkpoints": len(weights), "profile": dict(profile), RECORD_KEY: {"options": {"score": resolved}}}
 
 
 

@@ -35,7 +35,7 @@ from ..distributed.agree import agreed, check_same, gather_objects
 from ..distributed.env import comm_device
 from ..gradients import GradientSet
 from .engine import Attributor
-from .scores import Scores
+from .scores import Scores, scoring_meta
 
 __all__ = ["SPLITS", "RowSubset", "rank_rows", "score_sharded"]
 
@@ -236,11 +236,9 @@ def score_sharded(attributor: Attributor, queries: Any, *, topk: int | None = 10
     attributor.profile.update(score_s=slowest, merge_s=time.perf_counter() - merge,
                               rows_per_s=num_rows / max(slowest, 1e-9))
     spec = attributor.spec
-    meta = {"method": method.name, "options": method.options(),
-            "spec": {"projection": spec.projection, "convention": spec.convention, "dim": spec.dim,
-                     "model": spec.model},
-            "checkpoints": len(train), "profile": dict(attributor.profile),
-            "distributed": {"world_size": world, "split": split, "rows": [p["rows"] for p in profiles],
-                            "profile": profiles}}
+    meta = scoring_meta(method, spec, weights=method.checkpoint_weights(len(train)), topk=topk, matrix=keep_matrix,
+                        block_rows=attributor.block_rows, device=attributor.device, profile=attributor.profile)
+    meta["distributed"] = {"world_size": world, "split": split, "rows": [p["rows"] for p in profiles],
+                           "profile": profiles}
     return Scores(train_ids=attributor.train_ids, query_ids=list(query_sets[0].ids), method=method.name,
                   matrix=full, top=top, bottom=bottom, meta=meta)

@@ -16,20 +16,18 @@ from torch import Tensor
 from .artifact import checksum, file_checksum
 from .layout import (
     DTYPES,
-    FORMAT,
     MANIFEST,
-    READABLE_VERSIONS,
     SHARD_FILE,
     StoreError,
     lock_is_stale,
-    manifest_checksum,
     rank_file,
     read_lock,
     shard_name,
 )
+from .manifest import check_manifest, read_manifest
 from .spec import GradientSpec
 
-__all__ = ["GradientStore", "Shard", "read_manifest", "scan_shards"]
+__all__ = ["GradientStore", "Shard", "check_manifest", "read_manifest", "scan_shards"]
 
 
 @dataclass
@@ -48,32 +46,6 @@ class Shard:
     record: dict[str, Any]
     entry: dict[str, Any] | None = None
     listed: bool = True
-
-
-def read_manifest(root: Path) -> dict[str, Any]:
-    """The parsed manifest of the store at ``root``: format, a readable schema version, and (schema 2) its
-    checksum are checked."""
-    if not root.is_dir():
-        raise StoreError(f"{root} is not a gradient store (no such directory)")
-    manifest_path = root / MANIFEST
-    if not manifest_path.exists():
-        raise StoreError(f"{root} is not a gradient store (no {MANIFEST})")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except ValueError as err:
-        raise StoreError(f"{manifest_path} is corrupted: {err}") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise StoreError(f"{root} is not a gradtrace store (format {found!r})")
-    version = manifest.get("schema_version")
-    if version not in READABLE_VERSIONS:
-        raise StoreError(f"{root} has schema version {version}, this gradtrace reads version "
-                         f"{' or '.join(map(str, READABLE_VERSIONS))}")
-    if version >= 2 and manifest.get("checksum") != manifest_checksum(manifest):
-        raise StoreError(f"{manifest_path} was edited or is corrupted (its checksum does not match its content: "
-                         "spec, projection seed, model, dtype...); its gradients would be read with the wrong "
-                         "settings. Restore the original file or collect the store again")
-    return manifest
 
 
 def _status(root: Path, rank: int) -> dict[str, Any]:

@@ -44,6 +44,7 @@ from .layout import (
     shard_name,
 )
 from .ledger import IdLedger
+from .manifest import check_manifest
 from .reader import scan_shards
 from .shards import ShardSeries, rows_per_shard, utc_now
 from .spec import GradientSpec, SpecMismatch
@@ -93,8 +94,7 @@ def delete_store(root: Path) -> None:
         old = json.loads((root / MANIFEST).read_text())
     except ValueError:
         old = {"format": FORMAT}  # a corrupted manifest: replaced, as by ShardWriter
-    if not isinstance(old, dict) or old.get("format") != FORMAT:
-        raise StoreError(f"{root} is not a gradtrace store; choose another directory")
+    check_manifest(root, old, "write", format_only=True)
     lock = acquire_lock(root, 0)
     try:
         _delete_store(root, lock)
@@ -202,26 +202,25 @@ class ShardWriter:
             raise StoreError(f"{self.root} is not empty and is not a gradient store (it holds {sorted(foreign)[:5]}); "
                              "choose a new or empty directory")
 
-    def _read_manifest(self, corrupt_ok: bool = False) -> dict[str, Any] | None:
-        """The existing manifest (None if there is none, or it is unreadable and ``corrupt_ok``)."""
+    def _read_manifest(self, replacing: bool = False) -> dict[str, Any] | None:
+        """The existing manifest, checked for writing (:func:`check_manifest`); None if there is none.
+        ``replacing`` (the store is to be overwritten): only its format is checked, and an unreadable one is None
+        where ``shards/`` shows a store."""
         path = self.root / MANIFEST
         try:
             manifest = json.loads(path.read_text())
         except FileNotFoundError:
             return None
         except ValueError as err:
-            if corrupt_ok and (self.root / "shards").is_dir():
+            if replacing and (self.root / "shards").is_dir():
                 return None
             raise StoreError(f"{path} is corrupted ({err}); pass overwrite=True to replace the store") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise StoreError(f"{self.root} is not a gradtrace store ({MANIFEST} has another format); "
-                             "choose another directory")
-        return manifest
+        return check_manifest(self.root, manifest, "write", format_only=replacing)
 
     def _remove_old(self) -> None:
         """``overwrite``: rank 0 deletes the old store (none of whose writers may be running); another rank
         deletes only its own old rows."""
-        self._read_manifest(corrupt_ok=True)  # refuses to delete a directory that is not a store
+        self._read_manifest(replacing=True)  # refuses to delete a directory that is not a store
         if self.rank != 0:
             self._delete_rank_files(self.rank)
             return
@@ -244,15 +243,6 @@ class ShardWriter:
         existing = self._read_manifest()
         if existing is None:
             raise StoreError(f"{self.root}/{MANIFEST} vanished while opening the store (another run deleting it?)")
-        if existing.get("schema_version") != SCHEMA_VERSION:
-            older = " (an older gradtrace's store: readable, but not resumable)" if existing.get(
-                "schema_version") == 1 else ""
-            raise StoreError(f"{self.root} has schema version {existing.get('schema_version')}{older}, this "
-                             f"gradtrace writes version {SCHEMA_VERSION}; write to a new directory or pass "
-                             "overwrite=True")
-        if existing.get("checksum") != manifest_checksum(existing):
-            raise StoreError(f"{self.root}/{MANIFEST} was edited or is corrupted (its checksum does not match its "
-                             "content); restore it, or pass overwrite=True to replace the store")
         self._manifest = existing
         try:
             other = GradientSpec.from_dict(existing["spec"])

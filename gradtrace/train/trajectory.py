@@ -38,6 +38,7 @@ from torch import Tensor
 from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
+from ..options import StoreOptions, takes_options, with_record
 from ..sink.rows import MemoryRows, RowBackend, RowSink, RowTransform, ShardRows
 from ..store import GradientSpec, GradientStore, ShardWriter, model_fingerprint
 
@@ -100,15 +101,21 @@ class TrajectoryWriter(CaptureCallback):
         dtype, shard_rows, queue_size, resume, overwrite, config: store options (see
             :class:`gradtrace.store.ShardWriter`).
         start_step: the index of the first optimizer step recorded (a run resumed from a checkpoint).
+        store_options: ``dtype``/``shard_rows``/``resume``/``overwrite`` as a
+            :class:`gradtrace.options.StoreOptions` instead of the keywords. A store records the resolved object and
+            the capture's resolved :class:`gradtrace.options.CaptureOptions` (``config["gradtrace"]["options"]``
+            of its manifest: ``store`` and ``capture``), as :func:`gradtrace.collect` does.
 
     The optimizer hook is installed when the capture starts and removed when it ends. Pass your own ids with
     ``cap.annotate(ids=...)``: the default content-hash ids count repeats of the same content as new examples
     (``id#1``) unless ``cap.reset_ids()`` is called at every epoch.
     """
 
+    @takes_options(store_options=StoreOptions)
     def __init__(self, path: str | Path | None, optimizer: torch.optim.Optimizer, *, dtype: str = "float32",
-                 shard_rows: int = 4096, queue_size: int = 8, resume: bool = False, overwrite: bool = False,
-                 start_step: int = 0, config: dict[str, Any] | None = None) -> None:
+                 shard_rows: int | None = 4096, queue_size: int = 8, resume: bool = False, overwrite: bool = False,
+                 start_step: int = 0, config: dict[str, Any] | None = None,
+                 store_options: StoreOptions | None = None) -> None:
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "register_step_post_hook"):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if path is None and (resume or overwrite):
@@ -116,6 +123,8 @@ class TrajectoryWriter(CaptureCallback):
         self.path = Path(path) if path is not None else None
         self.optimizer = optimizer
         self.dtype = dtype
+        self.store_options = store_options  # resolved by takes_options
+        self.capture_options: Any = None  # the capture's resolved CaptureOptions, from on_capture_start
         self.options = {"shard_rows": shard_rows, "queue_size": queue_size, "resume": resume, "overwrite": overwrite,
                         "config": {"trajectory": {"optimizer": type(optimizer).__name__, "start_step": start_step},
                                    **(config or {})}}
@@ -130,7 +139,8 @@ class TrajectoryWriter(CaptureCallback):
 
     def _open_store(self, spec: GradientSpec) -> ShardWriter:
         assert self.path is not None
-        return ShardWriter(self.path, spec, **self.options)
+        config = with_record(self.options["config"], capture=self.capture_options, store=self.store_options)
+        return ShardWriter(self.path, spec, **{**self.options, "config": config})
 
     @property
     def spec(self) -> GradientSpec | None:
@@ -146,6 +156,7 @@ class TrajectoryWriter(CaptureCallback):
     # -- capture callback ----------------------------------------------------------------------
     def on_capture_start(self, capture: Any) -> None:
         self.model = capture.model
+        self.capture_options = getattr(capture, "options", None)
         if self._handle is None:
             self._handle = self.optimizer.register_step_post_hook(self._on_step)
 

@@ -159,3 +159,32 @@ def test_lock_of_a_live_process_is_respected(store_path):
     (store_path / "rank-00000.json").write_text('{"status": "writing"}')
     with pytest.raises(StoreError, match=rf"rank 0: writing, writer pid {other} on .* still holds the lock"):
         GradientStore.open(store_path)
+
+
+def test_reader_writer_and_delete_share_one_manifest_check(tmp_path, store_path):
+    """store.manifest.check_manifest is the one format/schema/checksum rule: opening, writing to and deleting a
+    store refuse the same manifests with the same words, each naming what to do."""
+    from gradtrace.store.manifest import check_manifest
+    from gradtrace.store.writer import delete_store
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "manifest.json").write_text('{"format": "something-else"}')
+    message = r"is not a gradtrace store \(manifest.json has format 'something-else'\)"
+    for refuse in (lambda: GradientStore.open(foreign), lambda: ShardWriter(foreign, make_spec(), resume=True),
+                   lambda: ShardWriter(foreign, make_spec(), overwrite=True), lambda: delete_store(foreign)):
+        with pytest.raises(StoreError, match=message):
+            refuse()
+    assert (foreign / "manifest.json").exists()
+    manifest = _manifest(store_path)
+    assert check_manifest(store_path, manifest, "read") == manifest == check_manifest(store_path, manifest, "write")
+    edited = {**manifest, "shard_rows": 7}
+    with pytest.raises(StoreError, match=r"was edited or is corrupted .*Restore the original file"):
+        check_manifest(store_path, edited, "read")
+    with pytest.raises(StoreError, match=r"was edited or is corrupted .*pass overwrite=True"):
+        check_manifest(store_path, edited, "write")
+    assert check_manifest(store_path, edited, "write", format_only=True) is edited  # may be replaced
+    with pytest.raises(StoreError, match=r"schema version 1 \(an older gradtrace's store: readable, but not "
+                                         r"resumable\), this gradtrace writes version 2; write to a new directory"):
+        check_manifest(store_path, {**manifest, "schema_version": 1}, "write")
+    assert check_manifest(store_path, {**manifest, "schema_version": 1}, "read")["schema_version"] == 1

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Task", "fresh_model", "tensor_digest"]
+__all__ = ["Task", "fresh_model", "minibatch_epochs", "tensor_digest"]
 
 
 def tensor_digest(*tensors: Tensor) -> str:
@@ -40,6 +40,27 @@ def fresh_model(indices: Tensor, seed: int, build: Callable[[], nn.Module]) -> t
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return indices, build()
+
+
+def minibatch_epochs(model: nn.Module, indices: Tensor, seed: int, optimizer: torch.optim.Optimizer, *, epochs: int,
+                     batch_size: int, batch_loss: Callable[[Tensor], Tensor],
+                     on_epoch: Callable[[int, nn.Module], None] | None = None) -> nn.Module:
+    """The mini-batch loop of :meth:`Task.train`: ``epochs`` passes over ``indices`` (``[N]`` training rows),
+    shuffled by a generator seeded with ``seed``, one ``optimizer`` step per batch of ``batch_size`` rows on
+    ``batch_loss(rows)`` (a scalar); ``on_epoch(epoch, model)`` after each epoch (1-based). Returns ``model`` in
+    eval mode."""
+    generator = torch.Generator().manual_seed(seed)
+    model.train()
+    for epoch in range(epochs):
+        order = indices[torch.randperm(indices.numel(), generator=generator)]
+        for start in range(0, order.numel(), batch_size):
+            loss = batch_loss(order[start:start + batch_size])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        if on_epoch is not None:
+            on_epoch(epoch + 1, model)
+    return model.eval()
 
 
 class Task(abc.ABC):

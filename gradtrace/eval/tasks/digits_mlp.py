@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import fresh_model
+from .base import fresh_model, minibatch_epochs
 from .digits import DigitsTask
 
 __all__ = ["DigitsMLPConfig", "DigitsMLPTask", "DigitsReLUMLP"]
@@ -77,22 +77,12 @@ class DigitsMLPTask(DigitsTask):
         checkpoints (:meth:`Task.checkpoints`)."""
         cfg = self.settings
         indices, model = fresh_model(indices, seed, lambda: DigitsReLUMLP(cfg.width, cfg.depth))
-        generator = torch.Generator().manual_seed(seed)
         # Adam's (coupled) weight_decay adds weight_decay * theta to the gradient: the L2 penalty's gradient.
         # fused: one kernel per step (same update; 1.6x faster training of this small model on CPU)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-        model.train()
-        for epoch in range(cfg.epochs):
-            order = indices[torch.randperm(indices.numel(), generator=generator)]
-            for start in range(0, order.numel(), cfg.batch_size):
-                rows = order[start:start + cfg.batch_size]
-                loss = F.cross_entropy(model(self.x_train[rows]), self.y_train[rows])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-            if on_epoch is not None:
-                on_epoch(epoch + 1, model)
-        return model.eval()
+        return minibatch_epochs(model, indices, seed, optimizer, epochs=cfg.epochs, batch_size=cfg.batch_size,
+                                batch_loss=lambda rows: F.cross_entropy(model(self.x_train[rows]), self.y_train[rows]),
+                                on_epoch=on_epoch)
 
     @torch.no_grad()
     def train_loss(self, model: nn.Module | None = None) -> float:

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ...losses import causal_lm_loss
-from .base import Task, fresh_model, tensor_digest
+from .base import Task, fresh_model, minibatch_epochs, tensor_digest
 
 __all__ = ["TinyLMConfig", "TinyLMTask"]
 
@@ -118,23 +118,16 @@ class TinyLMTask(Task):
         checkpoints (:meth:`Task.checkpoints`)."""
         cfg = self.settings
         indices, model = fresh_model(indices, seed, lambda: self.new_model())
-        generator = torch.Generator().manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        model.train()
-        for epoch in range(cfg.epochs):
-            order = indices[torch.randperm(indices.numel(), generator=generator)]
-            for start in range(0, order.numel(), cfg.batch_size):
-                rows = order[start:start + cfg.batch_size]
-                mask = self.train_mask[rows]
-                used = int(mask.sum(1).max())
-                batch = {"input_ids": self.train_tokens[rows, :used], "attention_mask": mask[:, :used]}
-                loss = causal_lm_loss(model, batch).mean()
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-            if on_epoch is not None:
-                on_epoch(epoch + 1, model)
-        return model.eval()
+
+        def batch_loss(rows: Tensor) -> Tensor:
+            mask = self.train_mask[rows]
+            used = int(mask.sum(1).max())
+            batch = {"input_ids": self.train_tokens[rows, :used], "attention_mask": mask[:, :used]}
+            return causal_lm_loss(model, batch).mean()
+
+        return minibatch_epochs(model, indices, seed, optimizer, epochs=cfg.epochs, batch_size=cfg.batch_size,
+                                batch_loss=batch_loss, on_epoch=on_epoch)
 
     def describe(self) -> str:
         cfg = self.settings
