@@ -195,24 +195,18 @@ def _check_not_locked(out: Path) -> None:
 
 
 def _check_resume(store_opts: StoreGroup, projection: Any, model: Any) -> None:
-    """``--resume`` must use the store's settings: projection, dtype, model architecture (checked here even
-    when every example is already stored and nothing would be written)."""
+    """``--resume`` must use the store's model weights, projection, loss convention and dtype: another is refused
+    before the plan's warm-up or any gradient (checked even when every example is already stored)."""
     from ..store import GradientStore
-    from ..store.spec import model_fingerprint
+    from ..store.spec import model_fingerprint, resume_mismatch
 
     spec = GradientStore.open(store_opts.out, verify=False, allow_incomplete=True).spec
-    hint = "resume with the same settings, or pass --overwrite to replace the store"
     wanted = projection.to_dict() if projection is not None else None
-    if spec.projection != wanted:
-        raise CliError(f"{store_opts.out} was collected with projection {projection_label(spec.projection)}, this run "
-                       f"asks for {projection_label(wanted)}; {hint}")
-    if spec.dtype != store_opts.settings.dtype:
-        raise CliError(f"{store_opts.out} stores {spec.dtype}, this run asks for --dtype {store_opts.settings.dtype}; "
-                       f"{hint}")
-    arch = model_fingerprint(model)["arch"]
-    if spec.model.get("arch") and spec.model["arch"] != arch:
-        raise CliError(f"{store_opts.out} was collected with another model ({spec.model.get('class')} "
-                       f"{spec.model['arch']}, this one is {arch}: parameter names/shapes differ); {hint}")
+    why = resume_mismatch(spec, model=model_fingerprint(model), projection=wanted, example_loss="sum",
+                          dtype=store_opts.settings.dtype, describe=projection_label)
+    if why is not None:
+        raise CliError(f"cannot --resume {store_opts.out}: {why}; resume with the model and settings that started it, "
+                       "or pass --overwrite to replace the store")
 
 
 def projection_label(spec: dict | None) -> str:

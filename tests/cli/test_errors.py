@@ -86,6 +86,11 @@ def test_resume_with_other_settings_is_refused(ws, runner, store, fresh):
     line = error_line(invoke(runner, "collect", ws.other_arch, ws.train, "--out", copy, "--resume", "--rank", 4,
                              "--no-progress", code=2))
     assert "another model" in line
+    # a second checkpoint of the same model (other weights) would mix rows of two models: refused, exit 2
+    line = error_line(invoke(runner, "collect", ws.model2, ws.train, "--out", copy, "--resume", "--rank", 4,
+                             "--no-progress", code=2))
+    assert f"cannot --resume {copy}: it was collected with other model weights (fingerprint" in line
+    assert "--overwrite" in line
     assert (copy / "gradtrace-collect.yaml").read_text() == before
 
 
