@@ -100,7 +100,8 @@ def run(opts: CollectOptions) -> None:
     with phases("gradients"), _interrupt_reported(store_opts.out):
         store = gradtrace.collect(model, batches, options=capture_options, store=store_opts.out,
                                   store_options=settings, device=device, progress=opts.progress,
-                                  config={META_KEY: provenance("collect"), **values})
+                                  config={META_KEY: provenance("collect", opts.data, batches.num_examples),
+                                          **values})
     seconds = phases.seconds["gradients"]
     phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
     written = write_resolved(store_opts.out, "collect", values)

@@ -163,13 +163,20 @@ def resolve_against(value: Any, folder: Path) -> Any:
     return value
 
 
-def provenance(command: str) -> dict[str, Any]:
-    """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version."""
+def provenance(command: str, data: Path | None = None, rows: int | None = None) -> dict[str, Any]:
+    """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version; with
+    ``data``, the data file's fingerprint (size, blake2b hash, ``rows`` read: :func:`gradtrace.provenance.file_fingerprint`)
+    and the versions of the packages that shape the artifact (:func:`gradtrace.provenance.environment`)."""
+    from ..provenance import environment, file_fingerprint
     from ..version import __version__
 
-    return {"version": __version__, "command": command,
-            "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "python": sys.version.split()[0]}
+    block: dict[str, Any] = {"version": __version__, "command": command,
+                             "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                             "python": sys.version.split()[0]}
+    if data is not None:
+        block["data"] = file_fingerprint(Path(data).absolute(), rows=rows)
+        block["environment"] = environment()
+    return block
 
 
 def read_resolved(directory: Path, command: str) -> dict[str, Any] | None:

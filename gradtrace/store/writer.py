@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..provenance import environment
 from .artifact import atomic_write_json, create_exclusive, json_bytes
 from .background import BackgroundWriter
 from .layout import (
@@ -241,7 +242,8 @@ class ShardWriter:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         manifest = json.loads(json.dumps({
             "format": FORMAT, "schema_version": SCHEMA_VERSION, "created": utc_now(), "spec": self.spec.to_dict(),
-            "shard_rows": self.shard_rows, "world_size": self.world_size, "config": config}))
+            "shard_rows": self.shard_rows, "world_size": self.world_size, "environment": environment(),
+            "config": config}))
         manifest["checksum"] = manifest_checksum(manifest)
         self._manifest = manifest
         if create_exclusive(self.root / MANIFEST, json_bytes(manifest)):
