@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,6 +87,7 @@ def run(opts: CollectOptions) -> None:
         planned = gradtrace.plan(model, batches, projection=projection, dtype=settings.dtype, store=store_opts.out,
                                  device=device)
     console().print(plan_lines(planned, store_opts.out), markup=False, highlight=False, soft_wrap=True)
+    _check_shard_bytes(settings.shard_bytes, planned.dim, settings.dtype)
     if opts.dry_run:
         return
     if not planned.fits and not opts.force:
@@ -144,6 +146,16 @@ def _interrupt_reported(out: Path) -> Iterator[None]:
                        "run the same command with --resume to finish it", exit_code=128 + signum) from None
 
 
+def _check_shard_bytes(shard_bytes: int | None, dim: int, dtype: str) -> None:
+    """Refuse, before any gradient, ``--shard-bytes`` smaller than one stored row (naming the row's size)."""
+    from ..store.shards import row_bytes
+
+    one = row_bytes(dim, dtype)
+    if shard_bytes is not None and shard_bytes < one:
+        raise CliError(f"--shard-bytes {shard_bytes:,} is smaller than one row of this store ({one:,} bytes: {dim:,} "
+                       f"values in {dtype}); pass --shard-bytes {one:,} or more (default: 256 MiB)")
+
+
 def plan_lines(planned: Any, out: Path) -> str:
     """The printed plan: what will be collected and what it takes."""
     tokens = "" if planned.tokens is None else f", {planned.tokens:,} tokens"
@@ -164,6 +176,7 @@ def _check_target(store_opts: StoreGroup) -> int:
         raise CliError("--shard-rows and --shard-bytes both size the shards; pass one of them")
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
+    _check_writable(out, "--out")
     _check_not_locked(out)
     if not (out / "manifest.json").exists():
         return 0
@@ -175,6 +188,25 @@ def _check_target(store_opts: StoreGroup) -> int:
     from ..store import GradientStore
 
     return len(GradientStore.open(out, verify=False, allow_incomplete=True))
+
+
+def _check_writable(out: Path, flag: str) -> None:
+    """Refuse, before any model work, an output directory that cannot be written: a temporary file is created
+    (and removed) in it, or in its nearest existing parent when it does not exist yet; nothing is left behind."""
+    import tempfile
+
+    folder = out.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is not a directory")
+        handle, probe = tempfile.mkstemp(prefix=".tmp-gradtrace-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise CliError(f"cannot write {flag} {out}: {folder} is not writable ({err.strerror or err}); choose another "
+                       f"{flag} or fix the directory's permissions") from None
 
 
 def _check_not_locked(out: Path) -> None:
