@@ -28,8 +28,8 @@ from .sink import StoreWriter
 from .store import GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 from .store.spec import GradientSpec, resume_mismatch
 
-__all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "check_resumable", "collect", "nonfinite_parameters",
-           "terminate_as_interrupt"]
+__all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "check_resumable", "collect",
+           "nonfinite_parameters", "terminate_as_interrupt"]
 
 class NonFiniteError(ValueError):
     """NaN/inf where gradients need finite numbers: in the model's parameters, or in every example's gradient."""

@@ -165,8 +165,9 @@ def resolve_against(value: Any, folder: Path) -> Any:
 
 def provenance(command: str, data: Path | None = None, rows: int | None = None) -> dict[str, Any]:
     """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version; with
-    ``data``, the data file's fingerprint (size, blake2b hash, ``rows`` read: :func:`gradtrace.provenance.file_fingerprint`)
-    and the versions of the packages that shape the artifact (:func:`gradtrace.provenance.environment`)."""
+    ``data``, the data file's fingerprint (size, blake2b hash, ``rows`` read:
+    :func:`gradtrace.provenance.file_fingerprint`) and the versions of the packages that shape the artifact
+    (:func:`gradtrace.provenance.environment`)."""
     from ..provenance import environment, file_fingerprint
     from ..version import __version__
 

@@ -111,8 +111,9 @@ def _provenance_rows(info: dict[str, Any], config: dict[str, Any]) -> list[tuple
                                            if version is not None)))
     data = (config.get(META_KEY) or {}).get("data") if isinstance(config.get(META_KEY), dict) else None
     if data:
-        rows.append(("data", f"{data.get('path')} ({data.get('rows', '?'):,} rows, {human_bytes(data.get('bytes', 0))}, "
-                             f"blake2b {data.get('blake2b')})"))
+        size = human_bytes(data.get("bytes", 0))
+        counted = f"{data['rows']:,} rows" if "rows" in data else "rows not counted"
+        rows.append(("data", f"{data.get('path')} ({counted}, {size}, blake2b {data.get('blake2b')})"))
     return rows
 
 

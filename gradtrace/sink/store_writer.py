@@ -72,7 +72,8 @@ class StoreWriter(CaptureCallback):
         if shard_rows is not None and shard_bytes is not None:
             raise ValueError("pass shard_rows or shard_bytes, not both")
         self.options = dict(shard_rows=shard_rows, shard_bytes=shard_bytes, queue_size=queue_size, resume=resume,
-                            overwrite=overwrite, mixed_weights=mixed_weights, rank=rank, world_size=world_size, config=config)
+                            overwrite=overwrite, mixed_weights=mixed_weights,
+                            rank=rank, world_size=world_size, config=config)
         self.fields = fields
         self.model = None
         self._together = False  # several ranks write this store (set when the capture starts)

@@ -180,7 +180,7 @@ class GradientSpec:
 
 
 def resume_mismatch(stored: GradientSpec, *, model: dict[str, str] | None = None,
-                    projection: dict[str, Any] | None | bool = False, example_loss: str | None = None,
+                    projection: dict[str, Any] | bool | None = False, example_loss: str | None = None,
                     dtype: str | None = None, describe: Callable[[Any], str] = str) -> str | None:
     """What makes a run unable to add rows to a store of spec ``stored`` (None: nothing), checked before any
     gradient is taken: the model (architecture, then weights: ``model`` is a :func:`model_fingerprint`), the
@@ -195,7 +195,8 @@ def resume_mismatch(stored: GradientSpec, *, model: dict[str, str] | None = None
             return (f"it was collected with other model weights (fingerprint {theirs['weights']}, this model's is "
                     f"{model['weights']})")
     if projection is not False and stored.projection != projection:
-        return f"it was collected with projection {describe(stored.projection)}, this run asks for {describe(projection)}"
+        return (f"it was collected with projection {describe(stored.projection)}, this run asks for "
+                f"{describe(projection)}")
     stored_loss = stored.convention.get("example_loss")
     if example_loss is not None and stored_loss and stored_loss != example_loss:
         return (f"its rows are gradients of the per-example {stored_loss!r} loss, this run takes those of the "

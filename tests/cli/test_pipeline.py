@@ -178,7 +178,8 @@ def test_resume_adds_only_missing_examples(ws, runner, fresh):
     assert "Stored 14 new examples (10 were already stored)" in " ".join(out.split())
     opened = gradtrace.GradientStore.open(fresh / "s")
     assert sorted(opened.ids) == sorted(f"t{i}" for i in range(24))
-    assert yaml.safe_load((fresh / "s" / "gradtrace-collect.yaml").read_text())["resume"] is False  # the header says --resume
+    saved = yaml.safe_load((fresh / "s" / "gradtrace-collect.yaml").read_text())
+    assert saved["resume"] is False  # the header's commands say --overwrite / --resume
 
 
 def test_overwrite_replaces_store(ws, runner, fresh):

@@ -51,7 +51,7 @@ def _files(path):
 
 
 @pytest.mark.parametrize(("model_seed", "projection", "message"), [
-    (1, gradtrace.LoGra(rank=2), r"collected with other model weights \(fingerprint [0-9a-f]{16}, this model's is"),
+    (1, gradtrace.LoGra(rank=2), r"collected with other model weights \(fingerprint [0-9a-f]{16}, this model's"),
     (0, gradtrace.LoGra(rank=3), r"collected with projection .*'rank_rows': 2.*this run asks for .*'rank_rows': 3"),
     (0, gradtrace.LoGra(rank=2, seed=7), r"collected with projection .*'seed': 0.*'seed': 7"),
     (0, None, r"collected with projection \{.*\}, this run asks for None"),
@@ -59,7 +59,7 @@ def _files(path):
 def test_collect_resume_refuses_another_model_or_projection(half, model_seed, projection, message):
     before = _files(half)
     data = _Counting(_batches())
-    with pytest.raises(SpecMismatch, match=rf"cannot resume .*store: it was {message}.*overwrite=True; rows of the two"):
+    with pytest.raises(SpecMismatch, match=rf"cannot resume .*store: it was {message}.*overwrite=True; rows of"):
         gradtrace.collect(_model(model_seed), data, projection=projection, store=half, resume=True,
                           ids=[f"ex{i}" for i in range(NUM)])
     assert data.taken == 0  # refused before any gradient
@@ -78,11 +78,11 @@ def test_store_writer_resume_refuses_another_loss_convention(half):
     x, y = _batches()[2]
     model = _model()
     writer = gradtrace.StoreWriter(half, resume=True)
-    with pytest.raises(SpecMismatch, match=r"different loss conventions \(gradients of the per-example 'sum' loss "
-                                           r"vs the 'mean' loss\)"):
-        with gradtrace.capture(model, projection=gradtrace.LoGra(rank=2), reduction="sum", example_loss="mean",
-                               callbacks=[writer], ids=["ex4", "ex5"]):
-            torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    message = r"different loss conventions \(gradients of the per-example 'sum' loss vs the 'mean' loss\)"
+    with pytest.raises(SpecMismatch, match=message), gradtrace.capture(
+            model, projection=gradtrace.LoGra(rank=2), reduction="sum", example_loss="mean", callbacks=[writer],
+            ids=["ex4", "ex5"]):
+        torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     assert _files(half) == before
     assert len(GradientStore.open(half)) == 4
 
@@ -91,8 +91,7 @@ def test_store_writer_resume_refuses_other_weights(half):
     x, y = _batches()[2]
     model = _model(seed=1)
     writer = gradtrace.StoreWriter(half, resume=True)
-    with pytest.raises(SpecMismatch, match="collected with other model weights"):
-        with gradtrace.capture(model, projection=gradtrace.LoGra(rank=2), reduction="sum", callbacks=[writer],
-                               ids=["ex4", "ex5"]):
-            torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    with pytest.raises(SpecMismatch, match="collected with other model weights"), gradtrace.capture(
+            model, projection=gradtrace.LoGra(rank=2), reduction="sum", callbacks=[writer], ids=["ex4", "ex5"]):
+        torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     assert len(GradientStore.open(half)) == 4
