@@ -25,10 +25,11 @@ from .losses import LossFn
 from .options import CaptureOptions, StoreOptions, takes_options, with_record
 from .projection.logra import LoGra
 from .sink import StoreWriter
-from .store import GradientStore, ShardWriter, model_fingerprint
+from .store import GradientStore, ShardWriter, SpecMismatch, model_fingerprint
+from .store.spec import GradientSpec, resume_mismatch
 
-__all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "collect", "nonfinite_parameters",
-           "terminate_as_interrupt"]
+__all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "check_resumable", "collect",
+           "nonfinite_parameters", "terminate_as_interrupt"]
 
 class NonFiniteError(ValueError):
     """NaN/inf where gradients need finite numbers: in the model's parameters, or in every example's gradient."""
@@ -89,6 +90,17 @@ def check_finite_parameters(model: nn.Module, what: str = "collect()") -> None:
         raise NonFiniteError(f"{what}: the model's parameter {bad[0]} holds NaN/inf{more}; gradients taken through "
                              "it are NaN or meaningless. Load intact weights (the checkpoint, or the training that "
                              "wrote it, is broken)")
+
+
+def check_resumable(stored: GradientSpec, store: str | Path, model: nn.Module, projection: LoGra | None,
+                    dtype: str) -> None:
+    """Refuse, before any gradient is taken, to resume a store collected with other model weights, another
+    projection, another per-example loss or another storage dtype (naming what differs)."""
+    wanted = projection.to_dict() if projection is not None else None
+    why = resume_mismatch(stored, model=model_fingerprint(model), projection=wanted, example_loss="sum", dtype=dtype)
+    if why is not None:
+        raise SpecMismatch(f"cannot resume {store}: {why}. Resume with the settings that started it, or write to "
+                           "a new directory or pass overwrite=True; rows of the two runs are never mixed")
 
 
 class _NonFiniteTally(CaptureCallback):
@@ -160,7 +172,9 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
                          ) if store is not None else None
     stored: set[str] = set()
     if store is not None and resume and (Path(store) / "manifest.json").exists():
-        stored = set(GradientStore.open(store, verify=False, allow_incomplete=True).ids)
+        existing = GradientStore.open(store, verify=False, allow_incomplete=True)
+        check_resumable(existing.spec, store, model, projection, dtype)
+        stored = set(existing.ids)
     if projection is not None and keep_tokens:
         projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
     tally = _NonFiniteTally()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -85,6 +86,7 @@ def run(opts: CollectOptions) -> None:
         planned = gradtrace.plan(model, batches, projection=projection, dtype=settings.dtype, store=store_opts.out,
                                  device=device)
     console().print(plan_lines(planned, store_opts.out), markup=False, highlight=False, soft_wrap=True)
+    _check_shard_bytes(settings.shard_bytes, planned.dim, settings.dtype)
     if opts.dry_run:
         return
     if not planned.fits and not opts.force:
@@ -99,7 +101,8 @@ def run(opts: CollectOptions) -> None:
     with phases("gradients"), _interrupt_reported(store_opts.out):
         store = gradtrace.collect(model, batches, options=capture_options, store=store_opts.out,
                                   store_options=settings, device=device, progress=opts.progress,
-                                  config={META_KEY: provenance("collect"), **values})
+                                  config={META_KEY: provenance("collect", opts.data, batches.num_examples),
+                                          **values})
     seconds = phases.seconds["gradients"]
     phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
     written = write_resolved(store_opts.out, "collect", values)
@@ -142,6 +145,16 @@ def _interrupt_reported(out: Path) -> Iterator[None]:
                        "run the same command with --resume to finish it", exit_code=128 + signum) from None
 
 
+def _check_shard_bytes(shard_bytes: int | None, dim: int, dtype: str) -> None:
+    """Refuse, before any gradient, ``--shard-bytes`` smaller than one stored row (naming the row's size)."""
+    from ..store.shards import row_bytes
+
+    one = row_bytes(dim, dtype)
+    if shard_bytes is not None and shard_bytes < one:
+        raise CliError(f"--shard-bytes {shard_bytes:,} is smaller than one row of this store ({one:,} bytes: {dim:,} "
+                       f"values in {dtype}); pass --shard-bytes {one:,} or more (default: 256 MiB)")
+
+
 def plan_lines(planned: Any, out: Path) -> str:
     """The printed plan: what will be collected and what it takes."""
     tokens = "" if planned.tokens is None else f", {planned.tokens:,} tokens"
@@ -162,6 +175,7 @@ def _check_target(store_opts: StoreGroup) -> int:
         raise CliError("--shard-rows and --shard-bytes both size the shards; pass one of them")
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
+    _check_writable(out, "--out")
     _check_not_locked(out)
     if not (out / "manifest.json").exists():
         return 0
@@ -173,6 +187,25 @@ def _check_target(store_opts: StoreGroup) -> int:
     from ..store import GradientStore
 
     return len(GradientStore.open(out, verify=False, allow_incomplete=True))
+
+
+def _check_writable(out: Path, flag: str) -> None:
+    """Refuse, before any model work, an output directory that cannot be written: a temporary file is created
+    (and removed) in it, or in its nearest existing parent when it does not exist yet; nothing is left behind."""
+    import tempfile
+
+    folder = out.absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is not a directory")
+        handle, probe = tempfile.mkstemp(prefix=".tmp-gradtrace-probe-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise CliError(f"cannot write {flag} {out}: {folder} is not writable ({err.strerror or err}); choose another "
+                       f"{flag} or fix the directory's permissions") from None
 
 
 def _check_not_locked(out: Path) -> None:
@@ -194,24 +227,18 @@ def _check_not_locked(out: Path) -> None:
 
 
 def _check_resume(store_opts: StoreGroup, projection: Any, model: Any) -> None:
-    """``--resume`` must use the store's settings: projection, dtype, model architecture (checked here even
-    when every example is already stored and nothing would be written)."""
+    """``--resume`` must use the store's model weights, projection, loss convention and dtype: another is refused
+    before the plan's warm-up or any gradient (checked even when every example is already stored)."""
     from ..store import GradientStore
-    from ..store.spec import model_fingerprint
+    from ..store.spec import model_fingerprint, resume_mismatch
 
     spec = GradientStore.open(store_opts.out, verify=False, allow_incomplete=True).spec
-    hint = "resume with the same settings, or pass --overwrite to replace the store"
     wanted = projection.to_dict() if projection is not None else None
-    if spec.projection != wanted:
-        raise CliError(f"{store_opts.out} was collected with projection {projection_label(spec.projection)}, this run "
-                       f"asks for {projection_label(wanted)}; {hint}")
-    if spec.dtype != store_opts.settings.dtype:
-        raise CliError(f"{store_opts.out} stores {spec.dtype}, this run asks for --dtype {store_opts.settings.dtype}; "
-                       f"{hint}")
-    arch = model_fingerprint(model)["arch"]
-    if spec.model.get("arch") and spec.model["arch"] != arch:
-        raise CliError(f"{store_opts.out} was collected with another model ({spec.model.get('class')} "
-                       f"{spec.model['arch']}, this one is {arch}: parameter names/shapes differ); {hint}")
+    why = resume_mismatch(spec, model=model_fingerprint(model), projection=wanted, example_loss="sum",
+                          dtype=store_opts.settings.dtype, describe=projection_label)
+    if why is not None:
+        raise CliError(f"cannot --resume {store_opts.out}: {why}; resume with the model and settings that started it, "
+                       "or pass --overwrite to replace the store")
 
 
 def projection_label(spec: dict | None) -> str:

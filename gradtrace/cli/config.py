@@ -10,10 +10,12 @@ A config file holds option values under their option names (``batch_size`` or ``
       out: ./store
 
 Values from the file replace the option defaults; options given on the command line win over the file.
+Relative paths in the file are relative to the file's folder (not to the working directory).
 A key that no command knows is an error (with a suggestion); a shared key that only some commands know is
 ignored by the others. Every command writes its fully resolved configuration next to its output
-(``gradtrace-<command>.yaml``), in the same format, so a run can be repeated with
-``gradtrace <command> --config STORE/gradtrace-<command>.yaml``.
+(``gradtrace-<command>.yaml``), in the same format and with paths relative to its folder, so a run can be
+repeated -- also in a copy of the project folder -- with ``gradtrace <command> --config
+STORE/gradtrace-<command>.yaml --overwrite`` (the command its header prints).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from typing import Any
 
 from .errors import CliError
 
-__all__ = ["CONFIG_HELP", "META_KEY", "load_config", "read_resolved", "resolved_name", "write_resolved"]
+__all__ = ["CONFIG_HELP", "META_KEY", "load_config", "read_resolved", "resolve_against", "resolved_name",
+           "write_resolved"]
 
 CONFIG_HELP = "YAML or TOML file of option values (keys = option names); command-line options override it."
 META_KEY = "gradtrace"
@@ -99,14 +102,31 @@ def load_config(path: Path, command: str, known: dict[str, list[str]]) -> dict[s
     return values
 
 
+REPLACE_KEYS = ("resume", "overwrite")
+"""Options that say what to do with an output that already exists: recorded false, given by the repeat command."""
+
+
 def write_resolved(directory: Path, command: str, values: dict[str, Any]) -> Path:
-    """Write ``directory/gradtrace-<command>.yaml``: every option's final value plus provenance."""
+    """Write ``directory/gradtrace-<command>.yaml``: every option's final value plus provenance.
+
+    Absolute paths are written relative to ``directory`` where they lie under it or beside it (``../data.jsonl``;
+    :func:`gradtrace.provenance.relative_path`) and read back against it, so a copied project folder reads its
+    own files. ``resume``/``overwrite`` are recorded false: the header's repeat command states the one it needs
+    (``--overwrite``: compute the output again and replace it; for ``collect`` also ``--resume``: add what the
+    data gained, or finish an interrupted run).
+    """
     import yaml
 
     path = Path(directory) / resolved_name(command)
-    document = {META_KEY: provenance(command), **values}
-    header = (f"# Resolved configuration of `gradtrace {command}` (every option's final value).\n"
-              f"# Repeat the run with: gradtrace {command} --config {path}\n")
+    saved = {key: False if key in REPLACE_KEYS else _relative(value, path.parent) for key, value in values.items()}
+    document = {META_KEY: provenance(command), **saved}
+    shown = _shown(path)
+    header = (f"# Resolved configuration of `gradtrace {command}` (every option's final value; paths relative to "
+              "this file's folder).\n"
+              f"# Repeat the run with: gradtrace {command} --config {shown} --overwrite\n")
+    if "resume" in values:
+        header += (f"# Add the examples the data gained (or finish an interrupted run) with: gradtrace {command} "
+                   f"--config {shown} --resume\n")
     text = header + yaml.safe_dump(json.loads(json.dumps(document)), sort_keys=False, allow_unicode=True)
     tmp = path.with_name(f".tmp-{path.name}")
     tmp.write_text(text)
@@ -114,13 +134,50 @@ def write_resolved(directory: Path, command: str, values: dict[str, Any]) -> Pat
     return path
 
 
-def provenance(command: str) -> dict[str, Any]:
-    """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version."""
+def _relative(value: Any, folder: Path) -> Any:
+    """An absolute path string (or a list of them) relative to ``folder`` where possible; other values as given."""
+    from ..provenance import relative_path
+
+    if isinstance(value, list):
+        return [_relative(item, folder) for item in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return relative_path(value, folder)
+    return value
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the repeat command names it: relative to the working directory when under it, else absolute."""
+    absolute = path.absolute()
+    try:
+        return absolute.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return str(absolute)
+
+
+def resolve_against(value: Any, folder: Path) -> Any:
+    """A path value read from a config file in ``folder``: a relative one is taken relative to that folder."""
+    if isinstance(value, list):
+        return [resolve_against(item, folder) for item in value]
+    if isinstance(value, str) and value and not os.path.isabs(value) and not value.startswith("~"):
+        return str(folder / value)
+    return value
+
+
+def provenance(command: str, data: Path | None = None, rows: int | None = None) -> dict[str, Any]:
+    """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version; with
+    ``data``, the data file's fingerprint (size, blake2b hash, ``rows`` read:
+    :func:`gradtrace.provenance.file_fingerprint`) and the versions of the packages that shape the artifact
+    (:func:`gradtrace.provenance.environment`)."""
+    from ..provenance import environment, file_fingerprint
     from ..version import __version__
 
-    return {"version": __version__, "command": command,
-            "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "python": sys.version.split()[0]}
+    block: dict[str, Any] = {"version": __version__, "command": command,
+                             "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                             "python": sys.version.split()[0]}
+    if data is not None:
+        block["data"] = file_fingerprint(Path(data).absolute(), rows=rows)
+        block["environment"] = environment()
+    return block
 
 
 def read_resolved(directory: Path, command: str) -> dict[str, Any] | None:

@@ -71,8 +71,17 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
                 "train": len(scores.train_ids), "matrix": scores.matrix is not None,
                 "top_k": int(scores.top[0].shape[1]) if scores.top is not None else None,
                 "bottom_k": int(scores.bottom[0].shape[1]) if scores.bottom is not None else None,
-                "meta": scores.meta}
-    raise CliError(f"{path} is neither a gradient store (no manifest.json) nor a score directory (no scores.json)")
+                "meta": scores.meta, "environment": _environment_of(path / "scores.json")}
+    if (path / "curvature.json").exists():
+        from ..curvature import Curvature
+
+        fit = Curvature.load(path)
+        record = json.loads((path / "curvature.json").read_text())
+        return {"kind": "curvature", "path": str(path), "method": fit.kind, "fisher": fit.fisher,
+                "damping": fit.damping, "blocks": len(fit.blocks), "environment": record.get("environment"),
+                "meta": fit.meta}
+    raise CliError(f"{path} is neither a gradient store (no manifest.json), a score directory (no scores.json) nor "
+                   "a curvature (no curvature.json)")
 
 
 def store_checks(schema_version: int, verify: bool) -> list[str]:
@@ -84,7 +93,36 @@ def store_checks(schema_version: int, verify: bool) -> list[str]:
     return checks + (["data checksums"] if verify else [])
 
 
+def _environment_of(manifest: Path) -> dict[str, Any] | None:
+    """The package versions an artifact's JSON manifest records (None for one saved before they were)."""
+    try:
+        return json.loads(manifest.read_text()).get("environment")
+    except (OSError, ValueError):
+        return None
+
+
+def _provenance_rows(info: dict[str, Any], config: dict[str, Any]) -> list[tuple[str, str]]:
+    """``software`` (the versions recorded with the artifact) and ``data`` (the data file read: path, rows, size
+    and hash), where recorded."""
+    rows = []
+    environment = info.get("environment") or (config.get(META_KEY) or {}).get("environment")
+    if environment:
+        rows.append(("software", ", ".join(f"{name} {version}" for name, version in environment.items()
+                                           if version is not None)))
+    data = (config.get(META_KEY) or {}).get("data") if isinstance(config.get(META_KEY), dict) else None
+    if data:
+        size = human_bytes(data.get("bytes", 0))
+        counted = f"{data['rows']:,} rows" if "rows" in data else "rows not counted"
+        rows.append(("data", f"{data.get('path')} ({counted}, {size}, blake2b {data.get('blake2b')})"))
+    return rows
+
+
 def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
+    if info["kind"] == "curvature":
+        meta = dict(info.get("meta") or {})
+        rows = [("method", str(info["method"])), ("fisher", str(info["fisher"])), ("damping", _short(info["damping"])),
+                ("blocks", f"{info['blocks']:,}")]
+        return rows + [(key, _short(value)) for key, value in meta.items()] + _provenance_rows(info, {})
     if info["kind"] == "scores":
         meta = dict(info["meta"])
         config = meta.pop("config", {}) or {}
@@ -103,7 +141,7 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
         rows += [(key, _short(value)) for key, value in meta.items()]
         if profile:
             rows.append(("profile", ", ".join(_profile_item(k, v) for k, v in profile.items())))
-        return rows + _config_rows(config)
+        return rows + _provenance_rows(info, config) + _config_rows(config)
     ranks = ", ".join(f"{r}: {s}" for r, s in info["ranks"].items())
     rows = [("rows", f"{info['rows']:,}"), ("dim", f"{info['dim']:,}"), ("dtype", info["dtype"]),
             ("parameters", f"{info['params']:,}"), ("projection", projection_label(info["projection"])),
@@ -115,7 +153,8 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
             ("checksums", "verified" if info["checksums_verified"] else "data not checked (--verify)")]
     if info.get("repeated_ids"):
         rows.append(("repeated ids", f"{info['repeated_ids']:,} stored by two ranks (same content; first row used)"))
-    return rows + _config_rows(info.get("config") or {})
+    config = info.get("config") or {}
+    return rows + _provenance_rows(info, config) + _config_rows(config)
 
 
 def _config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:

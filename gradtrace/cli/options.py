@@ -22,7 +22,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from .config import CONFIG_HELP, load_config
+from .config import CONFIG_HELP, load_config, resolve_against
 from .errors import CliError, fail, reported_errors
 
 __all__ = ["COMMANDS", "Group", "cli", "config_keys", "flat_fields", "make_command", "progress_flag", "resolved"]
@@ -174,6 +174,8 @@ def _config_callback(ctx: typer.Context, value: Path | None) -> Path | None:
     defaults: dict[str, Any] = {}
     for key, item in values.items():
         name = keys[key]
+        if _holds_paths(specs[name].type):
+            item = resolve_against(item, value.parent)
         if key in spill and isinstance(item, list):
             defaults[name], defaults[spill[key]] = (item[0] if item else None), list(item[1:])
         elif is_list(name) and not isinstance(item, list):
@@ -182,6 +184,13 @@ def _config_callback(ctx: typer.Context, value: Path | None) -> Path | None:
             defaults[name] = item
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
+
+
+def _holds_paths(kind: Any) -> bool:
+    """Whether an option of type ``kind`` holds paths: ``Path``, ``Path | None``, ``list[Path]``."""
+    if kind is Path:
+        return True
+    return any(_holds_paths(arg) for arg in typing.get_args(kind))
 
 
 def make_command(name: str, options_cls: type[T], run: Callable[[T], None]) -> Callable[..., None]:

@@ -221,7 +221,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                     data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))
     values = resolved(final)
-    scores.meta["config"] = {META_KEY: provenance("score"), **values}
+    scores.meta["config"] = {META_KEY: provenance("score", opts.queries, len(scores.query_ids)), **values}
     if dropped:
         scores.meta["dropped_queries"] = {"ids": dropped, "reason": "NaN/inf gradients"}
     if answers is not None:

@@ -120,7 +120,7 @@ class Session:
                              store=cb.store_options)
         preflight(cb.path, rank, world_size, cb.resume, cb.overwrite)
         self.writer = StoreWriter(cb.path, dtype=cb.dtype, shard_rows=cb.shard_rows or 4096, resume=cb.resume,
-                                  overwrite=cb.overwrite, config=config)
+                                  overwrite=cb.overwrite, mixed_weights=True, config=config)
         self.rows = TrainerRows(self.writer, trajectory=cb.trajectory, auto_shard_rows=cb.shard_rows is None)
         auto = cb.reduction is None
         self.capture = cb.capture = Capture(

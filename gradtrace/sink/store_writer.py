@@ -53,14 +53,16 @@ class StoreWriter(CaptureCallback):
     Args:
         path: store directory.
         dtype: storage format, ``"float32"``, ``"bfloat16"`` or ``"int8"`` (per-row scale).
-        shard_rows, shard_bytes, queue_size, resume, overwrite, rank, world_size: see :class:`ShardWriter`.
+        shard_rows, shard_bytes, queue_size, resume, overwrite, mixed_weights, rank, world_size: see
+            :class:`ShardWriter` (``resume`` refuses a store of other weights, projection or loss convention
+            unless ``mixed_weights``, which admits other weights).
         fields: optional ``fn(batch) -> {name: per-row list}`` of extra per-row metadata.
         config: recorded in the manifest.
     """
 
     def __init__(self, path: str | Path, *, dtype: str = "float32", shard_rows: int | None = None,
                  shard_bytes: int | None = None, queue_size: int = 8, resume: bool = False,
-                 overwrite: bool = False, rank: int | None = None,
+                 overwrite: bool = False, mixed_weights: bool = False, rank: int | None = None,
                  world_size: int | None = None, fields: FieldsFn | None = None,
                  config: dict[str, Any] | None = None) -> None:
         if dtype not in DTYPES:
@@ -70,7 +72,8 @@ class StoreWriter(CaptureCallback):
         if shard_rows is not None and shard_bytes is not None:
             raise ValueError("pass shard_rows or shard_bytes, not both")
         self.options = dict(shard_rows=shard_rows, shard_bytes=shard_bytes, queue_size=queue_size, resume=resume,
-                            overwrite=overwrite, rank=rank, world_size=world_size, config=config)
+                            overwrite=overwrite, mixed_weights=mixed_weights,
+                            rank=rank, world_size=world_size, config=config)
         self.fields = fields
         self.model = None
         self._together = False  # several ranks write this store (set when the capture starts)

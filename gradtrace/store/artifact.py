@@ -40,6 +40,8 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
+from ..provenance import environment
+
 __all__ = ["ArtifactError", "UncheckedArtifactWarning", "atomic_write_bytes", "atomic_write_json", "canonical_json",
            "checksum", "create_exclusive", "file_checksum", "fsync_dir", "json_bytes", "read_artifact",
            "write_artifact"]
@@ -177,7 +179,8 @@ def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fie
     del data
     index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in sorted(tensors.items())}
     try:
-        manifest = json.loads(json.dumps({"format": fmt, "version": version, **fields}))  # keys as they read back
+        record = {"format": fmt, "version": version, "environment": environment(), **fields}
+        manifest = json.loads(json.dumps(record))  # keys as they read back
         manifest["tensors"] = {"file": tensor_file.name, "bytes": tensor_file.stat().st_size, "blake2b": digest,
                                "index": index}
         manifest["manifest_blake2b"] = checksum(canonical_json(manifest))

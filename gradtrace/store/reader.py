@@ -458,6 +458,7 @@ class GradientStore:
                 "ranks": {r: s.get("status") for r, s in self.ranks.items()},
                 "bytes": sum(sum(f["bytes"] for f in s.record["files"].values()) for s in self.shards),
                 "created": self.manifest.get("created"), "config": self.manifest.get("config", {}),
+                "environment": self.manifest.get("environment"),
                 "schema_version": self.manifest.get("schema_version"), "repeated_ids": self.repeats}
 
     def __repr__(self) -> str:

@@ -19,7 +19,7 @@ from torch import nn
 if TYPE_CHECKING:
     from ..grad.batch import GradientBatch
 
-__all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "first_occurrences", "model_fingerprint"]
+__all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "first_occurrences", "model_fingerprint", "resume_mismatch"]
 
 
 class SpecMismatch(ValueError):
@@ -177,3 +177,30 @@ class GradientSpec:
         if mine_loss != their_loss:
             raise SpecMismatch(f"{what}: different loss conventions (gradients of the per-example {mine_loss!r} "
                                f"loss vs the {their_loss!r} loss)")
+
+
+def resume_mismatch(stored: GradientSpec, *, model: dict[str, str] | None = None,
+                    projection: dict[str, Any] | bool | None = False, example_loss: str | None = None,
+                    dtype: str | None = None, describe: Callable[[Any], str] = str) -> str | None:
+    """What makes a run unable to add rows to a store of spec ``stored`` (None: nothing), checked before any
+    gradient is taken: the model (architecture, then weights: ``model`` is a :func:`model_fingerprint`), the
+    projection (its spec dict, None for exact gradients; ``False``: not checked), the per-example loss and the
+    storage dtype. Arguments left out are not checked; ``describe`` writes a projection spec for the message."""
+    theirs = stored.model
+    if model is not None:
+        if theirs.get("arch") and model.get("arch") and theirs["arch"] != model["arch"]:
+            return (f"it was collected with another model ({theirs.get('class')} {theirs['arch']}, this one is "
+                    f"{model.get('class')} {model['arch']}: parameter names/shapes differ)")
+        if theirs.get("weights") and model.get("weights") and theirs["weights"] != model["weights"]:
+            return (f"it was collected with other model weights (fingerprint {theirs['weights']}, this model's is "
+                    f"{model['weights']})")
+    if projection is not False and stored.projection != projection:
+        return (f"it was collected with projection {describe(stored.projection)}, this run asks for "
+                f"{describe(projection)}")
+    stored_loss = stored.convention.get("example_loss")
+    if example_loss is not None and stored_loss and stored_loss != example_loss:
+        return (f"its rows are gradients of the per-example {stored_loss!r} loss, this run takes those of the "
+                f"{example_loss!r} loss (another loss convention)")
+    if dtype is not None and stored.dtype != dtype:
+        return f"it stores {stored.dtype}, this run asks for {dtype}"
+    return None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..provenance import environment
 from .artifact import atomic_write_json, create_exclusive, json_bytes
 from .background import BackgroundWriter
 from .layout import (
@@ -125,7 +125,11 @@ class ShardWriter:
         shard_bytes: size of a shard's files (default :data:`DEFAULT_SHARD_BYTES`, 256 MiB): as many rows
             as fit; at least one row's size. A hard kill loses at most one shard.
         queue_size: batches that may wait for the writer thread before ``put`` blocks.
-        resume: append to an existing store, skipping ids it already holds (see :attr:`stored_ids`).
+        resume: append to an existing store, skipping ids it already holds (see :attr:`stored_ids`). The store
+            must have been written with the same model weights (fingerprint), projection and loss convention:
+            another is refused (:class:`~gradtrace.store.SpecMismatch` naming what differs), never mixed.
+        mixed_weights: let ``resume`` add rows taken at other weights of the same model (a store written
+            during training, whose weights change every step; the Trainer callback passes it).
         overwrite: delete an existing store first. In a multi-rank run only rank 0 deletes, and it refuses
             while another rank's writer is running: start rank 0's writer first or delete the directory.
         config: free-form configuration recorded in the manifest.
@@ -134,7 +138,7 @@ class ShardWriter:
     def __init__(self, root: str | Path, spec: GradientSpec, *, rank: int | None = None,
                  world_size: int | None = None, shard_rows: int | None = None, shard_bytes: int | None = None,
                  queue_size: int = 8, resume: bool = False, overwrite: bool = False,
-                 config: dict[str, Any] | None = None) -> None:
+                 mixed_weights: bool = False, config: dict[str, Any] | None = None) -> None:
         if spec.dtype not in DTYPES:
             raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
         shard_rows = rows_per_shard(spec.dim, spec.dtype, shard_rows, shard_bytes)
@@ -155,7 +159,7 @@ class ShardWriter:
         try:
             if overwrite:
                 self._remove_old()
-            self._prepare(resume, overwrite, config or {})
+            self._prepare(resume, overwrite, config or {}, same_weights=resume and not mixed_weights)
             self._cleanup_uncommitted()
             self.ledger = IdLedger(str(self.root))
             self._shards = ShardSeries(self.root, self.rank, spec, shard_rows, self._scan_existing(),
@@ -231,11 +235,14 @@ class ShardWriter:
         for path in (self.root / "shards").glob(f"{shard_name(rank, 0)[:6]}-*"):
             path.unlink(missing_ok=True)
 
-    def _prepare(self, resume: bool, overwrite: bool, config: dict[str, Any]) -> None:
+    def _prepare(self, resume: bool, overwrite: bool, config: dict[str, Any], *, same_weights: bool) -> None:
+        """Create the manifest, or check the existing one: same layout always, same weights when ``same_weights``
+        (a resumed collection)."""
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         manifest = json.loads(json.dumps({
             "format": FORMAT, "schema_version": SCHEMA_VERSION, "created": utc_now(), "spec": self.spec.to_dict(),
-            "shard_rows": self.shard_rows, "world_size": self.world_size, "config": config}))
+            "shard_rows": self.shard_rows, "world_size": self.world_size, "environment": environment(),
+            "config": config}))
         manifest["checksum"] = manifest_checksum(manifest)
         self._manifest = manifest
         if create_exclusive(self.root / MANIFEST, json_bytes(manifest)):
@@ -255,9 +262,12 @@ class ShardWriter:
         if other.dtype != self.spec.dtype:
             raise SpecMismatch(f"store {self.root} stores {other.dtype}, this run writes {self.spec.dtype}; "
                                f"{self._mismatch_hint(overwrite)}")
-        if other.model.get("weights") != self.spec.model.get("weights") and resume:
-            warnings.warn(f"gradtrace: resuming {self.root} with different model weights than the run that started "
-                          "it; rows from the two runs are not comparable unless that is intended", stacklevel=4)
+        stored, mine = other.model.get("weights"), self.spec.model.get("weights")
+        if same_weights and stored and mine and stored != mine:
+            raise SpecMismatch(f"store {self.root} was collected with other model weights (fingerprint {stored}, "
+                               f"this model's is {mine}); its rows and this run's would not be comparable. Resume "
+                               "with the weights that started it, or write to a new directory or pass "
+                               "overwrite=True")
         if not (resume or overwrite or self._is_fresh_rank_peer(existing)):
             raise StoreError(f"{self.root} already holds a store; pass resume=True to add to it or overwrite=True "
                              "to replace it")

@@ -44,6 +44,8 @@ def test_resolved_config_replays_the_run(ws, runner, store, fresh):
     replay = fresh / "replay.yaml"
     resolved = _resolved(store)
     resolved["out"] = str(fresh / "again")
+    for key in ("model", "data"):  # saved relative to the store's folder where they lie beside it; moved: absolute
+        resolved[key] = str((store / resolved[key]).resolve())
     replay.write_text(yaml.safe_dump(resolved))
     invoke(runner, "collect", "--config", replay)
     a, b = gradtrace.GradientStore.open(store), gradtrace.GradientStore.open(fresh / "again")

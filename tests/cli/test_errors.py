@@ -86,6 +86,11 @@ def test_resume_with_other_settings_is_refused(ws, runner, store, fresh):
     line = error_line(invoke(runner, "collect", ws.other_arch, ws.train, "--out", copy, "--resume", "--rank", 4,
                              "--no-progress", code=2))
     assert "another model" in line
+    # a second checkpoint of the same model (other weights) would mix rows of two models: refused, exit 2
+    line = error_line(invoke(runner, "collect", ws.model2, ws.train, "--out", copy, "--resume", "--rank", 4,
+                             "--no-progress", code=2))
+    assert f"cannot --resume {copy}: it was collected with other model weights (fingerprint" in line
+    assert "--overwrite" in line
     assert (copy / "gradtrace-collect.yaml").read_text() == before
 
 
@@ -184,3 +189,45 @@ def test_debug_env_shows_traceback(ws, runner, fresh, monkeypatch):
     result = runner.invoke(__import__("gradtrace.cli", fromlist=["app"]).app,
                            ["collect", str(ws.model), str(fresh / "missing.jsonl"), "--out", str(fresh / "s")])
     assert result.exit_code != 0 and result.exception is not None and not isinstance(result.exception, SystemExit)
+
+
+def test_unwritable_output_directory_is_refused_before_model_work(ws, runner, fresh, monkeypatch):
+    """A --out that cannot be written: one line naming the directory, before the model is loaded; nothing left."""
+    import gradtrace.cli.collect as collect_cli
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(collect_cli, "load_model", never)
+    (fresh / "afile").write_text("mine")
+    line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "afile" / "store", code=2))
+    assert f"cannot write --out {fresh / 'afile' / 'store'}: {fresh / 'afile'} is not writable" in line
+    assert "choose another --out" in line and (fresh / "afile").read_text() == "mine"
+    readonly = fresh / "readonly"
+    readonly.mkdir()
+    readonly.chmod(0o500)
+    try:
+        import tempfile
+
+        try:  # root ignores permissions: check that this directory really refuses a file
+            tempfile.TemporaryFile(dir=readonly).close()
+        except PermissionError:
+            line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", readonly / "s", code=2))
+            assert f"{readonly} is not writable (Permission denied)" in line
+    finally:
+        readonly.chmod(0o700)
+    assert list(readonly.iterdir()) == []
+
+
+def test_shard_bytes_smaller_than_one_row_names_the_row_size(ws, runner, store, fresh):
+    """Refused after the plan (which knows the row size), before any gradient; no store is written."""
+    line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "s", "--rank", 4,
+                             "--shard-bytes", 100, "--no-progress", code=2))
+    from gradtrace.store import GradientStore
+    from gradtrace.store.shards import row_bytes
+
+    dim = GradientStore.open(store).dim  # the same data and rank 4
+    one = row_bytes(dim, "float32")
+    assert f"--shard-bytes 100 is smaller than one row of this store ({one:,} bytes: {dim:,} values in float32); " \
+           f"pass --shard-bytes {one:,} or more" in line
+    assert not (fresh / "s" / "manifest.json").exists()

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 import gradtrace
+from gradtrace.provenance import relative_path
 from gradtrace.store.artifact import checksum
 from tests.cli.conftest import copy_store, error_line, flat, invoke
 from tests.store.common import reseal_record
@@ -33,7 +34,7 @@ def test_index_writes_index_and_config(ws, runner, store, flat_index):
     assert info["fingerprint"]["digest"] == \
         gradtrace.score.index.store_fingerprint(gradtrace.GradientStore.open(store))["digest"]
     resolved = yaml.safe_load((flat_index / "gradtrace-index.yaml").read_text())
-    assert resolved["kind"] == "flat" and resolved["store"] == str(store.absolute())
+    assert resolved["kind"] == "flat" and resolved["store"] == relative_path(store, flat_index)
 
 
 def test_score_through_index_equals_exact_topk(ws, runner, store, scores_dir, flat_index, fresh):
@@ -46,7 +47,8 @@ def test_score_through_index_equals_exact_topk(ws, runner, store, scores_dir, fl
     assert got.topk(5).ids == exact.topk(5).ids and got.topk(5, largest=False).ids == exact.topk(5, largest=False).ids
     scale = float(exact.matrix.abs().max())
     torch.testing.assert_close(got.top[0], exact.matrix.gather(1, got.top[1]), rtol=1e-5, atol=1e-5 * scale)
-    assert yaml.safe_load((fresh / "sc" / "gradtrace-score.yaml").read_text())["index"] == str(flat_index.absolute())
+    assert yaml.safe_load((fresh / "sc" / "gradtrace-score.yaml").read_text())["index"] == \
+        relative_path(flat_index, fresh / "sc")
 
 
 def test_ivfpq_index_from_the_cli(ws, runner, store, scores_dir, fresh):

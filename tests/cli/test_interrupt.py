@@ -73,7 +73,7 @@ def test_shard_options_are_refused_together_or_below_one_row(ws, runner, fresh):
     assert line == "Error: --shard-rows and --shard-bytes both size the shards; pass one of them"
     line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "b", "--rank", 4, "--dtype",
                              "int8", "--shard-bytes", 10, "--no-progress", code=2))
-    assert "shard_bytes=10 is smaller than one row" in line and "bytes:" in line
+    assert "--shard-bytes 10 is smaller than one row of this store (" in line and "values in int8)" in line
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(ws, runner, store, fresh):

@@ -44,10 +44,14 @@ def test_collect_writes_store_config_and_manifest(ws, store):
     assert resolved["rank"] == 4 and resolved["batch_size"] == 5 and resolved["projection"] == "logra"
     assert resolved["max_length"] == 48  # resolved from the model's context
     assert resolved["device"] == "cpu"  # "auto" resolved
-    assert resolved["model"] == str(ws.model.absolute())
+    # the saved config: paths relative to its folder (the store, beside the model and data); the manifest records
+    # the absolute paths this run read, and the same values otherwise
+    assert (resolved["model"], resolved["data"], resolved["out"]) == ("../model", "../train.jsonl", ".")
     manifest_config = opened.manifest["config"]
-    assert {k: v for k, v in manifest_config.items() if k != "gradtrace"} == \
-        {k: v for k, v in resolved.items() if k != "gradtrace"}
+    assert manifest_config["model"] == str(ws.model.absolute()) and manifest_config["out"] == str(store.absolute())
+    paths = {"model", "data", "out", "gradtrace", "provenance"}
+    assert {k: v for k, v in manifest_config.items() if k not in paths} == \
+        {k: v for k, v in resolved.items() if k not in paths}
 
 
 def test_collect_matches_python_api(ws, store):
@@ -88,7 +92,7 @@ def test_score_matches_python_api(ws, store, scores_dir):
     assert scores.query_ids == expected.query_ids and scores.train_ids == expected.train_ids
     torch.testing.assert_close(scores.matrix, expected.matrix, rtol=1e-4, atol=1e-3)
     resolved = yaml.safe_load((scores_dir / "gradtrace-score.yaml").read_text())
-    assert resolved["method"] == "grad_dot" and resolved["topk"] == 5 and resolved["store"] == str(store.absolute())
+    assert resolved["method"] == "grad_dot" and resolved["topk"] == 5 and resolved["store"] == "../store"
     assert scores.meta["config"]["method"] == "grad_dot"
 
 
@@ -174,7 +178,8 @@ def test_resume_adds_only_missing_examples(ws, runner, fresh):
     assert "Stored 14 new examples (10 were already stored)" in " ".join(out.split())
     opened = gradtrace.GradientStore.open(fresh / "s")
     assert sorted(opened.ids) == sorted(f"t{i}" for i in range(24))
-    assert yaml.safe_load((fresh / "s" / "gradtrace-collect.yaml").read_text())["resume"] is True
+    saved = yaml.safe_load((fresh / "s" / "gradtrace-collect.yaml").read_text())
+    assert saved["resume"] is False  # the header's commands say --overwrite / --resume
 
 
 def test_overwrite_replaces_store(ws, runner, fresh):

@@ -97,10 +97,18 @@ def test_resume_with_an_incompatible_spec(store_path, change, message):
     assert len(GradientStore.open(store_path)) == 12  # untouched
 
 
-def test_resume_with_other_weights_of_the_same_model_warns(store_path):
+def test_resume_with_other_weights_of_the_same_model_is_refused(store_path):
     spec = make_spec("int8", model={**MODEL, "weights": "9999999999999999"})
-    with pytest.warns(UserWarning, match="different model weights"):
-        ShardWriter(store_path, spec, resume=True).close()
+    with pytest.raises(SpecMismatch, match=r"collected with other model weights \(fingerprint 0011223344556677, "
+                                           r"this model's is 9999999999999999\).*overwrite=True"):
+        ShardWriter(store_path, spec, resume=True)
+    assert not (store_path / "rank-00000.lock").exists()
+    assert len(GradientStore.open(store_path)) == 12  # untouched
+    ids, rows = make_rows(2, seed=8)
+    # a store written during training admits other weights (the Trainer callback passes mixed_weights)
+    with ShardWriter(store_path, spec, resume=True, mixed_weights=True) as writer:
+        writer.put(ids, rows)
+    assert len(GradientStore.open(store_path)) == 14
 
 
 def test_non_store_directories(tmp_path):
