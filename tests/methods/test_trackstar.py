@@ -4,21 +4,12 @@ divided by sqrt(v_hat) + eps from the Adam optimizer's own state, unit-normalise
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import gradtrace
 from gradtrace.losses import classification_loss
 from gradtrace.methods import MissingStage
 from gradtrace.projection.logra import Projector
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
-
-    def forward(self, inputs):
-        return self.fc2(torch.tanh(self.fc1(inputs)))
+from tests.methods.test_trak import Net
 
 
 def _setup(seed=0, amsgrad=False):
