@@ -14,9 +14,15 @@ is built once and cached under ``--cache`` (refused and rebuilt only if the task
 delete the directory). Every method in ``gradtrace.available_methods()`` that the harness can run is
 scored with default options on exact per-example gradients at the model trained on all the data (``logra``
 and ``trak`` on LoGra-projected ones, ``--rank``), plus a ``random`` baseline; the others are listed with the reason.
+``trackstar`` needs the optimizer's second moment at the attributed weights, which the tasks do not keep: the harness
+trains the task's model once more with ``torch.optim.Adam`` / ``AdamW`` recorded, checks that the weights are
+bit-identical to the task's model (else the row is skipped with the reason) and fits with that optimizer's
+``state_dict()``; it is scored on exact gradients (the normalisation is then TrackStar's exactly) and on LoGra
+rank ``--rank`` ones (the second moment mapped into the projection; the paper's setting is projected).
 Prints one markdown table per task (LDS mean ± standard error over queries, and fit + score seconds).
 
-Ensembles (``--ensembles``, on ``digits_mlp`` and ``tinylm``, for ``grad_dot``, ``logra``, ``kfac`` and ``ekfac``):
+Ensembles (``--ensembles``, on ``digits_mlp`` and ``tinylm``, for ``grad_dot``, ``logra``, ``trak``, ``kfac`` and
+``ekfac``; ``trak`` added after the others' rows were published, with the same members and normalisation):
 the same method as an ensemble of ``MEMBERS = 6`` models -- ``checkpoints``: the task's own training run (all the
 data, seed 0) saved after epochs ``round(k * epochs / 6)``, k = 1..6 (digits_mlp 17, 33, 50, 67, 83, 100;
 tinylm 3, 7, 10, 13, 17, 20), the last being the attributed model; ``seeds``: 6 models trained on all the data
@@ -33,6 +39,7 @@ from the task's recipe, seed 0). Each ensemble row is followed by its paired dif
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -57,8 +64,9 @@ from gradtrace.eval.benchmark import ENSEMBLES
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
 PROJECTED = {"logra", "trak"}  # methods that score LoGra-projected gradients
-ORDER = ["grad_dot", "grad_cos", "tracin", "less", "dvemb", "logra", "trak", "kfac", "ekfac", "ggn", "arnoldi", "cg",
-         "ggn_full"]  # table order
+ORDER = ["grad_dot", "grad_cos", "tracin", "less", "dvemb", "logra", "trak", "trackstar", "kfac", "ekfac", "ggn",
+         "arnoldi", "cg", "ggn_full"]  # table order
+ADAM = {"trackstar"}  # methods fitted with the optimizer state of the attributed model (see the module docstring)
 SKIP = {  # (task, method): why the harness does not run it there
     ("tinylm", "ggn"): "the dense per-parameter Fisher (blocks up to 65,536 entries) includes the 32,768-entry "
                        "embedding matrix; fitting it was killed at 23 GB of memory on this machine",
@@ -72,7 +80,7 @@ SKIP = {  # (task, method): why the harness does not run it there
 
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
-ENSEMBLE_METHODS = ("grad_dot", "logra", "kfac", "ekfac")
+ENSEMBLE_METHODS = ("grad_dot", "logra", "trak", "kfac", "ekfac")
 ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run", "seeds": f"{MEMBERS} models, seeds 0-5"}
 
 
@@ -98,16 +106,58 @@ def _subsets(text: str | None, tasks: list[str]) -> dict[str, int]:
     return counts
 
 
-def _specs(task: str, names: list[str], rank: int) -> tuple[list[MethodSpec], list[str]]:
+@contextlib.contextmanager
+def _recording_adam():
+    """Within the block, every ``torch.optim.Adam`` / ``AdamW`` built is appended to the yielded list."""
+    made: list[torch.optim.Optimizer] = []
+    originals = torch.optim.Adam, torch.optim.AdamW
+
+    def recorded(base: type) -> type:
+        class Recorded(base):
+            def __init__(self, *args, **kwargs) -> None:
+                super().__init__(*args, **kwargs)
+                made.append(self)
+
+        Recorded.__name__ = Recorded.__qualname__ = base.__name__
+        return Recorded
+
+    torch.optim.Adam, torch.optim.AdamW = recorded(originals[0]), recorded(originals[1])
+    try:
+        yield made
+    finally:
+        torch.optim.Adam, torch.optim.AdamW = originals
+
+
+def adam_state(task) -> tuple[dict | None, str]:
+    """``(state_dict, "")`` of the optimizer that trained ``task.model``, from a replay of its training checked
+    bit-identical; ``(None, why)`` when it cannot be had."""
+    with _recording_adam() as made:
+        model = task.train(torch.arange(task.num_train), task.settings.seed)
+    if len(made) != 1:
+        return None, f"its training built {len(made)} Adam optimizers (one expected)"
+    replay, kept = model.state_dict(), task.model.state_dict()
+    if replay.keys() != kept.keys() or not all(torch.equal(replay[k], kept[k]) for k in kept):
+        return None, "a replay of the task's training did not reproduce its model bit for bit"
+    return made[0].state_dict(), ""
+
+
+def _specs(task: str, names: list[str], rank: int, optimizer: tuple[dict | None, str] | None = None
+           ) -> tuple[list[MethodSpec], list[str]]:
     specs, notes = [], []
     for name in names:
         reason = SKIP.get((task, name)) or unsupported(name)
+        if reason is None and name in ADAM and optimizer is not None and optimizer[0] is None:
+            reason = f"no Adam state: {optimizer[1]}"
         if reason is not None:
             notes.append(f"`{name}` skipped: {reason}")
             continue
+        fit_options = {"optimizer": optimizer[0]} if name in ADAM and optimizer is not None else {}
         projection = gradtrace.LoGra(rank=rank) if name in PROJECTED else None
         label = f"{name} (LoGra rank {rank})" if name in PROJECTED else name
-        specs.append(MethodSpec(name, projection=projection, label=label))
+        specs.append(MethodSpec(name, projection=projection, label=label, fit_options=fit_options))
+        if name in ADAM:  # also on projected gradients, the paper's setting
+            specs.append(MethodSpec(name, projection=gradtrace.LoGra(rank=rank), fit_options=fit_options,
+                                    label=f"{name} (LoGra rank {rank}, second moment mapped into it)"))
     return specs, notes
 
 
@@ -158,7 +208,8 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
     print(f"ground truth: {truth.num_subsets} subsets of {meta['subset_size']} examples, {args.runs} training "
           f"run(s) each, {meta['seconds_per_model']:.2f} s per model on {meta.get('threads')} threads ({state}; "
           f"{cache}); first training on all the data: {model_seconds:.1f} s")
-    specs, notes = _specs(name, names, args.rank)
+    optimizer = adam_state(task) if ADAM & set(names) else None
+    specs, notes = _specs(name, names, args.rank, optimizer)
     ensembles = _ensemble_specs(name, names, args.rank, args.ensemble_kinds)
     rows: list[Row] = []
     # one method at a time (one failing method hides no other); an ensemble kind's methods together (its members

@@ -7,6 +7,7 @@ keeps them on disk, and an ``Attributor`` scores queries against them.
 Sign convention everywhere: a positive score means the training example helps the query (lowers its loss).
 """
 
+from . import likelihoods as likelihoods
 from .capture import Capture, CaptureCallback, CaptureReport, capture
 from .collect import collect
 from .grad import GradientBatch, ParamGradient

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "gradtrace"
 
 # lowest first; a module may import its own layer and the layers below it (docs/architecture.md says why)
 LAYERS: list[set[str]] = [
-    {"common", "losses", "version", "provenance"},  # the floor: imports nothing from gradtrace above it
+    {"common", "losses", "likelihoods", "version", "provenance"},  # the floor: imports nothing from gradtrace above it
     {"data"},  # data in: files -> tokenized batches, the one id rule, the bundled corpus
     {"grad", "projection", "options"},  # gradient containers and ops; LoGra and the sketches; typed options
     {"store"},  # rows of gradients on disk: spec, layout, shard writer, reader, artifacts

@@ -8,6 +8,9 @@ and its learning rate, matched by position::
 
     gradtrace score ckpt1/store queries.jsonl --method tracin --model ckpt1 --lr 3e-4 \\
         --store ckpt2/store --model ckpt2 --lr 1e-4 --out scores
+
+Any other method takes further ``--store`` s as an ensemble (one member per checkpoint or model, with
+``--member-curvature`` and ``--ensemble-weights``: :mod:`gradtrace.cli.ensemble`).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..methods import available_methods, get_method
 from ..projection import LoGra, projection_from_dict
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
+from .ensemble import EnsembleOptions, check_ensemble, ensemble_methods, is_ensemble, score_ensemble
 from .errors import CliError
 from .groups import DataOptions, GenerateOptions, ModelOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
@@ -114,6 +118,7 @@ class ScoreOptions:
         "store records).", "--model", "-m", metavar="MODEL_DIR"))
     scoring_options: ScoringOptions
     checkpoint_options: CheckpointOptions
+    ensemble_options: EnsembleOptions
     data_options: DataOptions
     generate_options: GenerateOptions
     model_options: ModelOptions
@@ -163,6 +168,9 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     with agreed("preparing the scoring"):  # no collective inside: an error on one rank is raised on all
         _check_out(sc)
         _check_checkpoints(sc.method, multi, store_paths, ck)
+        ensemble = is_ensemble(sc.method, len(store_paths))
+        check_ensemble(sc.method, opts.ensemble_options, len(store_paths), curvature=sc.curvature, index=sc.index,
+                       tokens=sc.tokens or sc.modules, world=world)
         for flag, wanted in (("--modules", sc.modules), ("--tokens", sc.tokens)):
             if wanted and not sc.topk:
                 raise CliError(f"{flag} splits the top-k pairs of each query: pass --topk K (K > 0)")
@@ -173,7 +181,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                 if not path.exists():
                     raise CliError(f"store {path} does not exist")
             stores = [GradientStore.open(path) for path in store_paths]
-        index = _open_index(sc, stores[0], multi, world)
+        index = _open_index(sc, stores[0], multi or ensemble, world)
         models = _models(opts.model, stores)
         query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, device, phases,
                                                                        opts.progress and rank == 0)
@@ -189,15 +197,22 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
             raise CliError(f"--curvature/--damping apply to influence methods (kfac, ekfac, ggn, logra), not "
                            f"{sc.method}")
     with phases("score"):
-        attributor = gradtrace.Attributor(sc.method, train=stores if multi else stores[0], block_rows=sc.block_rows,
-                                          device=device, **options)
         matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
-        try:  # one process: attributor.score(); under torchrun: every rank scores its rows, top-k merged
-            scorer = score_sharded if index is None else _index_scorer(index, sc)  # --index: shortlist + re-score
-            scores = scorer(attributor, query_sets if multi else query_sets[0], topk=sc.topk or None,
-                            matrix=matrix, progress=opts.progress)
-        except ValueError as err:  # curvature from other gradients, singular curvature, ...
-            raise CliError(str(err)) from None
+        if ensemble:  # several stores of a single-checkpoint method: one member each (gradtrace.cli.ensemble)
+            attributor, scores = score_ensemble(ensemble_methods(sc.method, options, sc.curvature,
+                                                                 opts.ensemble_options),
+                                                stores, query_sets, opts.ensemble_options, topk=sc.topk or None,
+                                                matrix=matrix, block_rows=sc.block_rows, device=device,
+                                                progress=opts.progress)
+        else:
+            attributor = gradtrace.Attributor(sc.method, train=stores if multi else stores[0],
+                                              block_rows=sc.block_rows, device=device, **options)
+            try:  # one process: attributor.score(); under torchrun: every rank scores its rows, top-k merged
+                scorer = score_sharded if index is None else _index_scorer(index, sc)  # --index: shortlist
+                scores = scorer(attributor, query_sets if multi else query_sets[0], topk=sc.topk or None,
+                                matrix=matrix, progress=opts.progress)
+            except ValueError as err:  # curvature from other gradients, singular curvature, ...
+                raise CliError(str(err)) from None
     phases.note("score", f"{attributor.profile.get('rows_per_s', 0):,.0f} training rows/s")
     if sc.modules:
         with phases("modules"):  # every rank: the same pairs, no collective
@@ -337,10 +352,7 @@ def _check_out(sc: ScoringOptions) -> None:
 
 
 def _check_checkpoints(method: str, multi: bool, store_paths: list[Path], ck: CheckpointOptions) -> None:
-    if not multi:
-        if ck.checkpoint_stores:
-            raise CliError(f"--store adds checkpoints, which {method} does not use; only multi-checkpoint methods "
-                           "(tracin) take several stores")
+    if not multi:  # further --store make an ensemble (gradtrace.cli.ensemble)
         if ck.lr:
             raise CliError(f"--lr weights checkpoints, which {method} does not use (tracin does)")
         return

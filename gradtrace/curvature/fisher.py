@@ -6,6 +6,9 @@ losses: one sampled label per output is a noisy
 estimate when an example has a single output (a sequence averages it over its tokens), and the exact
 expectation costs one pass per class.
 
+``"true"`` samples labels from the likelihood of the loss's outputs: gradtrace's own losses have theirs
+(:data:`BUILTIN_LIKELIHOODS`); a custom loss names one with ``likelihood=`` (:mod:`gradtrace.likelihoods`).
+
 Each returns the per-example loss functions of the fitting passes; their gradients' second moments, summed
 over passes, estimate the chosen Fisher.
 """
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..likelihoods import Likelihood, categorical, gaussian
 from ..losses import (
     MODEL_KEYS,
     LossFn,
@@ -26,7 +30,6 @@ from ..losses import (
     default_loss,
     lm_labels,
     regression_loss,
-    token_cross_entropy,
 )
 
 __all__ = ["fisher_passes", "FISHERS", "EXACT_MAX_OUTPUTS", "num_classes_of", "resolve_fisher"]
@@ -45,19 +48,14 @@ def _kind(loss_fn: LossFn | None) -> str:
     return "custom"
 
 
-def _sampled_lm(generator: torch.Generator, weight: float) -> LossFn:
-    def loss(model: nn.Module, batch: dict[str, Any]) -> Tensor:
-        labels = lm_labels(batch)
-        logits = model(**{k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}).logits
-        targets = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1).to(logits.device)
-        with torch.no_grad():
-            probs = torch.softmax(logits.float().flatten(0, 1), dim=-1)
-            sampled = torch.multinomial(probs.cpu(), 1, generator=generator).view(targets.shape).to(targets.device)
-        sampled = torch.where(targets != -100, sampled, targets)
-        per_token = token_cross_entropy(logits.flatten(0, 1), sampled.flatten()).view(targets.shape)
-        return per_token.sum(1) * weight
+def _lm_logits(model: nn.Module, batch: dict[str, Any]) -> Tensor:
+    return model(**{k: batch[k] for k in MODEL_KEYS if batch.get(k) is not None}).logits
 
-    return loss
+
+def _lm_targets_kept(batch: dict[str, Any]) -> Tensor:
+    """``[B, T]``: the positions ``causal_lm_loss`` scores (a next token that is not ignored)."""
+    labels = lm_labels(batch)
+    return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1) != -100
 
 
 def _split(batch: Any) -> tuple[Any, Tensor | None]:
@@ -71,25 +69,20 @@ def _logits(model: nn.Module, inputs: Any) -> Tensor:
     return getattr(out, "logits", out)
 
 
-def _sampled_cls(generator: torch.Generator, weight: float) -> LossFn:
+def _outputs(model: nn.Module, batch: Any) -> Tensor:
+    return _logits(model, _split(batch)[0])
+
+
+BUILTIN_LIKELIHOODS = {  # the likelihoods behind gradtrace's own losses
+    "lm": categorical(_lm_logits, mask=_lm_targets_kept),
+    "cls": categorical(_outputs),
+    "reg": gaussian(_outputs),  # unit variance: the output-gradient is -noise
+}
+
+
+def _weighted(loss_fn: LossFn, weight: float) -> LossFn:
     def loss(model: nn.Module, batch: Any) -> Tensor:
-        inputs, _ = _split(batch)
-        logits = _logits(model, inputs)
-        with torch.no_grad():
-            sampled = torch.multinomial(torch.softmax(logits.float(), -1).cpu(), 1, generator=generator).view(-1)
-        return F.cross_entropy(logits, sampled.to(logits.device), reduction="none") * weight
-
-    return loss
-
-
-def _sampled_reg(generator: torch.Generator, weight: float) -> LossFn:
-    """Gaussian likelihood with unit variance: y ~ N(f(x), I), so the output-gradient is -noise."""
-    def loss(model: nn.Module, batch: Any) -> Tensor:
-        inputs, _ = _split(batch)
-        outputs = _logits(model, inputs)
-        noise = torch.randn(outputs.shape, generator=generator).to(outputs.device, outputs.dtype)
-        target = (outputs.detach() + noise)
-        return 0.5 * (outputs - target).reshape(outputs.shape[0], -1).pow(2).sum(1) * weight
+        return loss_fn(model, batch) * weight
 
     return loss
 
@@ -116,20 +109,29 @@ def _label_cls(label: int) -> LossFn:
 
 
 def fisher_passes(loss_fn: LossFn | None, fisher: str, sample_batch: Any, *, samples: int = 1, seed: int = 0,
-                  num_classes: int | None = None) -> list[LossFn]:
-    """The per-pass loss functions estimating the ``fisher`` of ``loss_fn`` (see module docstring)."""
+                  num_classes: int | None = None, likelihood: Likelihood | None = None) -> list[LossFn]:
+    """The per-pass loss functions estimating the ``fisher`` of ``loss_fn`` (see module docstring);
+    ``likelihood``: what ``fisher="true"`` samples for a custom loss (:mod:`gradtrace.likelihoods`)."""
     if fisher not in FISHERS:
         raise ValueError(f"fisher must be one of {(*FISHERS, 'auto')}, got {fisher!r}")
+    if likelihood is not None and not isinstance(likelihood, Likelihood):
+        raise TypeError("likelihood= must be a gradtrace.likelihoods.Likelihood (categorical(...) or gaussian(...)), "
+                        f"got {type(likelihood).__name__}")
     fn = loss_fn or default_loss(sample_batch)
     if fisher == "empirical":
+        if likelihood is not None:
+            raise ValueError("likelihood= is what fisher='true' samples labels from; with fisher='empirical' (the "
+                             "observed labels) it is unused: pass fisher='true' or drop likelihood=")
         return [fn]
     kind = _kind(fn)
-    if kind == "custom":
-        raise ValueError(f"fisher={fisher!r} needs labels sampled from the model, which gradtrace knows how to do for "
-                         "gradtrace.losses.causal_lm_loss, classification_loss and regression_loss; use one of "
-                         "them or "
-                         "fisher='empirical'")
+    if kind == "custom" and likelihood is None:
+        raise ValueError(f"fisher={fisher!r} needs labels sampled from the model: for a custom loss name the "
+                         "likelihood of its outputs, likelihood=gradtrace.likelihoods.categorical(logits_fn) (or "
+                         "gaussian(outputs_fn)) with fisher='true', or use fisher='empirical'")
     if fisher == "exact":
+        if likelihood is not None:
+            raise ValueError("fisher='exact' enumerates the labels of gradtrace's own losses; with likelihood= use "
+                             "fisher='true' (samples=... draws per output)")
         if kind == "reg":
             if num_classes is None:
                 raise ValueError("fisher='exact' needs the output width")
@@ -141,21 +143,23 @@ def fisher_passes(loss_fn: LossFn | None, fisher: str, sample_batch: Any, *, sam
             raise ValueError("fisher='exact' needs num_classes=")
         return [_label_cls(c) for c in range(num_classes)]
     generator = torch.Generator().manual_seed(seed)
-    weight = 1.0 / samples ** 0.5
-    make = {"lm": _sampled_lm, "cls": _sampled_cls, "reg": _sampled_reg}[kind]
-    return [make(generator, weight) for _ in range(samples)]
+    chosen = likelihood or BUILTIN_LIKELIHOODS[kind]
+    return [_weighted(chosen.sampled_loss(generator), 1.0 / samples ** 0.5) for _ in range(samples)]
 
 
-def resolve_fisher(fisher: str, loss_fn: LossFn | None, model: nn.Module,
-                   sample_batch: Any) -> tuple[str, int | None]:
+def resolve_fisher(fisher: str, loss_fn: LossFn | None, model: nn.Module, sample_batch: Any,
+                   likelihood: Likelihood | None = None) -> tuple[str, int | None]:
     """The Fisher to fit (``"auto"`` resolved) and, when it is ``"exact"``, the number of outputs it enumerates
     (one no-grad forward pass on ``sample_batch``; None otherwise).
 
     ``"auto"`` is ``"exact"`` for :func:`~gradtrace.losses.classification_loss` / ``regression_loss`` with at most
     :data:`EXACT_MAX_OUTPUTS` outputs (one pass per output), ``"true"`` (sampled labels) for larger ones and
     for :func:`~gradtrace.losses.causal_lm_loss`, ``"empirical"`` for a custom loss (gradtrace knows no
-    likelihood to sample its labels from). The fitted curvature's ``fisher`` records the choice.
+    likelihood to sample its labels from) unless ``likelihood=`` names one (then ``"true"``). The fitted
+    curvature's ``fisher`` records the choice.
     """
+    if fisher == "auto" and likelihood is not None:
+        return "true", None
     if fisher == "auto":
         kind = _kind(loss_fn or default_loss(sample_batch))
         if kind in ("custom", "lm"):

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..capture import capture
 from ..capture.dataset import run_capture
+from ..likelihoods import Likelihood
 from ..options import CaptureOptions, FitOptions, takes_options, with_record
 from ..projection.logra import LoGra
 from ..store.spec import GradientSpec, model_fingerprint
@@ -81,7 +82,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
                   spec: GradientSpec | None = None, samples: int = 1, seed: int = 0, max_dense: int = 4096,
                   damping: float = 0.1, damping_mode: str = "relative", device: Any = None,
                   join_bias: bool = True, progress: bool = False, options: CaptureOptions | None = None,
-                  fit_options: FitOptions | None = None) -> Curvature:
+                  fit_options: FitOptions | None = None, likelihood: Likelihood | None = None) -> Curvature:
     """Fit curvature on ``data`` at the model's current weights.
 
     Args:
@@ -90,6 +91,8 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
         fisher: ``"empirical"``, ``"true"`` (``samples`` label draws per example), ``"exact"`` or ``"auto"``
             (exact for classifiers / regressors with few outputs, else true: see :func:`resolve_fisher`); the
             choice made is the returned curvature's ``fisher``.
+        likelihood: for a custom ``loss_fn``, the distribution of its outputs that ``fisher="true"`` samples
+            labels from (:func:`gradtrace.likelihoods.categorical`, ``gaussian``); ``"auto"`` is then ``"true"``.
         projection: fit in a LoGra-projected space (a spec or its dict); ``spec``: the gradients the curvature
             will be used with (a store's spec): its projection and parameters are used unless given.
         max_dense: dense blocks larger than this are kept diagonal.
@@ -119,8 +122,9 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
         projection = LoGra.from_dict(projection)
     if projection is not None:
         projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
-    fisher, classes = resolve_fisher(fisher, loss_fn, model, first)
-    passes = fisher_passes(loss_fn, fisher, first, samples=samples, seed=seed, num_classes=classes)
+    fisher, classes = resolve_fisher(fisher, loss_fn, model, first, likelihood)
+    passes = fisher_passes(loss_fn, fisher, first, samples=samples, seed=seed, num_classes=classes,
+                           likelihood=likelihood)
 
     def run(callback, label: str) -> None:
         for fn in passes:

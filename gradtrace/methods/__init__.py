@@ -6,6 +6,7 @@ from .influence import EKFAC, GGN, KFAC, LoGraInfluence
 from .less import Less as Less
 from .similarity import GradCos, GradDot
 from .tracin import TracIn
+from .trackstar import TrackStar
 from .trak import TRAK
 from .whole_model import Arnoldi, ConjugateGradient, DenseGGN
 
@@ -15,7 +16,7 @@ __all__ = [
            "Method",
            "MissingStage",
            "TracIn", "KFAC", "EKFAC", "GGN", "LoGraInfluence", "Arnoldi", "ConjugateGradient", "DenseGGN",
-           "TRAK",
+           "TRAK", "TrackStar",
            "available_methods",
            "get_method",
            "register_method",

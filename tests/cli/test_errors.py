@@ -159,8 +159,10 @@ def test_incomplete_store_is_refused_by_score_but_inspectable(ws, runner, store,
 
 def test_tracin_option_errors(ws, runner, store, fresh):
     out = ["--out", fresh / "sc", "--no-progress"]
-    line = error_line(invoke(runner, "score", store, ws.queries, "--store", store, *out, code=2))
-    assert "--store adds checkpoints" in line
+    # --store with a single-checkpoint method is an ensemble (tests/cli/test_ensemble_cli.py); its flags are checked
+    line = error_line(invoke(runner, "score", store, ws.queries, "--store", store, "--ensemble-weights", 1, *out,
+                             code=2))
+    assert "1 --ensemble-weights for 2 stores" in line
     line = error_line(invoke(runner, "score", store, ws.queries, "--lr", 0.1, *out, code=2))
     assert "--lr" in line and "grad_dot" in line
     line = error_line(invoke(runner, "score", store, ws.queries, "--method", "tracin", "--store", store, "--lr", 0.1,

@@ -1,0 +1,93 @@
+"""Likelihoods of a model's outputs: what the true Fisher (``fisher="true"``: labels sampled from the model) samples.
+
+gradtrace knows the likelihood behind its own losses (categorical for ``classification_loss`` and
+``causal_lm_loss``, a unit Gaussian for ``regression_loss``). A custom ``loss_fn`` names its own::
+
+    likelihood = gradtrace.likelihoods.categorical(lambda model, batch: my_forward(model, batch).logits,
+                                                   mask=lambda batch: batch["loss_mask"][:, 1:])
+    attr.fit(model, data, my_loss, likelihood=likelihood)            # kfac / ekfac / ggn with fisher="true"
+
+``outputs(model, batch)`` returns the tensor the likelihood is over: ``[B, ..., C]`` logits (categorical) or
+``[B, ...]`` predicted means (Gaussian), with gradients. ``mask(batch)`` (categorical, optional) is ``[B, ...]``,
+True where an output counts (not padding, not an ignored position); the sampled labels of the other positions are
+ignored. Each fitting pass draws one label per output from ``generator`` (on the CPU, so a seed gives the same
+labels on any device) and returns the per-example loss ``-log p(sampled label | outputs)`` summed over the
+example's outputs, whose gradients' second moments are the true Fisher.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .losses import LossFn, token_cross_entropy
+
+__all__ = ["Likelihood", "categorical", "gaussian"]
+
+Outputs = Callable[[nn.Module, Any], Tensor]
+Mask = Callable[[Any], Tensor]
+
+
+@dataclass(frozen=True)
+class Likelihood:
+    """A distribution over a model's outputs (see the module docstring): ``kind`` ``"categorical"`` (over the last
+    dimension of ``outputs``) or ``"gaussian"`` (``N(outputs, variance I)``)."""
+
+    outputs: Outputs
+    kind: str = "categorical"
+    mask: Mask | None = None
+    variance: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("categorical", "gaussian"):
+            raise ValueError(f"likelihood kind must be 'categorical' or 'gaussian', got {self.kind!r}")
+        if not self.variance > 0:
+            raise ValueError(f"the Gaussian likelihood's variance must be > 0, got {self.variance!r}")
+        if not callable(self.outputs):
+            raise TypeError("likelihood outputs must be a function (model, batch) -> Tensor")
+
+    def sampled_loss(self, generator: torch.Generator) -> LossFn:
+        """The per-example loss of labels sampled from the model with ``generator`` (one fitting pass)."""
+        sample = self._categorical if self.kind == "categorical" else self._gaussian
+
+        def loss(model: nn.Module, batch: Any) -> Tensor:
+            return sample(self.outputs(model, batch), batch, generator)
+
+        return loss
+
+    def _categorical(self, logits: Tensor, batch: Any, generator: torch.Generator) -> Tensor:
+        """``[B]``: cross-entropy of labels drawn from ``softmax(logits)``, summed over each example's outputs."""
+        flat = logits.reshape(-1, logits.shape[-1])
+        with torch.no_grad():
+            probs = torch.softmax(flat.float(), dim=-1).cpu()
+            sampled = torch.multinomial(probs, 1, generator=generator).view(-1).to(logits.device)
+        if self.mask is not None:
+            keep = self.mask(batch).to(logits.device).reshape(-1)
+            if keep.numel() != sampled.numel():
+                raise ValueError(f"the likelihood's mask has {keep.numel()} entries, its logits {sampled.numel()} "
+                                 f"outputs (shape {tuple(logits.shape)}): the mask must be shaped like the logits "
+                                 "without their last dimension")
+            sampled = torch.where(keep.bool(), sampled, torch.full_like(sampled, -100))
+        per_output = token_cross_entropy(flat, sampled)
+        return per_output.view(logits.shape[0], -1).sum(1)
+
+    def _gaussian(self, means: Tensor, batch: Any, generator: torch.Generator) -> Tensor:
+        """``[B]``: ``|f - y|^2 / (2 variance)`` for ``y ~ N(f, variance I)``."""
+        noise = torch.randn(means.shape, generator=generator).to(means.device, means.dtype)
+        target = means.detach() + noise * self.variance ** 0.5
+        return 0.5 * (means - target).reshape(means.shape[0], -1).pow(2).sum(1) / self.variance
+
+
+def categorical(outputs: Outputs, mask: Mask | None = None) -> Likelihood:
+    """Labels drawn from ``softmax`` over the last dimension of ``outputs(model, batch)`` (``[B, ..., C]`` logits);
+    ``mask(batch)`` (``[B, ...]``): where an output counts (default: everywhere)."""
+    return Likelihood(outputs, "categorical", mask)
+
+
+def gaussian(outputs: Outputs, variance: float = 1.0) -> Likelihood:
+    """Targets drawn from ``N(outputs(model, batch), variance I)`` (a squared-error loss's likelihood)."""
+    return Likelihood(outputs, "gaussian", variance=variance)

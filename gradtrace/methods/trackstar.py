@@ -1,0 +1,239 @@
+"""TrackStar (Chang et al. 2024, "Scalable influence and fact tracing for LLM pretraining").
+
+A gradient ``g`` is divided coordinate by coordinate by the square root of Adam's second moment (the optimizer's
+``exp_avg_sq`` at the attributed weights, bias-corrected as Adam's update does: ``v_hat = v / (1 - b2**t)``),
+optionally preconditioned by a curvature ``R``, and unit-normalised; the score is a cosine::
+
+    n = g / (sqrt(v_hat) + eps)
+    tau(q, i) = n_q^T R^-1 n_i / (||n_q||_R ||n_i||_R),     ||x||_R = sqrt(x^T R^-1 x)   (R = I: plain cosine)
+
+i.e. the cosine of ``R^-1/2 n_q`` and ``R^-1/2 n_i``, as TrackStar's unit-normalised ``R^-1/2``-corrected features.
+The query side is preconditioned once (``R^-1 n_q / ||n_q||_R``); each block of training rows is divided by its
+``v`` and by its own ``||n_i||_R`` (with ``R``: one preconditioning of every training row at score time).
+
+**Projected stores.** Bergson and the paper normalise the gradient *before* the random projection (Bergson: Adam's
+``exp_avg_sq`` reduced to Adafactor row and column means, applied to the activations and output gradients in the
+hooks). gradtrace's stores keep raw gradients (one store serves every method), so for a LoGra store this method maps
+the second moment into the projected space instead: the second moment of a projected coordinate when the
+gradient's coordinates are independent with variances ``v``, i.e. the diagonal of ``P diag(v) P^T``, which for
+LoGra's Kronecker projection ``P_rows G P_cols^T`` is ``(P_rows**2) V (P_cols**2)^T`` per matrix (``(P**2) v`` per
+vector). On exact gradients the normalisation is TrackStar's exactly.
+
+``precondition``: None (``R = I``), ``"autocorrelation"`` (TrackStar's own ``R``: the second-moment matrix of the
+normalised training rows, ``N^T N + lambda I``, ``lambda = damping * mean eigenvalue``; ``D x D``, for projected
+stores), a curvature method's name (``"kfac"``, ``"ekfac"``, ``"ggn"``, ...: fitted in :meth:`fit` from the same
+model and data) or an already fitted :class:`~gradtrace.methods.Method` whose query transform is used as ``R^-1``.
+A method's curvature is the one of the raw gradients (as fitted for that method); only ``"autocorrelation"`` is
+the curvature of the normalised ones. Positive = helpful; scores are cosines in ``[-1, 1]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..curvature.curvature import CurvatureError
+from ..curvature.hvp import memory_text
+from ..projection.logra import LoGra
+from ..store.spec import GradientSpec, SpecMismatch
+from .base import Method, MissingStage, get_method, register_method
+from .less import AdamState, adam_states
+
+__all__ = ["TrackStar", "load_optimizer_state", "second_moment_denominator"]
+
+RECORD_HINT = ("pass attr.fit(model, optimizer=...) with the torch.optim.Adam/AdamW optimizer at the attributed "
+               "weights, its state_dict(), or a Trainer checkpoint directory holding optimizer.pt "
+               "(gradtrace.integrations.checkpoints(store) lists those a GradtraceCallback run saved)")
+
+
+def load_optimizer_state(optimizer: Any) -> Any:
+    """An optimizer, its ``state_dict()``, or a path to an ``optimizer.pt`` (or a checkpoint directory holding one),
+    as :func:`~gradtrace.methods.less.adam_states` takes it. Files are loaded with ``weights_only=True``."""
+    if isinstance(optimizer, (str, Path)):
+        path = Path(optimizer)
+        if path.is_dir():
+            path = path / "optimizer.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"trackstar: no optimizer state at {path}; {RECORD_HINT}")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    return optimizer
+
+
+def _bias_corrected(state: AdamState) -> Tensor:
+    """Adam's ``v_hat`` (float32, the parameter's shape): ``max_exp_avg_sq`` under amsgrad, else ``exp_avg_sq``."""
+    second = state.max_exp_avg_sq if state.max_exp_avg_sq is not None else state.exp_avg_sq
+    correction = 1.0 - state.beta2 ** max(state.step, 1.0)
+    return second.detach().to(torch.float32) / correction
+
+
+def _projected_moment(projection: LoGra, name: str, moment: Tensor) -> Tensor:
+    """``[k]``: the diagonal of ``P diag(v) P^T`` for ``name``'s LoGra projection (see the module docstring)."""
+    projector = projection.projector
+    if moment.dim() == 1:
+        return projector.matrix(name, "vector", moment.shape[0]).square() @ moment
+    matrix = moment.reshape(moment.shape[0], -1)
+    rows = projector.matrix(name, "rows", matrix.shape[0]).square()
+    cols = projector.matrix(name, "cols", matrix.shape[1]).square()
+    return (rows @ matrix @ cols.t()).reshape(-1)
+
+
+def second_moment_denominator(spec: GradientSpec, states: dict[str, AdamState], eps: float) -> Tensor:
+    """``[D]``: ``sqrt(v_hat) + eps`` laid out like ``spec``'s rows (mapped into a LoGra projection's space)."""
+    projection = None
+    if spec.projection is not None:
+        if spec.projection.get("kind") != "logra":
+            raise SpecMismatch(f"trackstar: gradients projected with {spec.projection.get('kind')!r} cannot be "
+                               "normalised by Adam's second moment; collect exact or LoGra-projected gradients")
+        projection = LoGra.from_dict(spec.projection)
+    parts = []
+    for name, dim in spec.params:
+        moment = _bias_corrected(states[name])
+        if projection is not None:
+            moment = _projected_moment(projection, name, moment)
+        moment = moment.reshape(-1)
+        if moment.numel() != dim:
+            raise SpecMismatch(f"trackstar: parameter {name!r} has {dim} gradient coordinates in the store but its "
+                               f"Adam state maps to {moment.numel()}; collect without joined biases")
+        parts.append(moment.clamp(min=0).sqrt() + eps)
+    return torch.cat(parts)
+
+
+def _unit(rows: Tensor, eps: float = 1e-12) -> Tensor:
+    return rows / rows.norm(dim=1, keepdim=True).clamp(min=eps)
+
+
+@register_method
+class TrackStar(Method):
+    """TrackStar (see the module docstring).
+
+    eps: Adam's epsilon, added to ``sqrt(v_hat)`` (None: the optimizer's own).
+    precondition: None, ``"autocorrelation"``, a curvature method's name or a fitted method.
+    damping: relative damping of ``"autocorrelation"`` (times the mean eigenvalue).
+    precondition_options: options of the curvature method named by ``precondition``.
+    max_dim: refuse ``"autocorrelation"`` for more dimensions (its matrix is ``D x D``).
+    """
+
+    name = "trackstar"
+    needs = ("second_moment",)
+    description = "TrackStar: Adam second-moment normalisation, optional curvature, unit-normalised (cosine)"
+
+    def __init__(self, eps: float | None = None, precondition: str | Method | None = None, damping: float = 0.1,
+                 precondition_options: dict[str, Any] | None = None, max_dim: int = 32768) -> None:
+        if damping < 0:
+            raise ValueError("trackstar: damping must be >= 0")
+        self.eps, self.damping, self.max_dim = eps, damping, max_dim
+        self.precondition = precondition
+        self.precondition_options = dict(precondition_options or {})
+        self.curvature: Method | None = precondition if isinstance(precondition, Method) else None
+        self.denominator: Tensor | None = None
+        self.values: Tensor | None = None
+        self.vectors: Tensor | None = None
+        self.spec: GradientSpec | None = None
+
+    def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, *,
+            optimizer: Any = None, param_names: Any = None, **options: Any) -> None:
+        """Read Adam's second moment of the stored parameters from ``optimizer`` (an Adam/AdamW optimizer, its
+        ``state_dict()`` or a checkpoint directory / ``optimizer.pt``; ``param_names``: the names of its parameters
+        in order, default the store's ``config["trainer"]["optimizer_parameters"]``), then fit the curvature of
+        ``precondition`` (``options`` go to that method's fit)."""
+        if optimizer is None:
+            raise MissingStage(f"trackstar needs Adam's second moment (exp_avg_sq): {RECORD_HINT}")
+        if model is None:
+            raise MissingStage("trackstar: attr.fit(model, optimizer=...) needs the model, to match the optimizer's "
+                               "parameters to the stored ones")
+        spec = attributor.spec
+        if param_names is None:
+            manifest = getattr(attributor.train[0], "manifest", None) or {}
+            param_names = ((manifest.get("config") or {}).get("trainer") or {}).get("optimizer_parameters")
+        states = adam_states(model, load_optimizer_state(optimizer), [n for n, _ in spec.params],
+                             param_names=param_names)
+        eps = self.eps if self.eps is not None else next(iter(states.values())).eps
+        self.denominator = second_moment_denominator(spec, states, eps).to(attributor.device)
+        self.spec = spec
+        if self.precondition == "autocorrelation":
+            self._fit_autocorrelation(attributor)
+        elif isinstance(self.precondition, str):
+            self.curvature = get_method(self.precondition, **self.precondition_options)
+            self.curvature.fit(attributor, model, data, loss_fn, **options)
+        elif self.precondition is not None and not isinstance(self.precondition, Method):
+            raise ValueError(f"trackstar: precondition must be None, 'autocorrelation', a method name or a fitted "
+                             f"method, got {self.precondition!r}")
+
+    def _fit_autocorrelation(self, attributor: Any) -> None:
+        dim = self.spec.dim
+        if dim > self.max_dim:
+            raise CurvatureError(f"trackstar: precondition='autocorrelation' of {dim:,}-dimensional gradients takes "
+                                 f"{memory_text(8 * dim * dim)} (float64), beyond max_dim={self.max_dim:,}; collect "
+                                 "projected gradients (projection=gradtrace.LoGra(rank=...)) or raise max_dim=")
+        source = attributor.train[0]
+        kernel = torch.zeros(dim, dim, dtype=torch.float64, device=attributor.device)
+        for _, block in source.iter_blocks(attributor.block_rows, attributor.device):
+            normalized = (block.to(torch.float32) / self.denominator).to(torch.float64)
+            kernel += normalized.t() @ normalized
+        values, self.vectors = torch.linalg.eigh(kernel)
+        self.values = values.clamp(min=0)
+
+    def check_ready(self) -> None:
+        if self.denominator is None:
+            raise MissingStage(f"trackstar needs Adam's second moment: {RECORD_HINT}")
+        if self.curvature is not None:
+            self.curvature.check_ready()
+
+    def bind(self, spec: GradientSpec) -> None:
+        self.check_ready()
+        if spec.params != self.spec.params or spec.projection != self.spec.projection:
+            raise SpecMismatch("trackstar: the second moment was laid out for other gradients (parameters or "
+                               "projection differ); fit it on these")
+        if self.curvature is not None:
+            self.curvature.bind(spec)
+
+    def _inverse(self, normalized: Tensor, checkpoint: int) -> Tensor | None:
+        """``R^-1 n`` (None when ``R = I``)."""
+        if self.values is not None:
+            lam = self.damping * float(self.values.mean())
+            if float(self.values.min()) + lam <= 0:
+                raise CurvatureError("trackstar: the autocorrelation matrix is singular and damping is 0; use "
+                                     "damping > 0")
+            vectors = self.vectors.to(normalized.device)
+            rotated = normalized.to(torch.float64) @ vectors
+            return ((rotated / (self.values.to(normalized.device) + lam)) @ vectors.t()).to(torch.float32)
+        if self.curvature is not None:
+            return self.curvature.prepare_queries(normalized, checkpoint)
+        return None
+
+    def _normalized(self, rows: Tensor) -> Tensor:
+        return rows.to(torch.float32) / self.denominator.to(rows.device)
+
+    def _metric_norm(self, normalized: Tensor, inverse: Tensor) -> Tensor:
+        """``[n, 1]``: ``sqrt(n^T R^-1 n)`` per row."""
+        quadratic = (normalized * inverse).sum(1, keepdim=True)
+        if bool((quadratic < 0).any()):
+            raise CurvatureError("trackstar: the preconditioner is not positive definite on these gradients "
+                                 "(n^T R^-1 n < 0); raise its damping")
+        return quadratic.clamp(min=1e-30).sqrt()  # a zero gradient stays a zero row
+
+    def prepare_queries(self, queries: Tensor, checkpoint: int = 0) -> Tensor:
+        """``R^-1 n_q / ||n_q||_R`` (``n_q / ||n_q||`` without preconditioning)."""
+        self.check_ready()
+        normalized = self._normalized(queries)
+        inverse = self._inverse(normalized, checkpoint)
+        if inverse is None:
+            return _unit(normalized)
+        return inverse / self._metric_norm(normalized, inverse)
+
+    def prepare_train(self, block: Tensor, checkpoint: int = 0) -> Tensor:
+        """``n_i / ||n_i||_R`` (``n_i / ||n_i||`` without preconditioning)."""
+        normalized = self._normalized(block)
+        inverse = self._inverse(normalized, checkpoint)
+        if inverse is None:
+            return _unit(normalized)
+        return normalized / self._metric_norm(normalized, inverse)
+
+    def options(self) -> dict[str, Any]:
+        name = self.precondition if self.precondition is None or isinstance(self.precondition, str) else \
+            self.precondition.name
+        return {"eps": self.eps, "precondition": name, "damping": self.damping,
+                "precondition_options": self.precondition_options}
