@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..options import StoreOptions
+from ..provenance import record_paths
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
@@ -101,8 +102,9 @@ def run(opts: CollectOptions) -> None:
     with phases("gradients"), _interrupt_reported(store_opts.out):
         store = gradtrace.collect(model, batches, options=capture_options, store=store_opts.out,
                                   store_options=settings, device=device, progress=opts.progress,
-                                  config={META_KEY: provenance("collect", opts.data, batches.num_examples),
-                                          **values})
+                                  config=record_paths({META_KEY: provenance("collect", opts.data,
+                                                                            batches.num_examples), **values},
+                                                      store_opts.out))
     seconds = phases.seconds["gradients"]
     phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
     written = write_resolved(store_opts.out, "collect", values)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from .. import options as api
+from ..provenance import resolve_paths
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
@@ -104,7 +105,7 @@ def run(opts: FitOptions) -> None:
         if opts.data is None:
             raise CliError(f"--method {cv.method} fits on data: give DATA (usually the training examples)")
         if model_dir is None:
-            recorded = (store.manifest.get("config") or {}).get("model")
+            recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
             if not recorded:
                 raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
             model_dir = Path(recorded)
@@ -130,7 +131,8 @@ def run(opts: FitOptions) -> None:
                     curvature_options=replace(cv, out=cv.out.absolute()), data_options=data_opts,
                     model_options=replace(model_opts, device=device))
     values = resolved(final)
-    curvature.meta["config"] = {META_KEY: provenance("fit"), **values}
+    read = (opts.data, batches.num_examples) if cv.method != "logra" else (None, None)  # the data fitted on
+    curvature.meta["config"] = {META_KEY: provenance("fit", *read), **values}
     with phases("save"):
         curvature.save(cv.out)
         written = write_resolved(cv.out, "fit", values)

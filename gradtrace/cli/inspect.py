@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ..provenance import resolve_paths
 from .collect import projection_label
 from .config import META_KEY
 from .errors import CliError
@@ -61,6 +62,8 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
         store = GradientStore.open(path, verify=verify, allow_incomplete=True)
         info = store.info()
         info["ranks"] = {str(rank): status for rank, status in info["ranks"].items()}
+        if isinstance(info.get("config"), dict):  # paths recorded relative to the store's folder (older: absolute)
+            info["config"] = resolve_paths(info["config"], path)
         return {"kind": "gradient store", **info, "complete": store.complete, "checksums_verified": verify,
                 "checked": store_checks(info["schema_version"], verify), "param_dims": dict(store.spec.params)}
     if (path / "scores.json").exists():
@@ -122,7 +125,8 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
         meta = dict(info.get("meta") or {})
         rows = [("method", str(info["method"])), ("fisher", str(info["fisher"])), ("damping", _short(info["damping"])),
                 ("blocks", f"{info['blocks']:,}")]
-        return rows + [(key, _short(value)) for key, value in meta.items()] + _provenance_rows(info, {})
+        return rows + [(key, _short(value)) for key, value in meta.items()] + \
+            _provenance_rows(info, meta.get("config") or {})
     if info["kind"] == "scores":
         meta = dict(info["meta"])
         config = meta.pop("config", {}) or {}

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..provenance import resolve_paths
 from .dataset import read_dataset
 from .errors import CliError
 from .groups import DataOptions
@@ -25,7 +26,7 @@ __all__ = ["recorded_data", "token_attributions"]
 
 def recorded_data(store: Any) -> tuple[Path, DataOptions]:
     """The training data file and data options a store records (written by ``gradtrace collect``)."""
-    recorded = store.manifest.get("config") or {}
+    recorded = resolve_paths(store.manifest.get("config") or {}, store.root)
     data = recorded.get("data")
     if not data:
         raise CliError(f"--tokens re-captures the top-k training examples from the store's data, but store "

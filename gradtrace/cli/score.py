@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from ..methods import available_methods, get_method
 from ..projection import LoGra, projection_from_dict
+from ..provenance import resolve_paths
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .ensemble import EnsembleOptions, check_ensemble, ensemble_methods, is_ensemble, score_ensemble
@@ -369,7 +370,7 @@ def _models(given: list[Path], stores: list[Any]) -> list[Path]:
         return list(given)
     models = []
     for store in stores:
-        recorded = (store.manifest.get("config") or {}).get("model")
+        recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
         if not recorded:
             raise CliError(f"store {store.root} does not record the model it was collected with: pass --model "
                            "MODEL_DIR")

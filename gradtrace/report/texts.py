@@ -19,6 +19,7 @@ from ..common.errors import UsageError
 from ..common.model_dir import load_tokenizer
 from ..data.errors import DataError
 from ..data.prepare import dataset_texts
+from ..provenance import resolve_paths
 from .errors import ReportError
 
 __all__ = ["DataSource", "read_texts", "recorded_sources", "resolve_source"]
@@ -36,17 +37,33 @@ class DataSource:
     model: Path | None = None
     max_length: int | None = None
     recorded: Mapping[str, Any] = field(default_factory=dict)
+    model_given: bool = False
+    """``model`` was given by the user (a tokenizer that fails to load is then an error; a recorded one that is
+    gone is skipped, which works for data with its own ids)."""
 
 
 def read_texts(source: DataSource, *, what: str = "data") -> dict[str, str]:
     """``{id: text}`` of ``source``, ids computed as the collect/score commands computed them."""
     try:
-        tokenizer = load_tokenizer(source.model) if source.model is not None else None
+        tokenizer = _tokenizer(source)
         recorded = {**source.recorded, "max_length": source.max_length}
         return dataset_texts(source.path, tokenizer, recorded, text_field=source.text_field,
                              id_field=source.id_field, what=what)
     except (UsageError, DataError) as err:
         raise ReportError(str(err)) from None
+
+
+def _tokenizer(source: DataSource) -> Any:
+    """The tokenizer of ``source.model`` (None without one, or when a recorded model directory is gone: data with
+    its own ids needs none, and data without them says to pass ``--model``)."""
+    if source.model is None:
+        return None
+    try:
+        return load_tokenizer(source.model)
+    except UsageError:
+        if source.model_given:
+            raise
+        return None
 
 
 def _first(value: Any) -> Any:
@@ -64,7 +81,8 @@ def _source(config: dict[str, Any], key: str) -> DataSource | None:
 
 def recorded_sources(meta: dict[str, Any]) -> tuple[DataSource | None, DataSource | None]:
     """``(training data, queries)`` recorded by ``gradtrace score`` in ``Scores.meta["config"]`` (None where a
-    source was not recorded: scores made in Python, or a store collected in Python)."""
+    source was not recorded: scores made in Python, or a store collected in Python). The store's paths are read
+    against its folder (:func:`gradtrace.provenance.resolve_paths`)."""
     config = meta.get("config") or {}
     queries = _source(config, "queries")
     store = config.get("store")
@@ -74,15 +92,15 @@ def recorded_sources(meta: dict[str, Any]) -> tuple[DataSource | None, DataSourc
         manifest = json.loads((Path(store) / "manifest.json").read_text())
     except (OSError, ValueError):
         return None, queries
-    return _source(manifest.get("config") or {}, "data"), queries
+    return _source(resolve_paths(manifest.get("config") or {}, store), "data"), queries
 
 
 def resolve_source(given: str | Path | None, recorded: DataSource | None, *, what: str, option: str,
-                   text_field: str | None = None, id_field: str | None = None,
-                   model: str | Path | None = None) -> DataSource:
+                   text_field: str | None = None, id_field: str | None = None, model: str | Path | None = None,
+                   fields: Mapping[str, str] | None = None) -> DataSource:
     """The dataset to read: ``given`` (read with the recorded settings, overridden by ``text_field``,
-    ``id_field``, ``model``), else the ``recorded`` one; an error naming ``option`` when there is neither or the
-    recorded file is gone."""
+    ``id_field``, ``model`` and the data options ``fields``: ``{"prompt_field": ..., ...}``), else the ``recorded``
+    one; an error naming ``option`` when there is neither or the recorded file is gone."""
     if given is None:
         if recorded is None:
             raise ReportError(f"the scores record no {what} to take texts from (scored in Python, or from a store "
@@ -90,6 +108,7 @@ def resolve_source(given: str | Path | None, recorded: DataSource | None, *, wha
         if not recorded.path.exists():
             raise ReportError(f"the {what} recorded with the scores, {recorded.path}, does not exist: pass {option}")
     base = recorded or DataSource(Path(given))  # type: ignore[arg-type]
-    model = model or base.model
+    chosen = model or base.model
     return DataSource(Path(given) if given is not None else base.path, text_field or base.text_field,
-                      id_field or base.id_field, Path(model) if model else None, base.max_length, base.recorded)
+                      id_field or base.id_field, Path(chosen) if chosen else None, base.max_length,
+                      {**base.recorded, **(fields or {})}, model_given=model is not None)

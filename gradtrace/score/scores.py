@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..methods.base import SIGN_CONVENTION
 from ..options import RECORD_KEY
+from ..provenance import record_paths, resolve_paths
 from ..store.artifact import ArtifactError, read_artifact, write_artifact
 
 __all__ = ["Scores", "ScoresError", "TopK", "scoring_meta"]
@@ -218,7 +219,9 @@ class Scores:
     def save(self, path: str | Path) -> Path:
         """Write ``path/scores.json`` (ids, method, meta, checksums) and ``path/scores-<hash>.safetensors``
         (tensors), atomically: a failed save (a full disk raises :class:`OSError`) leaves previous scores in
-        ``path`` intact."""
+        ``path`` intact. The paths of the recorded configuration (``meta["config"]``: store, queries, model, ...)
+        are written relative to ``path`` where they lie under or beside it, and read back against it by
+        :meth:`load` (:func:`gradtrace.provenance.record_paths`): copied scores point at the copy's files."""
         tensors = {}
         if self.matrix is not None:
             tensors["matrix"] = self.matrix
@@ -226,7 +229,10 @@ class Scores:
             if kept is not None:
                 tensors[f"{name}_values"] = kept[0]
                 tensors[f"{name}_indices"] = kept[1]
-        info = {"method": self.method, "meta": self.meta, "query_ids": self.query_ids, "train_ids": self.train_ids}
+        meta = dict(self.meta)
+        if isinstance(meta.get("config"), dict):
+            meta["config"] = record_paths(meta["config"], path)
+        info = {"method": self.method, "meta": meta, "query_ids": self.query_ids, "train_ids": self.train_ids}
         write_artifact(path, "scores", FORMAT, VERSION, info, tensors)
         return Path(path)
 
@@ -251,6 +257,8 @@ class Scores:
         if not all(isinstance(value, list) for value in ids.values()):
             raise ScoresError(f"{path / 'scores.json'} is malformed (train_ids and query_ids must be lists); score "
                               "again")
+        if isinstance(meta.get("config"), dict):  # paths recorded relative to the scores' folder (older: absolute)
+            meta["config"] = resolve_paths(meta["config"], path)
         kept = {name: (tensors[f"{name}_values"], tensors[f"{name}_indices"]) for name in ("top", "bottom")
                 if f"{name}_values" in tensors}
         try:

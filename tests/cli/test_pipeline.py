@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
 import gradtrace
+from gradtrace.provenance import resolve_paths
 from tests.cli.conftest import error_line, invoke
 
 
@@ -44,12 +46,17 @@ def test_collect_writes_store_config_and_manifest(ws, store):
     assert resolved["rank"] == 4 and resolved["batch_size"] == 5 and resolved["projection"] == "logra"
     assert resolved["max_length"] == 48  # resolved from the model's context
     assert resolved["device"] == "cpu"  # "auto" resolved
-    # the saved config: paths relative to its folder (the store, beside the model and data); the manifest records
-    # the absolute paths this run read, and the same values otherwise
+    # the saved config and the manifest: paths relative to the store's folder (beside the model and data), read
+    # back against it; the manifest also keeps the folder it was written in, and the same values otherwise
     assert (resolved["model"], resolved["data"], resolved["out"]) == ("../model", "../train.jsonl", ".")
     manifest_config = opened.manifest["config"]
-    assert manifest_config["model"] == str(ws.model.absolute()) and manifest_config["out"] == str(store.absolute())
-    paths = {"model", "data", "out", "gradtrace", "provenance"}
+    assert (manifest_config["model"], manifest_config["data"], manifest_config["out"]) == \
+        ("../model", "../train.jsonl", ".")
+    assert manifest_config["gradtrace"]["data"]["path"] == "../train.jsonl"
+    assert manifest_config["recorded_in"] == str(store.resolve())
+    back = resolve_paths(manifest_config, store)
+    assert Path(back["model"]) == ws.model.absolute() and Path(back["data"]) == ws.train.absolute()
+    paths = {"model", "data", "out", "gradtrace", "provenance", "recorded_in"}
     assert {k: v for k, v in manifest_config.items() if k not in paths} == \
         {k: v for k, v in resolved.items() if k not in paths}
 
