@@ -15,8 +15,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ORIGIN_KEY", "PATH_KEYS", "environment", "file_fingerprint", "record_paths", "relative_path", "resolve_path",
-           "resolve_paths"]
+__all__ = ["ORIGIN_KEY", "PATH_KEYS", "environment", "file_fingerprint", "record_paths", "relative_path",
+           "resolve_path", "resolve_paths"]
 
 _CHUNK = 1 << 22  # 4 MiB reads: hashing streams the file, whatever its size
 _PACKAGES = ("gradtrace", "torch", "transformers", "datasets", "safetensors")

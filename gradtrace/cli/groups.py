@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from ..options import CaptureOptions
 from ..projection import LoGra
 from .options import Group, cli
 
-__all__ = ["DATA_HELP", "DataOptions", "GenerateOptions", "ModelOptions", "ProjectionOptions"]
+__all__ = ["DATA_HELP", "DataOptions", "GenerateOptions", "ModelOptions", "ProjectionOptions", "TextOptions"]
 
 DATA_HELP = ("Training examples: .jsonl, .json, .parquet, .csv, .txt (one per line) or a save_to_disk directory; "
              "formats text, prompt-completion or messages, detected from the fields (see --format).")
@@ -114,3 +115,66 @@ class ProjectionOptions(Group):
             except ValueError:
                 raise ValueError(f"--ranks: expected GLOB=ROWSxCOLS or GLOB=RANK, got {part!r}") from None
         return out
+
+
+@dataclass(kw_only=True)
+class TextOptions(Group):
+    """Where the texts shown beside the scores come from (``gradtrace topk`` and ``gradtrace report``): the training
+    data and the query file, each read with the data options recorded when it was collected or scored, which these
+    options override."""
+
+    panel = "Texts"
+    data: Path | None = field(default=None, metadata=cli(
+        "Training data (as given to collect) for the training examples' texts (report: default the data the store "
+        "was collected from)."))
+    queries: Path | None = field(default=None, metadata=cli(
+        "Query data (as given to score) for the queries' texts (report: default the file gradtrace score read)."))
+    text_field: str | None = field(default=None, metadata=cli(
+        "Text field of --data and --queries (default: as recorded when collecting/scoring, else 'text')."))
+    train_text_field: str | None = field(default=None, metadata=cli(
+        "Text field of the training data only (overrides --text-field)."))
+    query_text_field: str | None = field(default=None, metadata=cli(
+        "Text field of the queries only (overrides --text-field)."))
+    prompt_field: str | None = field(default=None, metadata=cli(
+        "Prompt field of prompt-completion data, shown as prompt + completion (default: as recorded, else "
+        "'prompt')."))
+    completion_field: str | None = field(default=None, metadata=cli(
+        "Completion field of prompt-completion data (default: as recorded, else 'completion')."))
+    id_field: str | None = field(default=None, metadata=cli(
+        "Id field of --data/--queries (default: as recorded, else 'id')."))
+    model: Path | None = field(default=None, metadata=cli(
+        "Tokenizer directory for content-hash ids, when the data has no ids (default: the model recorded with "
+        "the store/scores).", metavar="MODEL_DIR"))
+
+    def source(self, side: Literal["train", "query"], recorded: Any) -> Any:
+        """The :class:`gradtrace.report.texts.DataSource` of one side: ``--data``/``--queries`` if given (read with
+        the ``recorded`` settings), else the ``recorded`` source; these options override its fields."""
+        from ..report import ReportError
+        from ..report.texts import resolve_source
+        from .errors import CliError
+
+        train = side == "train"
+        given, option = (self.data, "--data TRAIN.jsonl") if train else (self.queries, "--queries QUERIES.jsonl")
+        fields = {name: value for name, value in (("prompt_field", self.prompt_field),
+                                                  ("completion_field", self.completion_field)) if value}
+        try:
+            return resolve_source(given, recorded, what="training data" if train else "queries", option=option,
+                                  text_field=(self.train_text_field if train else self.query_text_field)
+                                  or self.text_field, id_field=self.id_field, model=self.model, fields=fields)
+        except ReportError as err:
+            raise CliError(str(err)) from None
+
+    def texts(self, side: Literal["train", "query"], recorded: Any) -> tuple[dict[str, str], str]:
+        """``({id: text}, where they came from)`` of one side (:meth:`source`), ids as collect/score gave them."""
+        from ..report import ReportError, read_texts
+        from .errors import CliError
+
+        source = self.source(side, recorded)
+        what = "training data" if side == "train" else "queries"
+        try:
+            texts = read_texts(source, what=what)
+        except ReportError as err:
+            raise CliError(str(err)) from None
+        given = self.data if side == "train" else self.queries
+        flag = "--data" if side == "train" else "--queries"
+        return texts, f"{flag} {source.path}" if given is not None else f"{what} file {source.path} (recorded)"

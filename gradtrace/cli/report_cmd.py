@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CliError
+from .groups import TextOptions
 from .options import cli
 from .report import console, human_bytes
 from .score import MethodName
@@ -28,17 +29,7 @@ class ReportOptions:
                                       metavar="SCORES_DIR"))
     out: Path | None = field(default=None, metadata=cli(
         "HTML file to write (default: SCORES_DIR/report.html).", "--out", "-o", metavar="FILE"))
-    data: Path | None = field(default=None, metadata=cli(
-        "Training data (.jsonl/.txt) for the examples' texts (default: the data the store was collected from)."))
-    queries: Path | None = field(default=None, metadata=cli(
-        "Query data (.jsonl/.txt) for the queries' texts (default: the file gradtrace score read)."))
-    text_field: str | None = field(default=None, metadata=cli(
-        "JSONL text field of --data/--queries (default: as recorded when collecting/scoring, else 'text')."))
-    id_field: str | None = field(default=None, metadata=cli(
-        "JSONL id field of --data/--queries (default: as recorded, else 'id')."))
-    model: Path | None = field(default=None, metadata=cli(
-        "Tokenizer directory for content-hash ids, when the data has no ids (default: the model recorded with "
-        "the store/scores).", metavar="MODEL_DIR"))
+    text_options: TextOptions
     k: int = field(default=5, metadata=cli("Helpful and harmful training examples shown per query.", "--k", "-k",
                                            min=1))
     per_page: int = field(default=20, metadata=cli("Queries per page of the report.", min=1))
@@ -74,8 +65,8 @@ def run(opts: ReportOptions) -> None:
         raise CliError(f"--out {out} is a directory; give the report's file name (e.g. {out / 'report.html'})")
     scores = Scores.load(opts.scores)
     train_source, query_source = recorded_sources(scores.meta)
-    texts, text_from = _texts(opts.data, train_source, opts, "training data", "--data TRAIN.jsonl")
-    queries, query_from = _texts(opts.queries, query_source, opts, "queries", "--queries QUERIES.jsonl")
+    texts, text_from = opts.text_options.texts("train", train_source)
+    queries, query_from = opts.text_options.texts("query", query_source)
     self_scores, self_method = _self_scores(scores, opts) if opts.self_influence else (None, None)
     report = build_report(scores, texts, queries, k=opts.k, per_page=opts.per_page, max_chars=opts.max_chars,
                           self_scores=self_scores, self_method=self_method, self_k=opts.self_k,
@@ -83,22 +74,6 @@ def run(opts: ReportOptions) -> None:
     write_atomic(out, render_html(report))
     console().print(f"Report of {len(scores.query_ids):,} queries x {len(scores.train_ids):,} training examples "
                     f"written to {out} ({human_bytes(out.stat().st_size)}, {time.perf_counter() - started:.1f} s)")
-
-
-def _texts(given: Path | None, recorded: Any, opts: ReportOptions, what: str, option: str
-           ) -> tuple[dict[str, str], str]:
-    """Texts of ``--data``/``--queries`` (read with the recorded settings unless overridden), else of the recorded
-    file; and the source's name for error messages."""
-    from ..report import ReportError, read_texts, resolve_source
-
-    try:
-        source = resolve_source(given, recorded, what=what, option=option, text_field=opts.text_field,
-                                id_field=opts.id_field, model=opts.model)
-        texts = read_texts(source, what=what)
-    except ReportError as err:
-        raise CliError(str(err)) from None
-    name = f"{option.split()[0]} {source.path}" if given is not None else f"{what} file {source.path} (recorded)"
-    return texts, name
 
 
 def _self_scores(scores: Any, opts: ReportOptions) -> tuple[Any, str]:

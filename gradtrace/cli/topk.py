@@ -11,10 +11,11 @@ from typing import Any, Literal
 
 from rich.table import Table
 
-from ..data.prepare import dataset_texts
+from ..provenance import resolve_paths
+from ..report.texts import recorded_sources
 from .config import read_resolved
 from .errors import CliError
-from .models import load_tokenizer
+from .groups import TextOptions
 from .options import cli
 from .report import console
 
@@ -32,17 +33,7 @@ class TopkOptions:
         "Show only this query id (repeat for several).", "--query", "-q"))
     bottom: bool = field(default=False, metadata=cli(
         "Show the lowest scores (the examples that hurt the query most) instead."))
-    data: Path | None = field(default=None, metadata=cli(
-        "Training data (as given to collect) to show each training example's text."))
-    queries: Path | None = field(default=None, metadata=cli(
-        "Query data (as given to score) to show each query's text."))
-    text_field: str | None = field(default=None, metadata=cli(
-        "JSONL text field of --data/--queries (default: as recorded when collecting/scoring, else 'text')."))
-    id_field: str | None = field(default=None, metadata=cli(
-        "JSONL id field of --data/--queries (default: as recorded, else 'id')."))
-    model: Path | None = field(default=None, metadata=cli(
-        "Tokenizer directory for content-hash ids, when the data has no ids (default: the model recorded with "
-        "the store/scores).", metavar="MODEL_DIR"))
+    text_options: TextOptions
     format: Literal["table", "csv", "json"] = field(default="table", metadata=cli(
         "Output: a table, or CSV/JSON rows on stdout.", "--format", "-f"))
     width: int = field(default=60, metadata=cli("Characters of text shown per snippet in the table.", min=10))
@@ -52,7 +43,7 @@ OPTIONS = TopkOptions
 
 
 def run(opts: TopkOptions) -> None:
-    """Show the top-k training examples of each query (with their text when --data is given).
+    """Show the top-k training examples of each query (with their texts when --data/--queries are given).
 
     Positive score = the training example helps the query (lowers its loss); --bottom shows the most harmful.
 
@@ -66,18 +57,20 @@ def run(opts: TopkOptions) -> None:
         raise CliError(f"{opts.scores} holds no saved scores (no scores.json); write them with gradtrace score")
     scores = Scores.load(opts.scores)
     rows = _rows(scores, opts)
-    score_config = scores.meta.get("config") or read_resolved(opts.scores, "score") or {}
-    if opts.data is not None:
-        texts = _texts(opts.data, opts, _collect_config(score_config), what="data")
+    texts = opts.text_options
+    config = scores.meta.get("config") or resolve_paths(read_resolved(opts.scores, "score") or {}, opts.scores)
+    train_source, query_source = recorded_sources({"config": config})
+    if texts.data is not None:
+        train_texts, _ = texts.texts("train", train_source)
         for row in rows:
-            row["train_text"] = texts.get(row["train_id"])
+            row["train_text"] = train_texts.get(row["train_id"])
     answers = scores.meta.get("answers") or {}  # gradtrace score --generate: the model's answers
     if answers:
         for row in rows:
             row["answer"] = answers.get(row["query_id"])
     query_texts: dict[str, str] = {}
-    if opts.queries is not None:
-        query_texts = _texts(opts.queries, opts, score_config, what="queries")
+    if texts.queries is not None:
+        query_texts, _ = texts.texts("query", query_source)
         for row in rows:
             row["query_text"] = query_texts.get(row["query_id"])
     if opts.format == "json":
@@ -101,35 +94,6 @@ def _rows(scores: Any, opts: TopkOptions) -> list[dict[str, Any]]:
     return [r for r in records if not wanted or r["query_id"] in wanted]
 
 
-def _collect_config(score_config: dict[str, Any]) -> dict[str, Any]:
-    """The collect configuration recorded in the training store the scores were computed against."""
-    store = score_config.get("store")
-    if not store:
-        return {}
-    try:
-        manifest = json.loads((Path(store) / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return read_resolved(Path(store), "collect") or {}
-    return manifest.get("config") or {}
-
-
-def _texts(path: Path, opts: TopkOptions, recorded: dict[str, Any], what: str) -> dict[str, str]:
-    text_field = opts.text_field or recorded.get("text_field") or "text"
-    id_field = opts.id_field or recorded.get("id_field") or "id"
-    model = opts.model
-    if model is None and recorded.get("model"):
-        model = recorded["model"][0] if isinstance(recorded["model"], list) else recorded["model"]
-
-    tokenizer = None
-    if model is not None:
-        try:
-            tokenizer = load_tokenizer(Path(model))
-        except CliError:
-            if opts.model is not None:
-                raise
-    return dataset_texts(path, tokenizer, recorded, text_field=text_field, id_field=id_field, what=what)
-
-
 def _snippet(text: str | None, width: int) -> str:
     if text is None:
         return "(not in the data)"
@@ -145,7 +109,7 @@ def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, qu
     by_query: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_query.setdefault(row["query_id"], []).append(row)
-    show_text = opts.data is not None
+    show_text = opts.text_options.data is not None
     for query_id, query_rows in by_query.items():
         title = f"query {query_id}"
         if query_id in query_texts:
