@@ -374,19 +374,26 @@ def _models(given: list[Path], stores: list[Any]) -> list[Path]:
         if not recorded:
             raise CliError(f"store {store.root} does not record the model it was collected with: pass --model "
                            "MODEL_DIR")
+        if (store.manifest.get("config") or {}).get("trainer") and not (Path(recorded) / "config.json").exists():
+            raise CliError(f"store {store.root} was written during training with output dir {recorded}, which holds "
+                           "no saved model: save the final model there (trainer.save_model() after train()) or pass "
+                           f"--model {recorded}/checkpoint-STEP")
         models.append(Path(recorded))
     return models
 
 
 def _check_match(store: Any, queries: Any, model_dir: Path) -> None:
-    """Refuse query gradients that cannot be compared with the store; warn about different weights."""
+    """Refuse query gradients that cannot be compared with the store; warn about weights other than the store's
+    (those of a checkpoint a Trainer run saved inside the captured step range, or of its final model, are its)."""
+    from ..integrations.trainer_store import trained_weights
     from ..store.spec import SpecMismatch
 
     try:
         store.spec.check_compatible(queries.spec, f"store {store.root} vs the queries' gradients from {model_dir}")
     except SpecMismatch as err:
         raise CliError(str(err)) from None
-    if store.spec.model.get("weights") != queries.spec.model.get("weights"):
+    weights = queries.spec.model.get("weights")
+    if weights != store.spec.model.get("weights") and weights not in trained_weights(store):
         console(stderr=True).print(
             f"[yellow]Warning: the weights of {model_dir} differ from those of the model that collected "
             f"{store.root}; the scores compare gradients taken at different weights.[/yellow]")

@@ -20,7 +20,9 @@ from ..capture import Capture
 from ..common.models import strip_wrappers, unwrap
 from ..common.ranks import rank_and_world as dist_rank
 from ..options import with_record
+from ..provenance import record_paths, relative_path
 from ..sink import StoreWriter
+from ..store.spec import model_fingerprint
 from .fused_head import UnfusedLMHead, captures_output_embedding
 from .trainer_ids import ID_KEY, prepare_ids
 from .trainer_loss import CallLoss, TrainerLoss, loss_ratio
@@ -116,8 +118,11 @@ class Session:
                                                                      "loss_scale": _describe_scale(cb.loss_scale)},
             "optimizer_parameters": _optimizer_parameter_names(trainer.optimizer, model),
             "checkpoints": []}
-        config = with_record({**cb.config, CONFIG_KEY: self.trainer_config}, capture=cb.options,
-                             store=cb.store_options)
+        output_dir = os.path.abspath(args.output_dir)
+        self.trainer_config["output_dir"] = relative_path(output_dir, cb.path)
+        # the model directory score loads by default: the output dir, where trainer.save_model() puts the final model
+        config = with_record({**record_paths({"model": output_dir}, cb.path), **cb.config,
+                              CONFIG_KEY: self.trainer_config}, capture=cb.options, store=cb.store_options)
         preflight(cb.path, rank, world_size, cb.resume, cb.overwrite)
         self.writer = StoreWriter(cb.path, dtype=cb.dtype, shard_rows=cb.shard_rows or 4096, resume=cb.resume,
                                   overwrite=cb.overwrite, mixed_weights=True, config=config)
@@ -230,6 +235,8 @@ class Session:
         if step < 0 or step % self.cb.every != 0:
             return
         self.rows.position = {"step": int(state.global_step), "epoch": self.epoch, "lr": lr}
+        steps = self.trainer_config.setdefault("steps", {"first": int(state.global_step)})
+        steps["last"] = int(state.global_step)  # the captured step range
         if self.entered:  # coverage warnings were given at the first step
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -252,15 +259,20 @@ class Session:
 
     # -- checkpoints -----------------------------------------------------------------------------
     def saved(self, args: Any, state: Any) -> None:
-        entry = {"step": int(state.global_step),
-                 "path": os.path.join(args.output_dir, f"checkpoint-{state.global_step}"),
+        folder = os.path.abspath(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+        entry = {"step": int(state.global_step), "path": relative_path(folder, self.cb.path),
                  "epoch": float(state.epoch or 0.0), "lr": self._lr(),
-                 "mean_lr": sum(self.lrs) / len(self.lrs) if self.lrs else None, "updates": len(self.lrs)}
+                 "mean_lr": sum(self.lrs) / len(self.lrs) if self.lrs else None, "updates": len(self.lrs),
+                 "weights": self._weights()}  # every rank: the fingerprint gathers FSDP2 shards
         self.lrs = []
         self.saves.append(entry)
         self.trainer_config["checkpoints"] = list(self.saves)
         if args.process_index == 0 and self.writer is not None and self.writer.writer is not None:
-            record_checkpoints(self.cb.path, [entry])
+            record_checkpoints(self.cb.path, [entry], self.trainer_config)
+
+    def _weights(self) -> str | None:
+        """The fingerprint of the model's current weights (what ``gradtrace score`` compares a loaded model with)."""
+        return model_fingerprint(self.model).get("weights") if self.model is not None else None
 
     # -- the end ---------------------------------------------------------------------------------
     def finish(self, error: BaseException | None) -> None:
@@ -276,6 +288,8 @@ class Session:
             self.trainer_config["fused_lm_head"] = "unfused"
         if self.writer is None:
             return
+        if error is None:  # the trained model (trainer.save_model() writes it to the output dir)
+            self.trainer_config["final"] = {"step": int(self.trainer.state.global_step), "weights": self._weights()}
         opened = self.writer.writer is not None
         self.writer.on_capture_end(self.capture, error)
         if not opened:

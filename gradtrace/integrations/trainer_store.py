@@ -23,12 +23,13 @@ from typing import Any
 
 from ..capture.callbacks import CaptureCallback
 from ..grad.batch import GradientBatch
+from ..provenance import resolve_path
 from ..sink import RowTransform, StoreWriter
 from ..store.artifact import atomic_write_json
 from ..store.layout import MANIFEST, StoreError, lock_is_stale, read_lock
 from ..train.trajectory import TrajectoryKeys, step_weights
 
-__all__ = ["TrainerRows", "checkpoints", "preflight", "record_checkpoints", "shard_rows_for"]
+__all__ = ["TrainerRows", "checkpoints", "preflight", "record_checkpoints", "shard_rows_for", "trained_weights"]
 
 CONFIG_KEY = "trainer"
 SHARD_BYTES = 256 * 2**20  # rows a writer buffers before writing a shard: at most this many bytes (float32)
@@ -82,17 +83,42 @@ def record_checkpoints(path: Path, entries: list[dict], settings: dict[str, Any]
 def checkpoints(store: Any) -> list[dict]:
     """The checkpoints a Trainer run saved while it wrote ``store`` (a path or an open store), by step.
 
-    Each is ``{"step", "path", "epoch", "lr", "mean_lr", "updates"}``: ``lr`` is the learning rate of the
+    Each is ``{"step", "path", "epoch", "lr", "mean_lr", "updates", "weights"}`` (``path`` recorded relative to the
+    store's folder, returned absolute; ``weights``: the model fingerprint): ``lr`` is the learning rate of the
     next update from the checkpoint's weights, ``mean_lr`` the mean rate of the ``updates`` optimizer steps
     since the previous checkpoint (LESS weights each checkpoint by it; TracIn by the rate of its interval).
     The store's ``config["trainer"]["optimizer_parameters"]`` names the optimizer's parameters in its order,
     which maps a checkpoint's ``optimizer.pt`` to the model (``less_features(..., param_names=...)``).
     """
+    root, trainer = _trainer_config(store)
+    return [{**c, "path": str(resolve_path(c["path"], root))} if c.get("path") else dict(c)
+            for c in trainer.get("checkpoints") or []]
+
+
+def _trainer_config(store: Any) -> tuple[Path, dict[str, Any]]:
+    """``(store folder, config["trainer"] of its manifest)`` of a store path or an open store."""
     if hasattr(store, "manifest"):
-        manifest = store.manifest
-    else:
-        manifest = json.loads((Path(store) / MANIFEST).read_text())
-    return list((manifest.get("config") or {}).get(CONFIG_KEY, {}).get("checkpoints") or [])
+        return Path(store.root), (store.manifest.get("config") or {}).get(CONFIG_KEY) or {}
+    manifest = json.loads((Path(store) / MANIFEST).read_text())
+    return Path(store), (manifest.get("config") or {}).get(CONFIG_KEY) or {}
+
+
+def trained_weights(store: Any) -> dict[str, str]:
+    """``{weights fingerprint: what holds them}`` of the models a Trainer run's gradients belong to: each saved
+    checkpoint whose step lies in the captured step range (``config["trainer"]["steps"]``; its rows were taken at
+    those weights) and the final model of the run (which ``trainer.save_model()`` writes to the output dir). Empty
+    for a store not written during training, or written before these were recorded."""
+    _, trainer = _trainer_config(store)
+    steps = trainer.get("steps") or {}
+    first, last = steps.get("first"), steps.get("last")
+    known = {}
+    for c in trainer.get("checkpoints") or []:
+        if c.get("weights") and first is not None and first <= int(c["step"]) <= last:
+            known[c["weights"]] = f"checkpoint-{c['step']}"
+    final = trainer.get("final") or {}
+    if final.get("weights"):
+        known[final["weights"]] = f"the final model (step {final.get('step')})"
+    return known
 
 
 class TrainerRows(RowTransform, CaptureCallback):
