@@ -1,0 +1,52 @@
+"""``gradtrace fit`` and ``gradtrace score`` print their plan first; --dry-run stops there; what cannot fit is
+refused unless --force."""
+
+from __future__ import annotations
+
+import importlib
+
+from tests.cli.conftest import error_line, flat, invoke
+
+PLAN = importlib.import_module("gradtrace.plan")  # the module (gradtrace.plan is also the function)
+
+
+def test_fit_dry_run_prints_the_plan_and_writes_nothing(ws, store, runner, tmp_path):
+    out = tmp_path / "curv"
+    result = invoke(runner, "fit", store, ws.train, "--method", "kfac", "--fisher", "empirical", "--out", out,
+                    "--batch-size", 5, "--dry-run", "--no-progress")
+    text = flat(result.output)
+    assert "Plan: kfac curvature over 24 examples" in text and "1 pass" in text
+    assert "blocks" in text and "curvature about" in text and "free there" in text
+    assert not out.exists()
+    result = invoke(runner, "fit", store, "--method", "logra", "--out", out, "--dry-run", "--no-progress")
+    assert "Plan: logra curvature over 24 stored rows; 1 pass" in flat(result.output) and not out.exists()
+
+
+def test_fit_refuses_a_curvature_larger_than_the_free_disk(ws, store, runner, tmp_path, monkeypatch):
+    monkeypatch.setattr(PLAN, "free_space", lambda path: 10)
+    out = tmp_path / "curv"
+    result = invoke(runner, "fit", store, "--method", "logra", "--out", out, "--no-progress", code=2)
+    assert "has 10 B free" in error_line(result) and "--force" in error_line(result)
+    assert not out.exists()
+    invoke(runner, "fit", store, "--method", "logra", "--out", out, "--no-progress", "--force")
+    assert (out / "curvature.json").exists()
+
+
+def test_score_dry_run_prints_the_plan_and_writes_nothing(ws, store, runner, tmp_path):
+    out = tmp_path / "scores"
+    result = invoke(runner, "score", store, ws.queries, "--out", out, "--block-rows", 10, "--topk", 5, "--dry-run",
+                    "--no-progress")
+    text = flat(result.output)
+    assert "Plan: 3 queries against 24 training rows" in text
+    assert "blocks 3 of 10 rows; keeps the full matrix, top/bottom 5" in text
+    assert "memory about" in text and "output about" in text and "s/block" in text
+    assert not out.exists()
+
+
+def test_score_refuses_memory_it_does_not_have(ws, store, runner, tmp_path, monkeypatch):
+    monkeypatch.setattr(PLAN, "available_memory", lambda device=None: 100)
+    out = tmp_path / "scores"
+    result = invoke(runner, "score", store, ws.queries, "--out", out, "--matrix", "yes", "--no-progress", code=2)
+    assert "is available: pass --matrix no" in error_line(result) and not out.exists()
+    invoke(runner, "score", store, ws.queries, "--out", out, "--matrix", "yes", "--no-progress", "--force")
+    assert (out / "scores.json").exists()
