@@ -71,7 +71,7 @@ def test_plan_fit_sizes_by_hand(tmp_path, kind, passes):
     got = gradtrace.plan_fit(store, model, data, method=kind, fisher="empirical", out=tmp_path / "c")
     assert (got.examples, got.tokens, got.passes, got.blocks, got.kron_blocks) == (12, None, passes, 6, 3)
     assert got.factor_floats == factors and got.curvature_bytes == 4 * saved
-    assert got.free_bytes == free_space(tmp_path) and got.fits
+    assert got.free_bytes > 0 and got.fits  # free_space(out): other writers change it between two calls
     assert got.seconds_per_example > 0 and got.seconds == pytest.approx(12 * got.seconds_per_example +
                                                                        got.fixed_seconds)
     fitted = gradtrace.Attributor(kind, store, fisher="empirical").fit(model, data).method.curvature
