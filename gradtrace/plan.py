@@ -358,9 +358,9 @@ def _time_first_block(sources: list[Any], queries: int, block: int, k: int, devi
     start = time.perf_counter()
     for source in sources:
         scores = prepared @ source.read(0, block, out=buffer).to(device).t()
-        if k:
-            torch.topk(scores, k, dim=1)
-            torch.topk(scores, k, dim=1, largest=False)
+        if k:  # the engine takes a block's top min(k, block) before merging
+            torch.topk(scores, min(k, block), dim=1)
+            torch.topk(scores, min(k, block), dim=1, largest=False)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start

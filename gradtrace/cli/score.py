@@ -335,7 +335,8 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
             console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("query gradients"):
             try:
-                queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress,
+                queries = gradtrace.collect(model, batches, projection=projection, device=device,
+                                            progress="collect queries" if progress else False,
                                             keep_tokens=opts.scoring_options.tokens)
             except NonFiniteError as err:
                 raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None

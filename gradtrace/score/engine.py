@@ -160,10 +160,10 @@ class Attributor:
         full = torch.empty(num_q, num_train, dtype=torch.float32, device=self.device) if keep_matrix else None
         top = bottom = None
         blocks = range(0, num_train, self.block_rows)
-        bar = _bar(blocks, progress, math.ceil(num_train / self.block_rows))
+        bar = _bar(blocks, progress, num_train, self.block_rows)
         stream = time.perf_counter()
         buffer = _block_buffer(self.train, self.block_rows)
-        for offset in bar:
+        for offset in blocks:
             stop = min(num_train, offset + self.block_rows)
             scores = None
             for c, source in enumerate(self.train):
@@ -176,6 +176,8 @@ class Attributor:
             if topk:
                 top = _merge(top, scores, offset, topk, largest=True)
                 bottom = _merge(bottom, scores, offset, topk, largest=False)
+            _advance(bar, stop - offset, offset // self.block_rows + 1, len(blocks))
+        _close(bar)
         self.profile["stream_s"] = time.perf_counter() - stream
         self.profile["rows_per_s"] = num_train / max(self.profile["stream_s"], 1e-9)
         meta = scoring_meta(self.method, self.spec, weights=weights, topk=topk, matrix=keep_matrix,
@@ -321,9 +323,27 @@ def _check_block(scores: Tensor, query_ids: Sequence[str], train_ids: Sequence[s
                        f"row {offset}; those training gradients hold NaN/inf or the scores overflow float32")
 
 
-def _bar(blocks: Sequence[int], enabled: bool, total: int):
+def _bar(blocks: Sequence[int], enabled: bool, rows: int, block_rows: int) -> Any:
+    """A tqdm bar over the ``rows`` training rows, advanced block by block (its postfix: ``block i/K``), or None.
+
+    It counts rows because a store smaller than ``block_rows`` is one block: a block count then sits at ``0/1``
+    for the whole stream and shows no rate."""
     if not enabled:
-        return blocks
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(blocks, total=total, desc="score", unit="block", dynamic_ncols=True)
+    bar = tqdm(total=rows, desc="score", unit="row", dynamic_ncols=True)
+    bar.set_postfix_str(f"block 0/{math.ceil(rows / block_rows)}")
+    return bar
+
+
+def _advance(bar: Any, rows: int, block: int, blocks: int) -> None:
+    """Count one scored block of ``rows`` rows on the bar (no bar: nothing)."""
+    if bar is not None:
+        bar.set_postfix_str(f"block {block}/{blocks}", refresh=False)
+        bar.update(rows)
+
+
+def _close(bar: Any) -> None:
+    if bar is not None:
+        bar.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 from tests.cli.conftest import error_line, flat, invoke
+from tests.score.test_progress import _last_frame
 
 PLAN = importlib.import_module("gradtrace.plan")  # the module (gradtrace.plan is also the function)
 
@@ -50,3 +51,10 @@ def test_score_refuses_memory_it_does_not_have(ws, store, runner, tmp_path, monk
     assert "is available: pass --matrix no" in error_line(result) and not out.exists()
     invoke(runner, "score", store, ws.queries, "--out", out, "--matrix", "yes", "--no-progress", "--force")
     assert (out / "scores.json").exists()
+
+
+def test_score_command_labels_the_query_bar(ws, store, runner, tmp_path):
+    result = invoke(runner, "score", store, ws.queries, "--out", tmp_path / "s", "--block-rows", 10, "--progress")
+    text = result.output  # the CliRunner mixes stderr into output
+    assert "collect queries:" in text
+    assert "24/24" in _last_frame(text, "score") and "block 3/3" in _last_frame(text, "score")
