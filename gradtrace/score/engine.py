@@ -248,19 +248,46 @@ class Attributor:
         scores.meta["tokens"] = records
         return records
 
-    def self_scores(self) -> Tensor:
+    def self_scores(self, normalize: str = "none") -> Tensor:
         """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot, ``g^T H^-1 g`` for
-        influence functions): high self-influence flags mislabeled or outlying examples."""
+        influence functions): high self-influence flags mislabeled or outlying examples.
+
+        ``normalize="length"`` scores the gradient of each example's *mean* loss per target token instead of its
+        summed loss (the captured convention): that gradient is ``g / n`` for ``n`` target tokens, so the
+        example's row is divided by ``n`` before the method's transforms. For methods quadratic in the gradient
+        (grad_dot, TracIn, every influence function) the self-influence is then divided by ``n^2`` -- not ``n``:
+        ``(g/n)^T H^-1 (g/n)``; scale-free ones (grad_cos) are unchanged. Long examples no longer rank high for
+        their length alone. Needs the per-row ``num_targets`` that collect records (stores written before it
+        recorded them are refused); an example with no target token has a zero gradient and scores 0 either way.
+        """
+        if normalize not in ("none", "length"):
+            raise ValueError(f"self_scores(normalize=...) must be 'none' or 'length', got {normalize!r}")
         weights = self.ready()
+        scale = _inverse_lengths(self.train[0]) if normalize == "length" else None
         out = torch.zeros(len(self.train[0]))
         for offset in range(0, len(out), self.block_rows):
             stop = min(len(out), offset + self.block_rows)
             for c, source in enumerate(self.train):
                 rows = source.read(offset, stop, self.device).to(torch.float32)
+                if scale is not None:
+                    rows = rows * scale[offset:stop, None].to(rows.device)
                 left = self.method.prepare_queries(rows, c)
                 right = self.method.prepare_train(rows, c)
                 out[offset:stop] += weights[c] * (left * right).sum(1).cpu()
         return out
+
+
+def _inverse_lengths(source: Any) -> Tensor:
+    """``[N]`` float32 ``1 / num_targets`` of every row of ``source`` (its recorded per-row field; 1 for a row
+    without target tokens, whose gradient is zero); a ValueError when the rows do not record it."""
+    counts = source.field("num_targets")
+    missing = sum(n is None for n in counts)
+    if missing:
+        where = getattr(source, "root", "these training gradients")
+        raise ValueError(f"normalize='length' needs each example's target-token count, and {missing:,} of the "
+                         f"{len(counts):,} rows of {where} do not record num_targets (stores collected before "
+                         "gradtrace recorded it, or by a custom loss_fn); collect them again, or use normalize='none'")
+    return 1.0 / torch.tensor(counts, dtype=torch.float32).clamp(min=1)
 
 
 def _block_buffer(sources: Sequence[Any], block_rows: int) -> Tensor | None:
