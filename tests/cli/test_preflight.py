@@ -58,3 +58,29 @@ def test_score_command_labels_the_query_bar(ws, store, runner, tmp_path):
     text = result.output  # the CliRunner mixes stderr into output
     assert "collect queries:" in text
     assert "24/24" in _last_frame(text, "score") and "block 3/3" in _last_frame(text, "score")
+
+
+def test_self_influence_command(ws, store, runner, tmp_path):
+    import json
+
+    import torch
+
+    import gradtrace
+
+    out = tmp_path / "self.json"
+    result = invoke(runner, "self-influence", store, "--normalize", "length", "--top", 3, "--out", out)
+    train = gradtrace.GradientStore.open(store)
+    want = gradtrace.Attributor("grad_dot", train).self_scores(normalize="length")
+    rows = json.loads(out.read_text())
+    assert [r["id"] for r in rows] == [train.ids[i] for i in want.argsort(descending=True).tolist()]
+    torch.testing.assert_close(torch.tensor([r["self_influence"] for r in rows]), want.sort(descending=True).values)
+    raw = gradtrace.Attributor("grad_dot", train).self_scores()
+    counts = torch.tensor([r["num_targets"] for r in rows], dtype=torch.float32)
+    by_id = dict(zip(train.ids, raw.tolist()))
+    torch.testing.assert_close(torch.tensor([r["self_influence"] for r in rows]),
+                               torch.tensor([by_id[r["id"]] for r in rows]) / counts**2, rtol=1e-6, atol=0)
+    text = flat(result.output)
+    texts = {json.loads(line)["id"]: json.loads(line)["text"] for line in ws.train.read_text().splitlines()}
+    assert f"1 {rows[0]['self_influence']:.4g} {rows[0]['id']} {' '.join(texts[rows[0]['id']].split())[:70]}" in text
+    result = invoke(runner, "self-influence", store, "--method", "ekfac", code=2)
+    assert "--curvature" in error_line(result)

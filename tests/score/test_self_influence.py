@@ -40,7 +40,7 @@ def test_length_normalization_needs_recorded_counts(tmp_path):
     data = [(torch.randn(4, 7), torch.randint(0, 4, (4,)))]
     store = gradtrace.collect(model, data, store=tmp_path / "s")  # a classifier's loss: no target-token count
     attr = gradtrace.Attributor("grad_dot", store)
-    with pytest.raises(ValueError, match="do not record num_targets.*normalize='none'"):
+    with pytest.raises(ValueError, match=r"do not record num_targets.*normalize='none'"):
         attr.self_scores(normalize="length")
     with pytest.raises(ValueError, match="'none' or 'length'"):
         attr.self_scores(normalize="tokens")
