@@ -16,7 +16,7 @@ from .losses import LossConvention
 from .methods import available_methods
 from .methods.dvemb import data_value_embeddings
 from .methods.less import less_features, less_query_features
-from .plan import Plan, plan
+from .plan import FitPlan, Plan, ScorePlan, plan, plan_fit, plan_score
 from .projection import LoGra
 from .score import Attributor, Ensemble, Scores
 from .sink import StoreWriter
@@ -32,5 +32,6 @@ __all__ = [
     "capture", "Capture", "CaptureCallback", "CaptureReport", "collect", "GradientBatch", "ParamGradient", "LoGra",
     "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
     "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
-    "plan", "Plan", "__version__", "GradBatch", "ParamGrad", "Ensemble",
+    "plan", "Plan", "plan_fit", "FitPlan", "plan_score", "ScorePlan", "__version__", "GradBatch", "ParamGrad",
+    "Ensemble",
 ]

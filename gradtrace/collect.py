@@ -130,7 +130,7 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
             resume: bool = False, overwrite: bool = False, shard_rows: int | None = None,
             shard_bytes: int | None = None, ids: Sequence[Any] | None = None,
             id_key: str = "id", keep_tokens: bool = False, weight_grads: bool = False,
-            device: torch.device | str | None = None, eval_mode: bool = True, progress: bool = False,
+            device: torch.device | str | None = None, eval_mode: bool = True, progress: bool | str = False,
             total: int | None = None, config: dict[str, Any] | None = None, options: CaptureOptions | None = None,
             store_options: StoreOptions | None = None) -> GradientSet | GradientStore:
     """Per-example gradients of every example of ``data`` at the model's current weights.
@@ -159,7 +159,8 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
             instead of backpropagating to layer outputs only.
         device: move batches to this device first.
         eval_mode: run the model in eval mode (no dropout), restoring its mode afterwards.
-        progress: show a progress bar (``total`` batches if the data has no ``len``).
+        progress: show a progress bar (``total`` batches if the data has no ``len``; without either, the rate of
+            batches and examples); a string is the bar's label (default ``collect``).
         options, store_options: ``projection``/``layers``/``exclude`` as a :class:`gradtrace.options.CaptureOptions`
             and the store options as a :class:`gradtrace.options.StoreOptions` (instead of the keywords; the
             resolved objects are recorded in the store's manifest, ``config["gradtrace"]["options"]``).

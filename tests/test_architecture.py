@@ -23,12 +23,12 @@ LAYERS: list[set[str]] = [
     {"grad", "projection", "options"},  # gradient containers and ops; LoGra and the sketches; typed options
     {"store"},  # rows of gradients on disk: spec, layout, shard writer, reader, artifacts
     {"distributed"},  # ranks: process group, agreement between ranks (on stores and captures)
-    {"capture", "sink", "gradients", "collect", "plan"},  # hooks -> GradientBatch -> rows (sink: store or memory)
+    {"capture", "sink", "gradients", "collect"},  # hooks -> GradientBatch -> rows (sink: store or memory)
     {"curvature"},  # K-FAC / EK-FAC / dense Fisher fitted from captured factors; PCA bases
     {"methods"},  # attribution methods: preconditioning and scoring math
     {"report"},  # HTML report of any Scores-like object
     {"score"},  # blocked scoring engine, Scores, ensembles, pairs, index, sharded scoring
-    {"train", "integrations", "eval", "demo"},  # applications
+    {"train", "integrations", "eval", "demo", "plan"},  # applications; plan: pre-flight of collect, fit, score
     {"cli", ""},  # entry points: the command line and the package facade gradtrace/__init__.py
 ]
 

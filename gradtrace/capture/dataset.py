@@ -54,12 +54,14 @@ def _select_rows(batch: Any, rows: list[int], size: int) -> Any:
 def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, cap: Any, *,
                 ids: Sequence[Any] | None = None, id_key: str = "id", skip: set[str] | frozenset = frozenset(),
                 device: torch.device | str | None = None, weight_grads: bool = False, eval_mode: bool = True,
-                progress: bool = False, total: int | None = None, what: str = "collect") -> int:
+                progress: bool | str = False, total: int | None = None, what: str = "collect") -> int:
     """Run ``data`` through ``model`` inside capture ``cap``: one per-example loss and one backward pass per
     batch, to the captured layers' outputs only (no weight gradients) unless ``weight_grads``.
 
     Returns the number of examples processed. Examples whose id is in ``skip`` are not computed. The model's
-    mode and ``param.grad`` are restored afterwards.
+    mode and ``param.grad`` are restored afterwards. ``progress``: show a bar over the batches (``total`` of them
+    when the data has no ``len``; without either it shows the rate only), labelled ``what`` or, when a string,
+    by it; it also shows the examples done and their rate.
     """
     device = torch.device(device) if device is not None else None
     was_training = model.training
@@ -70,7 +72,7 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
     limit = context_limit(model)
     cap.track_outputs = not weight_grads
     saved_grads = {n: p.grad for n, p in model.named_parameters()} if weight_grads else None
-    bar = _progress(data, progress, total, what)
+    bar = _progress(data, progress, total, progress if isinstance(progress, str) else what)
     try:
         with cap:
             for batch in bar:
@@ -121,7 +123,7 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
                     torch.autograd.grad(total_loss, outputs, allow_unused=True)
                 seen += size
                 if hasattr(bar, "set_postfix"):
-                    bar.set_postfix(examples=seen)
+                    _show_examples(bar, seen)
     finally:
         if hasattr(bar, "close"):
             bar.close()
@@ -139,7 +141,15 @@ def _shift_left(labels: Tensor, ignore_index: int = -100) -> Tensor:
     return torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)], dim=1)
 
 
-def _progress(data: Iterable[Any], enabled: bool, total: int | None, what: str = "collect") -> Iterable[Any]:
+def _show_examples(bar: Any, seen: int) -> None:
+    """The bar's postfix: examples done and examples per second (the bar itself counts batches)."""
+    elapsed = bar.format_dict.get("elapsed") or 0.0
+    rate = f"{seen / elapsed:,.1f}/s" if elapsed > 0 else "?/s"
+    bar.set_postfix_str(f"{seen:,} examples, {rate}")
+
+
+def _progress(data: Iterable[Any], enabled: bool | str, total: int | None, what: str = "collect") -> Iterable[Any]:
+    """A tqdm bar over ``data`` labelled ``what`` (total: ``total`` or ``len(data)``; neither: a rate only)."""
     if not enabled:
         return data
     try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from .. import options as api
 from ..provenance import resolve_paths
@@ -67,6 +67,10 @@ class FitOptions:
     data_options: DataOptions
     model_options: ModelOptions
     progress: bool = progress_flag()
+    dry_run: bool = field(default=False, metadata=cli(
+        "Print the plan (examples and passes, blocks, factor sizes, the curvature's size against free disk, time "
+        "from a warm-up fit) and stop: nothing is written."))
+    force: bool = field(default=False, metadata=cli("Fit even when the planned curvature exceeds the free disk."))
 
 
 OPTIONS = FitOptions
@@ -94,6 +98,10 @@ def run(opts: FitOptions) -> None:
     model_dir = opts.model
     device = resolve_device(model_opts.device)
     if cv.method == "logra":
+        with phases("plan"):
+            planned = gradtrace.plan_fit(store, method="logra", out=cv.out, device=device)
+        if not _preflight(planned, opts):
+            return
         with phases("fit"):
             attributor = gradtrace.Attributor("logra", store, device=device, fisher=cv.fisher)
             try:
@@ -119,6 +127,14 @@ def run(opts: FitOptions) -> None:
             batches = read_dataset(opts.data, tokenizer, data_opts, max_length, pad_id(tokenizer))
             data_opts = replace(data_opts, max_length=max_length)
         console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
+        with phases("plan"):
+            try:
+                planned = gradtrace.plan_fit(store, model, batches, method=cv.fit_options().kind, fisher=cv.fisher,
+                                             samples=cv.samples, out=cv.out, device=device)
+            except ValueError as err:
+                raise CliError(str(err)) from None
+        if not _preflight(planned, opts):
+            return
         with phases("fit"):
             try:
                 curvature = fit_curvature(model, batches, projection=projection, spec=store.spec,
@@ -144,3 +160,14 @@ def run(opts: FitOptions) -> None:
               "--out SCORES_DIR")
     if opts.progress:
         console(stderr=True).print(phases.table())
+
+
+def _preflight(planned: Any, opts: FitOptions) -> bool:
+    """Print the plan and refuse what cannot fit (gradtrace.cli.preflight); False for --dry-run (stop there)."""
+    from .preflight import check_fit_plan, fit_plan_lines, print_plan
+
+    print_plan(fit_plan_lines(planned, opts.curvature_options.out))
+    if opts.dry_run:
+        return False
+    check_fit_plan(planned, opts.curvature_options.out, opts.force)
+    return True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from . import collect, demo, fit, index, inspect, report_cmd, score, topk
+from . import collect, demo, fit, index, inspect, report_cmd, score, self_influence, topk
 from .options import make_command
 
 __all__ = ["app", "main"]
@@ -41,7 +41,7 @@ def _root(version: bool = typer.Option(False, "--version", "-V", callback=_versi
 
 
 for _name, _module in (("collect", collect), ("fit", fit), ("score", score), ("topk", topk), ("inspect", inspect),
-                       ("report", report_cmd), ("index", index), ("demo", demo)):
+                       ("report", report_cmd), ("index", index), ("self-influence", self_influence), ("demo", demo)):
     app.command(_name)(make_command(_name, _module.OPTIONS, _module.run))
 
 

@@ -124,6 +124,10 @@ class ScoreOptions:
     generate_options: GenerateOptions
     model_options: ModelOptions
     progress: bool = progress_flag()
+    dry_run: bool = field(default=False, metadata=cli(
+        "Print the plan (rows, dims, queries, blocks, memory against what is available, output size, time from a "
+        "timed first block) and stop: no model is loaded, nothing is written."))
+    force: bool = field(default=False, metadata=cli("Score even when the planned memory exceeds what is available."))
 
 
 OPTIONS = ScoreOptions
@@ -184,6 +188,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
             stores = [GradientStore.open(path) for path in store_paths]
         index = _open_index(sc, stores[0], multi or ensemble, world)
         models = _models(opts.model, stores)
+        if not _preflight(opts, stores, device, phases, rank):  # gradtrace.cli.preflight
+            return
         query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, device, phases,
                                                                        opts.progress and rank == 0)
         if "curvature" in get_method(sc.method).needs:
@@ -280,6 +286,28 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         console(stderr=True).print(phases.table())
 
 
+def _preflight(opts: ScoreOptions, stores: list[Any], device: str, phases: Phases, rank: int) -> bool:
+    """Print the plan (rank 0) and refuse what cannot fit; False for --dry-run (stop there)."""
+    import gradtrace
+
+    from .preflight import check_score_plan, count_records, print_plan, score_plan_lines
+
+    sc = opts.scoring_options
+    with phases("plan"):
+        queries = count_records(opts.queries, opts.data_options, "queries")
+        if queries == 0:
+            raise CliError(f"queries {opts.queries} hold no example")
+        planned = gradtrace.plan_score(stores, queries, topk=sc.topk or None,
+                                       matrix={"auto": "auto", "yes": True, "no": False}[sc.matrix],
+                                       block_rows=sc.block_rows, device=device)
+    if rank == 0:
+        print_plan(score_plan_lines(planned))
+    if opts.dry_run:
+        return False
+    check_score_plan(planned, opts.force)
+    return True
+
+
 def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], device: str,
                      phases: Phases, progress: bool
                      ) -> tuple[list[Any], int | None, list[str], dict[str, str] | None, Any]:
@@ -308,7 +336,8 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
             console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("query gradients"):
             try:
-                queries = gradtrace.collect(model, batches, projection=projection, device=device, progress=progress,
+                queries = gradtrace.collect(model, batches, projection=projection, device=device,
+                                            progress="collect queries" if progress else False,
                                             keep_tokens=opts.scoring_options.tokens)
             except NonFiniteError as err:
                 raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None

@@ -160,10 +160,10 @@ class Attributor:
         full = torch.empty(num_q, num_train, dtype=torch.float32, device=self.device) if keep_matrix else None
         top = bottom = None
         blocks = range(0, num_train, self.block_rows)
-        bar = _bar(blocks, progress, math.ceil(num_train / self.block_rows))
+        bar = _bar(blocks, progress, num_train, self.block_rows)
         stream = time.perf_counter()
         buffer = _block_buffer(self.train, self.block_rows)
-        for offset in bar:
+        for offset in blocks:
             stop = min(num_train, offset + self.block_rows)
             scores = None
             for c, source in enumerate(self.train):
@@ -176,6 +176,8 @@ class Attributor:
             if topk:
                 top = _merge(top, scores, offset, topk, largest=True)
                 bottom = _merge(bottom, scores, offset, topk, largest=False)
+            _advance(bar, stop - offset, offset // self.block_rows + 1, len(blocks))
+        _close(bar)
         self.profile["stream_s"] = time.perf_counter() - stream
         self.profile["rows_per_s"] = num_train / max(self.profile["stream_s"], 1e-9)
         meta = scoring_meta(self.method, self.spec, weights=weights, topk=topk, matrix=keep_matrix,
@@ -246,19 +248,46 @@ class Attributor:
         scores.meta["tokens"] = records
         return records
 
-    def self_scores(self) -> Tensor:
+    def self_scores(self, normalize: str = "none") -> Tensor:
         """``[N]`` score of every training example against itself (e.g. ``|g|^2`` for grad_dot, ``g^T H^-1 g`` for
-        influence functions): high self-influence flags mislabeled or outlying examples."""
+        influence functions): high self-influence flags mislabeled or outlying examples.
+
+        ``normalize="length"`` scores the gradient of each example's *mean* loss per target token instead of its
+        summed loss (the captured convention): that gradient is ``g / n`` for ``n`` target tokens, so the
+        example's row is divided by ``n`` before the method's transforms. For methods quadratic in the gradient
+        (grad_dot, TracIn, every influence function) the self-influence is then divided by ``n^2`` -- not ``n``:
+        ``(g/n)^T H^-1 (g/n)``; scale-free ones (grad_cos) are unchanged. Long examples no longer rank high for
+        their length alone. Needs the per-row ``num_targets`` that collect records (stores written before it
+        recorded them are refused); an example with no target token has a zero gradient and scores 0 either way.
+        """
+        if normalize not in ("none", "length"):
+            raise ValueError(f"self_scores(normalize=...) must be 'none' or 'length', got {normalize!r}")
         weights = self.ready()
+        scale = _inverse_lengths(self.train[0]) if normalize == "length" else None
         out = torch.zeros(len(self.train[0]))
         for offset in range(0, len(out), self.block_rows):
             stop = min(len(out), offset + self.block_rows)
             for c, source in enumerate(self.train):
                 rows = source.read(offset, stop, self.device).to(torch.float32)
+                if scale is not None:
+                    rows = rows * scale[offset:stop, None].to(rows.device)
                 left = self.method.prepare_queries(rows, c)
                 right = self.method.prepare_train(rows, c)
                 out[offset:stop] += weights[c] * (left * right).sum(1).cpu()
         return out
+
+
+def _inverse_lengths(source: Any) -> Tensor:
+    """``[N]`` float32 ``1 / num_targets`` of every row of ``source`` (its recorded per-row field; 1 for a row
+    without target tokens, whose gradient is zero); a ValueError when the rows do not record it."""
+    counts = source.field("num_targets")
+    missing = sum(n is None for n in counts)
+    if missing:
+        where = getattr(source, "root", "these training gradients")
+        raise ValueError(f"normalize='length' needs each example's target-token count, and {missing:,} of the "
+                         f"{len(counts):,} rows of {where} do not record num_targets (stores collected before "
+                         "gradtrace recorded it, or by a custom loss_fn); collect them again, or use normalize='none'")
+    return 1.0 / torch.tensor(counts, dtype=torch.float32).clamp(min=1)
 
 
 def _block_buffer(sources: Sequence[Any], block_rows: int) -> Tensor | None:
@@ -321,9 +350,27 @@ def _check_block(scores: Tensor, query_ids: Sequence[str], train_ids: Sequence[s
                        f"row {offset}; those training gradients hold NaN/inf or the scores overflow float32")
 
 
-def _bar(blocks: Sequence[int], enabled: bool, total: int):
+def _bar(blocks: Sequence[int], enabled: bool, rows: int, block_rows: int) -> Any:
+    """A tqdm bar over the ``rows`` training rows, advanced block by block (its postfix: ``block i/K``), or None.
+
+    It counts rows because a store smaller than ``block_rows`` is one block: a block count then sits at ``0/1``
+    for the whole stream and shows no rate."""
     if not enabled:
-        return blocks
+        return None
     from tqdm.auto import tqdm
 
-    return tqdm(blocks, total=total, desc="score", unit="block", dynamic_ncols=True)
+    bar = tqdm(total=rows, desc="score", unit="row", dynamic_ncols=True)
+    bar.set_postfix_str(f"block 0/{math.ceil(rows / block_rows)}")
+    return bar
+
+
+def _advance(bar: Any, rows: int, block: int, blocks: int) -> None:
+    """Count one scored block of ``rows`` rows on the bar (no bar: nothing)."""
+    if bar is not None:
+        bar.set_postfix_str(f"block {block}/{blocks}", refresh=False)
+        bar.update(rows)
+
+
+def _close(bar: Any) -> None:
+    if bar is not None:
+        bar.close()

@@ -60,8 +60,13 @@ class RowTransform:
         return batch.flat()
 
     def fields(self, batch: GradientBatch) -> dict[str, list]:
-        """Per-row fields of the examples of ``batch`` (JSON values, one list per field)."""
-        return {"step": [batch.step] * len(batch)}
+        """Per-row fields of the examples of ``batch`` (JSON values, one list per field): ``step``, its backward
+        pass, and ``num_targets``, each example's target-token count, when the capture knows it (the terms of
+        its summed loss; length-normalized self-influence divides by it)."""
+        fields: dict[str, list] = {"step": [batch.step] * len(batch)}
+        if batch.num_targets is not None:
+            fields["num_targets"] = [int(n) for n in batch.num_targets.tolist()]
+        return fields
 
 
 class RowBackend(Protocol):

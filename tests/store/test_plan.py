@@ -39,3 +39,92 @@ def test_plan_refuses_a_one_shot_generator():
 
 def test_free_space_of_a_path_not_created_yet(tmp_path):
     assert free_space(tmp_path / "a" / "b") == free_space(tmp_path) > 0
+
+
+def _mlp_data(n: int = 12, batch: int = 4):
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 7, generator=g), torch.randint(0, 4, (n,), generator=g)
+    return [(x[s:s + batch], y[s:s + batch]) for s in range(0, n, batch)]
+
+
+def _saved_floats(directory) -> int:
+    """Float32 values in a saved artifact's safetensors file."""
+    from safetensors import safe_open
+
+    (path,) = directory.glob("*.safetensors")
+    with safe_open(str(path), "pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        return sum(f.get_tensor(k).numel() for k in names)
+
+
+@pytest.mark.parametrize("kind, passes", [("kfac", 1), ("ekfac", 2)])
+def test_plan_fit_sizes_by_hand(tmp_path, kind, passes):
+    # tests/tiny.MLP, exact gradients: Linear 7->12, LayerNorm 12, Linear 12->12, RMSNorm 12, Linear 12->4.
+    # Kronecker blocks (bias joined as an activation column): [12, 8], [12, 13], [4, 13]; dense: LN weight, LN bias,
+    # RMSNorm weight (12 each). Factors d_out^2 + d_in^2 per Kronecker block, dim^2 per dense block:
+    factors = (144 + 64) + (144 + 169) + (16 + 169) + 3 * 144
+    # saved: both eigenbases, the eigenvalue grid and both sides' eigenvalues; dense: eigenbasis and eigenvalues
+    saved = (144 + 64 + 96 + 12 + 8) + (144 + 169 + 156 + 12 + 13) + (16 + 169 + 52 + 4 + 13) + 3 * (144 + 12)
+    torch.manual_seed(0)
+    model, data = tiny.MLP(), _mlp_data()
+    store = gradtrace.collect(model, data, store=tmp_path / "s")
+    got = gradtrace.plan_fit(store, model, data, method=kind, fisher="empirical", out=tmp_path / "c")
+    assert (got.examples, got.tokens, got.passes, got.blocks, got.kron_blocks) == (12, None, passes, 6, 3)
+    assert got.factor_floats == factors and got.curvature_bytes == 4 * saved
+    assert got.free_bytes > 0 and got.fits  # free_space(out): other writers change it between two calls
+    assert got.seconds_per_example > 0 and got.seconds == pytest.approx(12 * got.seconds_per_example +
+                                                                       got.fixed_seconds)
+    fitted = gradtrace.Attributor(kind, store, fisher="empirical").fit(model, data).method.curvature
+    fitted.save(tmp_path / "c")
+    assert _saved_floats(tmp_path / "c") == saved  # the plan's size is what the fit saves
+
+
+def test_plan_fit_logra_from_the_store(tmp_path):
+    torch.manual_seed(0)
+    model = tiny.gpt2()
+    store = gradtrace.collect(model, _lm_batches(), projection=gradtrace.LoGra(rank=2), store=tmp_path / "s")
+    dims = [d for _, d in store.spec.params]
+    assert max(dims) <= 4096  # every block dense: d^2 factor values, d^2 + d saved
+    got = gradtrace.plan_fit(store, method="logra", out=tmp_path / "c")
+    assert (got.examples, got.passes, got.blocks, got.kron_blocks) == (10, 1, len(dims), 0)
+    assert got.factor_floats == sum(d * d for d in dims) and got.curvature_bytes == 4 * sum(d * d + d for d in dims)
+    attr = gradtrace.Attributor("logra", store).fit()
+    attr.method.curvature.save(tmp_path / "c")
+    assert _saved_floats(tmp_path / "c") == got.curvature_bytes // 4
+
+
+def test_plan_fit_refusals(tmp_path):
+    model, data = tiny.MLP(), _mlp_data()
+    store = gradtrace.collect(model, data, store=tmp_path / "s")
+    with pytest.raises(ValueError, match="pass model and data"):
+        gradtrace.plan_fit(store, method="ekfac")
+    with pytest.raises(ValueError, match="projected space"):
+        gradtrace.plan_fit(store, method="logra")
+    with pytest.raises(ValueError, match="iterates data twice"):
+        gradtrace.plan_fit(store, model, iter(data))
+
+
+@pytest.mark.parametrize("matrix", [True, False])
+def test_plan_score_sizes_by_hand(tmp_path, matrix):
+    torch.manual_seed(0)
+    model = tiny.gpt2()
+    store = gradtrace.collect(model, _lm_batches(), projection=gradtrace.LoGra(rank=2), store=tmp_path / "s")
+    queries = gradtrace.collect(model, _lm_batches(3, 3), projection=gradtrace.LoGra(rank=2))
+    n, d, q, k, block = 10, store.dim, 3, 2, 4
+    got = gradtrace.plan_score(store, q, topk=k, matrix=matrix, block_rows=block)
+    assert (got.rows, got.dim, got.queries, got.blocks, got.block_rows, got.topk, got.matrix) == \
+        (n, d, q, 3, block, k, matrix)
+    assert got.block_bytes == 4 * block * d + 4 * q * block  # decode buffer + the block's scores
+    assert got.query_bytes == 4 * q * d and got.topk_bytes == 2 * q * 2 * k * 12
+    assert got.matrix_bytes == (4 * q * n if matrix else 0)
+    assert got.memory_bytes == got.block_bytes + got.query_bytes + got.topk_bytes + got.matrix_bytes
+    tensors = (4 * q * n if matrix else 0) + 2 * q * k * (4 + 8)  # matrix, top/bottom values (f32) and indices (i64)
+    assert got.output_bytes == tensors + sum(len(f'"{i}"') + 2 for i in store.ids)
+    scores = gradtrace.Attributor("grad_dot", store, block_rows=block).score(queries, topk=k, matrix=matrix)
+    scores.save(tmp_path / "scores")
+    (saved,) = (tmp_path / "scores").glob("*.safetensors")
+    assert tensors <= saved.stat().st_size <= tensors + 1024  # the tensors plus the safetensors header
+    assert got.seconds == pytest.approx(3 * got.seconds_per_block) and got.seconds_per_block > 0
+    auto = gradtrace.plan_score(store, q, matrix="auto", matrix_limit=4 * q * n - 1)
+    assert not auto.matrix and gradtrace.plan_score(store, q, matrix="auto", matrix_limit=4 * q * n).matrix
+    assert gradtrace.plan_score([store, store], q).checkpoints == 2

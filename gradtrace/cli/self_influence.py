@@ -1,0 +1,118 @@
+"""``gradtrace self-influence STORE``: the training examples with the highest self-influence (each example scored
+against itself), likely mislabeled or outlying, with their ids and texts."""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .errors import CliError
+from .options import cli
+from .report import console
+
+__all__ = ["OPTIONS", "SelfInfluenceOptions", "run"]
+
+
+@dataclass(kw_only=True)
+class SelfInfluenceOptions:
+    """Options of ``gradtrace self-influence``."""
+
+    store: Path = field(metadata=cli("Gradient store of the training examples (written by gradtrace collect).",
+                                     argument=True, metavar="STORE"))
+    method: Literal["grad_dot", "kfac", "ekfac", "ggn", "logra"] = field(default="grad_dot", metadata=cli(
+        "grad_dot: |g|^2; kfac, ekfac, ggn, logra: g^T H^-1 g with --curvature (written by gradtrace fit)."))
+    curvature: Path | None = field(default=None, metadata=cli("Fitted curvature of the influence methods.",
+                                                              metavar="CURVATURE_DIR"))
+    damping: float | None = field(default=None, metadata=cli("Damping (default: the one saved with the fit).", min=0))
+    normalize: Literal["none", "length"] = field(default="none", metadata=cli(
+        "none: the gradient of each example's summed loss; length: of its mean loss per target token (the score "
+        "divided by n^2 for n target tokens), so long examples do not rank high for their length alone."))
+    top: int = field(default=20, metadata=cli("Examples shown (highest self-influence first).", min=1))
+    out: Path | None = field(default=None, metadata=cli("Also write every example's self-influence, highest first, "
+                                                        "to this .csv or .json file."))
+    data: Path | None = field(default=None, metadata=cli(
+        "Training data to show texts from (default: the data the store records, when it exists)."))
+    width: int = field(default=70, metadata=cli("Characters of text shown per example.", min=10))
+
+
+OPTIONS = SelfInfluenceOptions
+
+
+def run(opts: SelfInfluenceOptions) -> None:
+    """Show the training examples with the highest self-influence (likely mislabeled or outliers).
+
+    Example: gradtrace self-influence ./store --normalize length --top 20
+    """
+    import gradtrace
+    from gradtrace.store import GradientStore
+
+    if opts.out is not None and opts.out.suffix.lower() not in (".csv", ".json"):
+        raise CliError(f"--out {opts.out}: write a .csv or .json file")
+    if not (opts.store / "manifest.json").exists():
+        raise CliError(f"{opts.store} holds no gradient store (no manifest.json); write one with gradtrace collect")
+    store = GradientStore.open(opts.store)
+    options: dict[str, Any] = {}
+    if opts.method != "grad_dot":
+        if opts.curvature is None:
+            raise CliError(f"--method {opts.method} needs a fitted curvature: run gradtrace fit {opts.store} ... "
+                           f"--method {opts.method} --out CURVATURE_DIR, then pass --curvature CURVATURE_DIR")
+        options.update(curvature=opts.curvature, damping=opts.damping)
+    try:
+        scores = gradtrace.Attributor(opts.method, store, **options).self_scores(normalize=opts.normalize)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    order = scores.argsort(descending=True).tolist()
+    counts = store.field("num_targets")
+    rows = [{"rank": r + 1, "id": store.ids[i], "self_influence": float(scores[i]), "num_targets": counts[i]}
+            for r, i in enumerate(order)]
+    texts = _texts(opts, store)
+    for row in rows[:opts.top]:
+        row["text"] = texts.get(row["id"])
+    if opts.out is not None:
+        _write(opts.out, rows)
+    _print(opts, rows[:opts.top], len(rows))
+
+
+def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
+    """Texts by id from --data or the data the store records (empty when neither can be read)."""
+    from ..data.prepare import dataset_texts
+    from .models import load_tokenizer
+
+    recorded = store.manifest.get("config") or {}
+    path = opts.data or (Path(recorded["data"]) if recorded.get("data") else None)
+    if path is None or not path.exists():
+        return {}
+    tokenizer = None
+    if recorded.get("model") and Path(recorded["model"]).exists():
+        tokenizer = load_tokenizer(Path(recorded["model"]))
+    return dataset_texts(path, tokenizer, recorded, text_field=recorded.get("text_field") or "text",
+                         id_field=recorded.get("id_field") or "id", what="data")
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    fields = ["rank", "id", "self_influence", "num_targets"]
+    plain = [{k: row[k] for k in fields} for row in rows]
+    if path.suffix.lower() == ".json":
+        path.write_text(json.dumps(plain, indent=1) + "\n")
+        return
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(plain)
+
+
+def _print(opts: SelfInfluenceOptions, rows: list[dict[str, Any]], total: int) -> None:
+    out = console()
+    kind = "mean loss per target token" if opts.normalize == "length" else "summed loss"
+    out.print(f"Highest self-influence ({opts.method}, {kind}) of {total:,} training examples in {opts.store}:",
+              markup=False, highlight=False)
+    for row in rows:
+        text = row.get("text")
+        snippet = "" if text is None else " " + " ".join(text.split())[:opts.width]
+        out.print(f"{row['rank']:>4}  {row['self_influence']:>12.4g}  {row['id']}{snippet}", markup=False,
+                  highlight=False, soft_wrap=True)
+    if opts.out is not None:
+        out.print(f"All {total:,} written to {opts.out}", markup=False, highlight=False)
