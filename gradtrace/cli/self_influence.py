@@ -79,9 +79,10 @@ def run(opts: SelfInfluenceOptions) -> None:
 def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
     """Texts by id from --data or the data the store records (empty when neither can be read)."""
     from ..data.prepare import dataset_texts
+    from ..provenance import resolve_paths
     from .models import load_tokenizer
 
-    recorded = store.manifest.get("config") or {}
+    recorded = resolve_paths(store.manifest.get("config") or {}, store.root)  # paths relative to the store
     path = opts.data or (Path(recorded["data"]) if recorded.get("data") else None)
     if path is None or not path.exists():
         return {}
