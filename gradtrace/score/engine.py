@@ -291,25 +291,35 @@ def folds_row_scales(method: Method) -> bool:
 
 def _block_product(query: Tensor, source: Any, start: int, stop: int, method: Method, checkpoint: int,
                    buffer: tuple[Tensor, Tensor] | None) -> Tensor:
-    """``[Q, n]`` products ``query @ prepare_train(rows start:stop)^T`` of one streamed block at one checkpoint.
-
-    A gradient store is decoded sub-block by sub-block into ``buffer`` and each sub-block's product written
-    into its columns, so the decoded rows are read back from cache. For methods that score raw rows
-    (:func:`folds_row_scales`) int8 rows are decoded unscaled and the columns of the product are scaled.
-    """
+    """``[Q, n]`` products ``query @ prepare_train(rows start:stop)^T`` of one streamed block at one checkpoint
+    (a gradient store through :func:`rows_product`)."""
     from ..store import GradientStore
 
     if buffer is None or not isinstance(source, GradientStore):
         rows = source.read(start, stop, query.device).to(torch.float32)
         return query @ method.prepare_train(rows, checkpoint).t()
+    return rows_product(query, source, stop - start, lambda lo, hi, out, scales: source.read(
+        start + lo, start + hi, out=out, scales=scales), method, checkpoint, buffer)
+
+
+def rows_product(query: Tensor, store: Any, count: int, read: Callable[[int, int, Tensor, Tensor | None], Tensor],
+                 method: Method, checkpoint: int, buffer: tuple[Tensor, Tensor]) -> Tensor:
+    """``[Q, count]`` products ``query @ prepare_train(rows)^T`` of ``count`` rows of a gradient store.
+
+    ``read(lo, hi, out, scales)`` decodes rows ``lo:hi`` of the ``count`` into ``out`` (as
+    :meth:`GradientStore.read` with ``scales``). The rows are decoded sub-block by sub-block into ``buffer``
+    (:func:`_block_buffer`) and each sub-block's product written into its columns, so the decoded rows are read
+    back from cache. For methods that score raw rows (:func:`folds_row_scales`) int8 rows are decoded unscaled
+    and the columns of the product are scaled instead.
+    """
     rows_buffer, scale_buffer = buffer
-    scales = scale_buffer[:stop - start] if source.spec.dtype == "int8" and folds_row_scales(method) else None
-    out = torch.empty(len(query), stop - start, dtype=torch.float32, device=query.device)
-    for lo in range(start, stop, len(rows_buffer)):
-        hi = min(stop, lo + len(rows_buffer))
-        rows = source.read(lo, hi, out=rows_buffer[:hi - lo],
-                           scales=None if scales is None else scales[lo - start:hi - start])
-        torch.mm(query, method.prepare_train(rows.to(query.device), checkpoint).t(), out=out[:, lo - start:hi - start])
+    fold = store.spec.dtype == "int8" and folds_row_scales(method)
+    scales = (scale_buffer[:count] if count <= len(scale_buffer) else torch.empty(count)) if fold else None
+    out = torch.empty(len(query), count, dtype=torch.float32, device=query.device)
+    for lo in range(0, count, len(rows_buffer)):
+        hi = min(count, lo + len(rows_buffer))
+        rows = read(lo, hi, rows_buffer[:hi - lo], None if scales is None else scales[lo:hi])
+        torch.mm(query, method.prepare_train(rows.to(query.device), checkpoint).t(), out=out[:, lo:hi])
     return out if scales is None else out.mul_(scales.to(query.device))
 
 

@@ -8,8 +8,9 @@
 2. the index returns the ``R`` rows of highest approximate inner product with each prepared query (and,
    for the bottom-k, with its negation); a query whose visited IVF cells hold fewer than ``k`` rows is searched
    again with more cells (:func:`search_enough`; counted in ``meta["index"]["widened"]``);
-3. those rows are read from the store (:meth:`GradientStore.rows`) and scored exactly
-   (``prepared_query @ prepare_train(rows)^T``), and the top-k of the exact scores is kept.
+3. each query's candidate rows are read from the store (:meth:`GradientStore.rows`, in row order, into a reused
+   cache-sized buffer) and scored exactly (``prepared_query @ prepare_train(rows)^T``, :func:`rerank_exact`),
+   and the top-k of the exact scores is kept.
 
 Every reported score is therefore exact; only the membership of the top-k is approximate (recall@k of the
 index path). With ``R >= rows`` and a flat index the result equals exact streaming scoring.
@@ -24,11 +25,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from ..gradients import as_source
 from ..methods import Method
+from .engine import _block_buffer, rows_product
 from .index import Index, IndexMismatch
 from .scores import Scores
 
@@ -53,23 +56,21 @@ def index_normalization(method: Method) -> bool:
 
 
 def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tensor, k: int, *,
-                 largest: bool = True, chunk_values: int = 2**26) -> tuple[Tensor, Tensor]:
+                 largest: bool = True) -> tuple[Tensor, Tensor]:
     """Exact top-``k`` among each query's candidate rows.
 
-    Queries are taken in chunks: the chunk's candidate rows are read from the store once (deduplicated, in row
-    order), scored against the chunk's queries in one matrix product ``[unique, dim] x [dim, chunk]``, and each
-    query keeps the scores of its own candidates. The chunk is sized so that its rows hold at most
-    ``chunk_values`` numbers (256 MiB of float32): the product then costs at most ``chunk`` times the ``Q * R``
-    dot products needed, and no row is materialized once per query.
+    Query by query, its candidate rows are gathered from the store's memory map in row order and scored
+    with :func:`gradtrace.score.engine.rows_product`: decoded in cache-sized sub-blocks into one reused buffer
+    (a fresh ``[R, dim]`` tensor per query costs more in page faults than the decoding), int8 scales applied
+    to the scores for methods that score raw rows. Each query costs its own ``R`` dot products, nothing more.
 
     Args:
-        attributor: supplies the method (``prepare_train``) and ``device``.
+        attributor: supplies the method (``prepare_train``).
         store: the store the candidates index (global row numbers).
         prepared: ``[Q, dim]`` prepared queries (on ``attributor.device``).
         candidates: ``[Q, R]`` int64 store rows per query; ``-1`` marks no candidate.
         k: rows kept per query (each query needs at least ``k`` candidates).
         largest: keep the highest (True) or lowest scores.
-        chunk_values: bound on the numbers in a chunk's rows.
     Returns:
         ``(values [Q, k], rows [Q, k])`` on the CPU, best first.
     """
@@ -79,21 +80,17 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
         q = int(short[0])
         raise ValueError(f"the index returned {int(valid[q].sum())} candidates for query {q}, fewer than k={k}: "
                          "search more IVF cells (nprobe) or raise rerank")
-    fill = float("-inf") if largest else float("inf")
-    num_q, r = candidates.shape
-    chunk = max(1, chunk_values // max(1, r * prepared.shape[1]))
+    buffer = _block_buffer([store], candidates.shape[1], prepared.device)
+    method = attributor.method
     values, rows = [], []
-    for lo in range(0, num_q, chunk):
-        cand = candidates[lo:lo + chunk]
-        unique, inverse = torch.unique(cand.clamp(min=0), sorted=True, return_inverse=True)
-        unique_rows = attributor.method.prepare_train(store.rows(unique.numpy(), attributor.device).to(torch.float32))
-        unique_scores = (unique_rows @ prepared[lo:lo + chunk].t()).cpu()  # [unique, chunk]
-        exact = unique_scores[inverse, torch.arange(len(cand)).unsqueeze(1)]  # [chunk, R]: query i, its candidates
-        exact.masked_fill_(~valid[lo:lo + chunk], fill)
-        top, position = torch.topk(exact, k, dim=1, largest=largest)
+    for q, (row_list, keep) in enumerate(zip(candidates.numpy(), valid.numpy())):
+        wanted = np.unique(row_list[keep])  # sorted: the gather walks the memory map forwards
+        exact = rows_product(prepared[q:q + 1], store, len(wanted), lambda lo, hi, out, scales, wanted=wanted: (
+            store.rows(wanted[lo:hi], out=out, scales=scales)), method, 0, buffer)[0].cpu()
+        top, position = torch.topk(exact, k, largest=largest)
         values.append(top)
-        rows.append(cand.gather(1, position))
-    return torch.cat(values), torch.cat(rows)
+        rows.append(torch.from_numpy(wanted)[position])
+    return torch.stack(values), torch.stack(rows)
 
 
 def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | None = None
