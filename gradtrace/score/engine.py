@@ -261,15 +261,17 @@ class Attributor:
         return out
 
 
-# rows decoded per product step when streaming a store on the CPU: ~8 MiB of float32, so that a sub-block is
-# still in the last-level cache when the product reads it (a whole 8,192 x 4,096 block, 128 MiB, is written to
-# memory by the decode and read back by the product)
+# rows decoded per product step when streaming a store on the CPU with one intra-op thread: ~8 MiB of float32, so
+# that a sub-block is still in the last-level cache when the product reads it (a whole 8,192 x 4,096 block, 128 MiB,
+# is written to memory by the decode and read back by the product: 30% more CPU time, measured). With several
+# threads every sub-block adds two fork-joins (decode, product), which on a loaded machine cost more than the cache
+# saves (measured on 2 shared cores: 1.5x the CPU time at 16 MiB sub-blocks): a block is then decoded whole.
 SUB_BLOCK_BYTES = 8 * 2**20
 
 
 def _block_buffer(sources: Sequence[Any], block_rows: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
     """The float32 CPU buffers that gradient stores decode each streamed block into: rows ``[sub, D]`` (``sub``
-    rows of at most :data:`SUB_BLOCK_BYTES` on the CPU, a whole block for another device) and per-row scales
+    rows of at most :data:`SUB_BLOCK_BYTES` on the CPU with one thread, else a whole block) and per-row scales
     ``[block_rows]``; None when no source is a store (a fresh 128 MiB tensor per block costs as much as the
     decoding)."""
     from ..store import GradientStore
@@ -278,7 +280,9 @@ def _block_buffer(sources: Sequence[Any], block_rows: int, device: torch.device)
     if not stores:
         return None
     rows = min(block_rows, max(len(s) for s in stores))
-    sub = max(1, min(rows, SUB_BLOCK_BYTES // (4 * max(1, stores[0].dim)))) if device.type == "cpu" else rows
+    sub = rows
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        sub = max(1, min(rows, SUB_BLOCK_BYTES // (4 * max(1, stores[0].dim))))
     return torch.empty(sub, stores[0].dim, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
 
 

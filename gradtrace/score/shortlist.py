@@ -8,9 +8,9 @@
 2. the index returns the ``R`` rows of highest approximate inner product with each prepared query (and,
    for the bottom-k, with its negation); a query whose visited IVF cells hold fewer than ``k`` rows is searched
    again with more cells (:func:`search_enough`; counted in ``meta["index"]["widened"]``);
-3. each query's candidate rows are read from the store (:meth:`GradientStore.rows`, in row order, into a reused
-   cache-sized buffer) and scored exactly (``prepared_query @ prepare_train(rows)^T``, :func:`rerank_exact`),
-   and the top-k of the exact scores is kept.
+3. the candidate rows are read from the store (:meth:`GradientStore.rows`, in row order, into a reused buffer)
+   and scored exactly (``prepared_query @ prepare_train(rows)^T``, :func:`rerank_exact`), and the top-k of the
+   exact scores is kept.
 
 Every reported score is therefore exact; only the membership of the top-k is approximate (recall@k of the
 index path). With ``R >= rows`` and a flat index the result equals exact streaming scoring.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,13 +55,16 @@ def index_normalization(method: Method) -> bool:
 
 
 def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tensor, k: int, *,
-                 largest: bool = True) -> tuple[Tensor, Tensor]:
+                 largest: bool = True, chunk_rows: int = 8192) -> tuple[Tensor, Tensor]:
     """Exact top-``k`` among each query's candidate rows.
 
-    Query by query, its candidate rows are gathered from the store's memory map in row order and scored
-    with :func:`gradtrace.score.engine.rows_product`: decoded in cache-sized sub-blocks into one reused buffer
-    (a fresh ``[R, dim]`` tensor per query costs more in page faults than the decoding), int8 scales applied
-    to the scores for methods that score raw rows. Each query costs its own ``R`` dot products, nothing more.
+    Queries are taken in chunks of about ``chunk_rows / R``: the chunk's candidate rows are gathered from the
+    store's memory map once (deduplicated, in row order) into one reused buffer and scored against the chunk's
+    queries with :func:`gradtrace.score.engine.rows_product` (int8 scales applied to the scores for methods that
+    score raw rows); each query keeps the scores of its own candidates. A chunk decodes about ``chunk_rows``
+    rows and computes ``chunk`` times the dot products its queries need (every query against all its rows): few,
+    large operations (cheap on a shared machine, where every operation's fork-join waits for a busy core), and no
+    fresh ``[rows, dim]`` tensor per chunk (its page faults cost more than the decoding).
 
     Args:
         attributor: supplies the method (``prepare_train``).
@@ -71,6 +73,7 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
         candidates: ``[Q, R]`` int64 store rows per query; ``-1`` marks no candidate.
         k: rows kept per query (each query needs at least ``k`` candidates).
         largest: keep the highest (True) or lowest scores.
+        chunk_rows: candidate rows per chunk of queries (the decode buffer's rows).
     Returns:
         ``(values [Q, k], rows [Q, k])`` on the CPU, best first.
     """
@@ -80,17 +83,23 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
         q = int(short[0])
         raise ValueError(f"the index returned {int(valid[q].sum())} candidates for query {q}, fewer than k={k}: "
                          "search more IVF cells (nprobe) or raise rerank")
-    buffer = _block_buffer([store], candidates.shape[1], prepared.device)
-    method = attributor.method
+    fill = float("-inf") if largest else float("inf")
+    num_q, r = candidates.shape
+    chunk = max(1, chunk_rows // r)
+    buffer = _block_buffer([store], chunk * r, prepared.device)
     values, rows = [], []
-    for q, (row_list, keep) in enumerate(zip(candidates.numpy(), valid.numpy())):
-        wanted = np.unique(row_list[keep])  # sorted: the gather walks the memory map forwards
-        exact = rows_product(prepared[q:q + 1], store, len(wanted), lambda lo, hi, out, scales, wanted=wanted: (
-            store.rows(wanted[lo:hi], out=out, scales=scales)), method, 0, buffer)[0].cpu()
-        top, position = torch.topk(exact, k, largest=largest)
+    for lo in range(0, num_q, chunk):
+        cand = candidates[lo:lo + chunk]
+        unique, inverse = torch.unique(cand.clamp(min=0), sorted=True, return_inverse=True)
+        wanted = unique.numpy()
+        scores = rows_product(prepared[lo:lo + chunk], store, len(wanted), lambda a, b, out, scales, wanted=wanted: (
+            store.rows(wanted[a:b], out=out, scales=scales)), attributor.method, 0, buffer).cpu()  # [chunk, unique]
+        exact = scores.gather(1, inverse)  # [chunk, R]: query i, its candidates
+        exact.masked_fill_(~valid[lo:lo + chunk], fill)
+        top, position = torch.topk(exact, k, dim=1, largest=largest)
         values.append(top)
-        rows.append(torch.from_numpy(wanted)[position])
-    return torch.stack(values), torch.stack(rows)
+        rows.append(cand.gather(1, position))
+    return torch.cat(values), torch.cat(rows)
 
 
 def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | None = None

@@ -288,6 +288,7 @@ def test_rerank_of_int8_rows_equals_the_float64_scores_of_the_candidates(tmp_pat
 
     if sub_rows is not None:
         monkeypatch.setattr(engine, "SUB_BLOCK_BYTES", sub_rows * 4 * DIM)
+        monkeypatch.setattr(engine.torch, "get_num_threads", lambda: 1)  # sub-blocks are for one thread
     ids, rows = make_rows(23)
     write(tmp_path, ids, rows, chunks=[23], dtype="int8")
     store = GradientStore.open(tmp_path)

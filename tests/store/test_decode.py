@@ -151,6 +151,7 @@ def test_streaming_scores_in_sub_blocks_equal_the_plainly_decoded_scores(store, 
 
     if sub_rows is not None:
         monkeypatch.setattr(engine, "SUB_BLOCK_BYTES", sub_rows * 4 * DIM)
+        monkeypatch.setattr(engine.torch, "get_num_threads", lambda: 1)  # sub-blocks are for one thread
     queries = torch.randn(3, DIM, generator=torch.Generator().manual_seed(1))
     query_set = gradtrace.GradientSet(queries, ["a", "b", "c"], store.spec)
     rows = plain_decode(store)
@@ -184,6 +185,7 @@ def test_checkpoints_streamed_from_int8_stores_in_sub_blocks_equal_the_weighted_
     from gradtrace.score import engine
 
     monkeypatch.setattr(engine, "SUB_BLOCK_BYTES", 3 * 4 * DIM)
+    monkeypatch.setattr(engine.torch, "get_num_threads", lambda: 1)
     stores, decoded = [], []
     for seed in (0, 1):
         ids, rows = make_rows(23, seed=seed)
