@@ -125,7 +125,8 @@ def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | N
 
 
 def score_with_index(attributor: Any, queries: Any, index: Index | str, *, rerank: int | None = None,
-                     topk: int = 100, bottom: bool = True, nprobe: int | None = None) -> Scores:
+                     topk: int = 100, bottom: bool = True, nprobe: int | None = None,
+                     bottom_nprobe: int | None = None) -> Scores:
     """Top-k scores of ``queries`` from an index shortlist of ``rerank`` rows per query, re-scored exactly.
 
     Args:
@@ -137,6 +138,10 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
         topk: rows kept per query, highest and (``bottom=True``) lowest.
         nprobe: IVF cells visited per query (default: the index's; doubled for a query whose cells hold fewer
             than ``topk`` rows, see :func:`search_enough`).
+        bottom_nprobe: IVF cells visited for the bottom-k's search with the negated query (default: ``nprobe``).
+            IVF cells gather rows that align with each other, so a query's most negative rows lie thinly in many
+            cells (no cell is anti-aligned with the query the way its own clusters align with it); more cells for
+            the bottom raise its recall at the cost of its search time (see docs/index.md).
     Returns:
         :class:`Scores` with ``top``/``bottom`` (no matrix), in the store's row numbering; ``meta["index"]``
         records the index and shortlist size.
@@ -182,7 +187,8 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
     widened: dict[str, int] = {}
     for name, sign, largest in (("top", 1.0, True), ("bottom", -1.0, False))[:2 if bottom else 1]:
         searched = time.perf_counter()
-        candidates, widened[name] = search_enough(index, prepared.cpu() * sign, shortlist, k, nprobe)
+        probe = (bottom_nprobe or nprobe) if name == "bottom" else nprobe
+        candidates, widened[name] = search_enough(index, prepared.cpu() * sign, shortlist, k, probe)
         profile[f"search_{name}_s"] = time.perf_counter() - searched
         reranked = time.perf_counter()
         kept[name] = rerank_exact(attributor, store, prepared, candidates, k, largest=largest)
@@ -195,6 +201,7 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
         "index": {"path": str(index.path) if index.path else None, "kind": index.params.kind,
                   "factory": index.params.factory(), "normalize": index.params.normalize,
                   "nprobe": nprobe or index.params.nprobe, "rerank": shortlist,
+                  "bottom_nprobe": (bottom_nprobe or nprobe or index.params.nprobe) if bottom else None,
                   "widened": widened, "store_digest": index.fingerprint.get("digest")}}
     return Scores(train_ids=list(store.ids), query_ids=list(query_set.ids), method=method.name, top=kept["top"],
                   bottom=kept.get("bottom"), meta=meta)
