@@ -31,7 +31,8 @@ Targets (issue 14): exact within 1.25x of the limit; recall@100 >= 0.95; index p
 
 ``--index PATH`` reuses an index this script saved at PATH for the same ``--rows`` (the store is written again
 from the same seed, so its fingerprint matches; a different store is refused), or builds and saves it there
-when PATH holds none: the 1M build takes ~20 minutes, the rest of the run a few.
+when PATH holds none: the 1M build takes ~20 minutes, the rest of the run a few. ``--store PATH`` reuses a
+store this script wrote (its draws are replayed to rebuild the same queries; its first rows are checked).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -63,24 +65,49 @@ def setup(rows: int) -> dict:
     return {"nlist": nlist, "m": 256, "nbits": 8, "nprobe": max(1, nlist // 32), "train_rows": min(rows, 64 * nlist)}
 
 
+def draw_blocks(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, Iterator[torch.Tensor]]:
+    """The cluster centres, and the store's rows block by block (``CHUNK`` rows), drawn from ``gen``."""
+    centres = torch.randn(max(8, rows // 2000), DIM, generator=gen)
+
+    def blocks() -> Iterator[torch.Tensor]:
+        for start in range(0, rows, CHUNK):
+            n = min(CHUNK, rows - start)
+            which = torch.randint(0, len(centres), (n,), generator=gen)
+            norms = torch.exp(0.5 * torch.randn(n, 1, generator=gen))
+            yield (centres[which] + torch.randn(n, DIM, generator=gen)).mul_(norms)
+    return centres, blocks()
+
+
 def write_store(root: Path, rows: int, gen: torch.Generator) -> tuple[object, torch.Tensor]:
     """The clustered int8 store, and the cluster centres."""
     from gradtrace.store import GradientSpec, GradientStore, ShardWriter
 
     spec = GradientSpec([("synthetic.weight", DIM)], None, {"reduction": "sum", "example_loss": "sum"}, {},
                         "int8")
-    centres = torch.randn(max(8, rows // 2000), DIM, generator=gen)
+    centres, blocks = draw_blocks(rows, gen)
     writer = ShardWriter(root, spec, rank=0, world_size=1, shard_rows=SHARD_ROWS, queue_size=4)
     try:
-        for start in range(0, rows, CHUNK):
-            n = min(CHUNK, rows - start)
-            which = torch.randint(0, len(centres), (n,), generator=gen)
-            norms = torch.exp(0.5 * torch.randn(n, 1, generator=gen))
-            block = (centres[which] + torch.randn(n, DIM, generator=gen)).mul_(norms)
-            writer.put([f"row{i}" for i in range(start, start + n)], block)
+        for start, block in zip(range(0, rows, CHUNK), blocks):
+            writer.put([f"row{i}" for i in range(start, start + len(block))], block)
     finally:
         writer.close()
     return GradientStore.open(root, verify=False), centres
+
+
+def reuse_store(root: Path, rows: int, gen: torch.Generator) -> tuple[object, torch.Tensor]:
+    """A store :func:`write_store` wrote earlier with the same ``rows`` and seed: its draws are replayed (not
+    written) so that ``gen`` reaches the queries' state; its first rows are checked against the replay."""
+    from gradtrace.grad.quantize import quantize
+    from gradtrace.store import GradientStore
+
+    store = GradientStore.open(root, verify=False)
+    centres, blocks = draw_blocks(rows, gen)
+    first = next(blocks)
+    if len(store) != rows or not torch.equal(store.read(0, 64), quantize(first[:64]).dequantize()):
+        raise SystemExit(f"{root} is not the store this script writes for --rows {rows}")
+    for _ in blocks:
+        pass
+    return store, centres
 
 
 def make_queries(centres: torch.Tensor, gen: torch.Generator):
@@ -163,6 +190,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--index", type=Path, default=None,
                         help="reuse the index saved at this path (same --rows), or build and save it there")
+    parser.add_argument("--store", type=Path, default=None,
+                        help="reuse a store this script wrote (same --rows; kept with --keep) instead of writing one")
     parser.add_argument("--skip-index", action="store_true",
                         help="measure the exact part only (limits and exact streaming; no index build or search)")
     args = parser.parse_args()
@@ -185,9 +214,13 @@ def main() -> None:
           f"faiss {faiss.__version__}; {args.rows:,} rows x {DIM} int8, {QUERIES} queries, top/bottom-{TOPK}")
     try:
         t = time.perf_counter()
-        store, centres = write_store(root / "store", args.rows, gen)
-        print(f"store written in {time.perf_counter() - t:.1f} s: {len(store.shards)} shards, "
-              f"{store.info()['bytes'] / 2**30:.2f} GiB")
+        if args.store:
+            store, centres = reuse_store(args.store, args.rows, gen)
+            print(f"store {args.store} reused (draws replayed in {time.perf_counter() - t:.1f} s)")
+        else:
+            store, centres = write_store(root / "store", args.rows, gen)
+            print(f"store written in {time.perf_counter() - t:.1f} s: {len(store.shards)} shards, "
+                  f"{store.info()['bytes'] / 2**30:.2f} GiB")
         queries = make_queries(centres, gen)
 
         read_s, read_bytes = sequential_read(store)
