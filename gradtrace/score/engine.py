@@ -162,13 +162,12 @@ class Attributor:
         blocks = range(0, num_train, self.block_rows)
         bar = _bar(blocks, progress, num_train, self.block_rows)
         stream = time.perf_counter()
-        buffer = _block_buffer(self.train, self.block_rows)
+        buffer = _block_buffer(self.train, self.block_rows, self.device)
         for offset in blocks:
             stop = min(num_train, offset + self.block_rows)
             scores = None
             for c, source in enumerate(self.train):
-                block = self.method.prepare_train(_read_block(source, offset, stop, self.device, buffer), c)
-                part = prepared[c] @ block.t()
+                part = _block_product(prepared[c], source, offset, stop, self.method, c, buffer)
                 scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
             _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
             if full is not None:
@@ -290,25 +289,70 @@ def _inverse_lengths(source: Any) -> Tensor:
     return 1.0 / torch.tensor(counts, dtype=torch.float32).clamp(min=1)
 
 
-def _block_buffer(sources: Sequence[Any], block_rows: int) -> Tensor | None:
-    """One float32 ``[block_rows, D]`` CPU buffer that gradient stores decode every streamed block into (a fresh
-    128 MiB tensor per block costs as much as the decoding), or None when no source is a store."""
+# rows decoded per product step when streaming a store on the CPU with one intra-op thread: ~8 MiB of float32, so
+# that a sub-block is still in the last-level cache when the product reads it (a whole 8,192 x 4,096 block, 128 MiB,
+# is written to memory by the decode and read back by the product: 30% more CPU time, measured). With several
+# threads every sub-block adds two fork-joins (decode, product), which on a loaded machine cost more than the cache
+# saves (measured on 2 shared cores: 1.5x the CPU time at 16 MiB sub-blocks): a block is then decoded whole.
+SUB_BLOCK_BYTES = 8 * 2**20
+
+
+def _block_buffer(sources: Sequence[Any], block_rows: int, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The float32 CPU buffers that gradient stores decode each streamed block into: rows ``[sub, D]`` (``sub``
+    rows of at most :data:`SUB_BLOCK_BYTES` on the CPU with one thread, else a whole block) and per-row scales
+    ``[block_rows]``; None when no source is a store (a fresh 128 MiB tensor per block costs as much as the
+    decoding)."""
     from ..store import GradientStore
 
     stores = [s for s in sources if isinstance(s, GradientStore)]
     if not stores:
         return None
-    return torch.empty(min(block_rows, max(len(s) for s in stores)), stores[0].dim, dtype=torch.float32)
+    rows = min(block_rows, max(len(s) for s in stores))
+    sub = rows
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        sub = max(1, min(rows, SUB_BLOCK_BYTES // (4 * max(1, stores[0].dim))))
+    return torch.empty(sub, stores[0].dim, dtype=torch.float32), torch.empty(rows, dtype=torch.float32)
 
 
-def _read_block(source: Any, start: int, stop: int, device: torch.device, buffer: Tensor | None) -> Tensor:
-    """Training rows ``start:stop`` as float32 ``[n, D]`` on ``device``. A gradient store decodes them into
-    ``buffer`` (the block is then valid until the next read: the loop only multiplies it)."""
+def folds_row_scales(method: Method) -> bool:
+    """Whether ``method`` scores raw training rows (its ``prepare_train`` is the identity), so that a row's int8
+    scale can multiply its scores instead of its values: ``q . (s * raw) = s * (q . raw)``, exact up to float32
+    rounding (``grad_dot`` and the influence methods, which precondition the query side only)."""
+    return type(method).prepare_train is Method.prepare_train
+
+
+def _block_product(query: Tensor, source: Any, start: int, stop: int, method: Method, checkpoint: int,
+                   buffer: tuple[Tensor, Tensor] | None) -> Tensor:
+    """``[Q, n]`` products ``query @ prepare_train(rows start:stop)^T`` of one streamed block at one checkpoint
+    (a gradient store through :func:`rows_product`)."""
     from ..store import GradientStore
 
     if buffer is None or not isinstance(source, GradientStore):
-        return source.read(start, stop, device).to(torch.float32)
-    return source.read(start, stop, out=buffer[:stop - start]).to(device)
+        rows = source.read(start, stop, query.device).to(torch.float32)
+        return query @ method.prepare_train(rows, checkpoint).t()
+    return rows_product(query, source, stop - start, lambda lo, hi, out, scales: source.read(
+        start + lo, start + hi, out=out, scales=scales), method, checkpoint, buffer)
+
+
+def rows_product(query: Tensor, store: Any, count: int, read: Callable[[int, int, Tensor, Tensor | None], Tensor],
+                 method: Method, checkpoint: int, buffer: tuple[Tensor, Tensor]) -> Tensor:
+    """``[Q, count]`` products ``query @ prepare_train(rows)^T`` of ``count`` rows of a gradient store.
+
+    ``read(lo, hi, out, scales)`` decodes rows ``lo:hi`` of the ``count`` into ``out`` (as
+    :meth:`GradientStore.read` with ``scales``). The rows are decoded sub-block by sub-block into ``buffer``
+    (:func:`_block_buffer`) and each sub-block's product written into its columns, so the decoded rows are read
+    back from cache. For methods that score raw rows (:func:`folds_row_scales`) int8 rows are decoded unscaled
+    and the columns of the product are scaled instead.
+    """
+    rows_buffer, scale_buffer = buffer
+    fold = store.spec.dtype == "int8" and folds_row_scales(method)
+    scales = (scale_buffer[:count] if count <= len(scale_buffer) else torch.empty(count)) if fold else None
+    out = torch.empty(len(query), count, dtype=torch.float32, device=query.device)
+    for lo in range(0, count, len(rows_buffer)):
+        hi = min(count, lo + len(rows_buffer))
+        rows = read(lo, hi, rows_buffer[:hi - lo], None if scales is None else scales[lo:hi])
+        torch.mm(query, method.prepare_train(rows.to(query.device), checkpoint).t(), out=out[:, lo:hi])
+    return out if scales is None else out.mul_(scales.to(query.device))
 
 
 def _positive_int(value: Any, name: str, minimum: int) -> int:

@@ -43,7 +43,7 @@ from ..grad.batch import GradientBatch
 from ..gradients import GradientSet, as_source
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
-from .engine import ENSEMBLES, Attributor, _block_buffer, _check_block, _check_prepared, _read_block
+from .engine import ENSEMBLES, Attributor, _block_buffer, _block_product, _check_block, _check_prepared
 from .scores import Scores
 
 __all__ = ["Ensemble", "EnsembleError", "is_member_list"]
@@ -348,12 +348,11 @@ class Ensemble:
         if num_train == 0:
             raise ValueError("the training gradients are empty")
         totals = torch.zeros(len(prepared), dtype=torch.float64)
-        buffer = _block_buffer(engine.train, engine.block_rows)
+        buffer = _block_buffer(engine.train, engine.block_rows, engine.device)
         for offset in range(0, num_train, engine.block_rows):
             stop = min(num_train, offset + engine.block_rows)
             for c, source in enumerate(engine.train):
-                block = self.combined.prepare_train(_read_block(source, offset, stop, engine.device, buffer), c)
-                part = prepared[c] @ block.t()
+                part = _block_product(prepared[c], source, offset, stop, self.combined, c, buffer)
                 _check_block(part, query_ids, engine.train_ids, offset, f"{name} (member {c})")
                 totals[c] += part.abs().sum(dtype=torch.float64).cpu()
         means = (totals / (num_q * num_train)).tolist()

@@ -8,8 +8,9 @@
 2. the index returns the ``R`` rows of highest approximate inner product with each prepared query (and,
    for the bottom-k, with its negation); a query whose visited IVF cells hold fewer than ``k`` rows is searched
    again with more cells (:func:`search_enough`; counted in ``meta["index"]["widened"]``);
-3. those rows are read from the store (:meth:`GradientStore.rows`) and scored exactly
-   (``prepared_query @ prepare_train(rows)^T``), and the top-k of the exact scores is kept.
+3. the candidate rows are read from the store (:meth:`GradientStore.rows`, in row order, into a reused buffer)
+   and scored exactly (``prepared_query @ prepare_train(rows)^T``, :func:`rerank_exact`), and the top-k of the
+   exact scores is kept.
 
 Every reported score is therefore exact; only the membership of the top-k is approximate (recall@k of the
 index path). With ``R >= rows`` and a flat index the result equals exact streaming scoring.
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from ..gradients import as_source
 from ..methods import Method
+from .engine import _block_buffer, rows_product
 from .index import Index, IndexMismatch
 from .scores import Scores
 
@@ -53,23 +55,25 @@ def index_normalization(method: Method) -> bool:
 
 
 def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tensor, k: int, *,
-                 largest: bool = True, chunk_values: int = 2**26) -> tuple[Tensor, Tensor]:
+                 largest: bool = True, chunk_rows: int = 8192) -> tuple[Tensor, Tensor]:
     """Exact top-``k`` among each query's candidate rows.
 
-    Queries are taken in chunks: the chunk's candidate rows are read from the store once (deduplicated, in row
-    order), scored against the chunk's queries in one matrix product ``[unique, dim] x [dim, chunk]``, and each
-    query keeps the scores of its own candidates. The chunk is sized so that its rows hold at most
-    ``chunk_values`` numbers (256 MiB of float32): the product then costs at most ``chunk`` times the ``Q * R``
-    dot products needed, and no row is materialized once per query.
+    Queries are taken in chunks of about ``chunk_rows / R``: the chunk's candidate rows are gathered from the
+    store's memory map once (deduplicated, in row order) into one reused buffer and scored against the chunk's
+    queries with :func:`gradtrace.score.engine.rows_product` (int8 scales applied to the scores for methods that
+    score raw rows); each query keeps the scores of its own candidates. A chunk decodes about ``chunk_rows``
+    rows and computes ``chunk`` times the dot products its queries need (every query against all its rows): few,
+    large operations (cheap on a shared machine, where every operation's fork-join waits for a busy core), and no
+    fresh ``[rows, dim]`` tensor per chunk (its page faults cost more than the decoding).
 
     Args:
-        attributor: supplies the method (``prepare_train``) and ``device``.
+        attributor: supplies the method (``prepare_train``).
         store: the store the candidates index (global row numbers).
         prepared: ``[Q, dim]`` prepared queries (on ``attributor.device``).
         candidates: ``[Q, R]`` int64 store rows per query; ``-1`` marks no candidate.
         k: rows kept per query (each query needs at least ``k`` candidates).
         largest: keep the highest (True) or lowest scores.
-        chunk_values: bound on the numbers in a chunk's rows.
+        chunk_rows: candidate rows per chunk of queries (the decode buffer's rows).
     Returns:
         ``(values [Q, k], rows [Q, k])`` on the CPU, best first.
     """
@@ -81,14 +85,16 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
                          "search more IVF cells (nprobe) or raise rerank")
     fill = float("-inf") if largest else float("inf")
     num_q, r = candidates.shape
-    chunk = max(1, chunk_values // max(1, r * prepared.shape[1]))
+    chunk = max(1, chunk_rows // r)
+    buffer = _block_buffer([store], chunk * r, prepared.device)
     values, rows = [], []
     for lo in range(0, num_q, chunk):
         cand = candidates[lo:lo + chunk]
         unique, inverse = torch.unique(cand.clamp(min=0), sorted=True, return_inverse=True)
-        unique_rows = attributor.method.prepare_train(store.rows(unique.numpy(), attributor.device).to(torch.float32))
-        unique_scores = (unique_rows @ prepared[lo:lo + chunk].t()).cpu()  # [unique, chunk]
-        exact = unique_scores[inverse, torch.arange(len(cand)).unsqueeze(1)]  # [chunk, R]: query i, its candidates
+        wanted = unique.numpy()
+        scores = rows_product(prepared[lo:lo + chunk], store, len(wanted), lambda a, b, out, scales, wanted=wanted: (
+            store.rows(wanted[a:b], out=out, scales=scales)), attributor.method, 0, buffer).cpu()  # [chunk, unique]
+        exact = scores.gather(1, inverse)  # [chunk, R]: query i, its candidates
         exact.masked_fill_(~valid[lo:lo + chunk], fill)
         top, position = torch.topk(exact, k, dim=1, largest=largest)
         values.append(top)
@@ -119,7 +125,8 @@ def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | N
 
 
 def score_with_index(attributor: Any, queries: Any, index: Index | str, *, rerank: int | None = None,
-                     topk: int = 100, bottom: bool = True, nprobe: int | None = None) -> Scores:
+                     topk: int = 100, bottom: bool = True, nprobe: int | None = None,
+                     bottom_nprobe: int | None = None) -> Scores:
     """Top-k scores of ``queries`` from an index shortlist of ``rerank`` rows per query, re-scored exactly.
 
     Args:
@@ -131,6 +138,10 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
         topk: rows kept per query, highest and (``bottom=True``) lowest.
         nprobe: IVF cells visited per query (default: the index's; doubled for a query whose cells hold fewer
             than ``topk`` rows, see :func:`search_enough`).
+        bottom_nprobe: IVF cells visited for the bottom-k's search with the negated query (default: ``nprobe``).
+            IVF cells gather rows that align with each other, so a query's most negative rows lie thinly in many
+            cells (no cell is anti-aligned with the query the way its own clusters align with it); more cells for
+            the bottom raise its recall at the cost of its search time (see docs/index.md).
     Returns:
         :class:`Scores` with ``top``/``bottom`` (no matrix), in the store's row numbering; ``meta["index"]``
         records the index and shortlist size.
@@ -176,7 +187,8 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
     widened: dict[str, int] = {}
     for name, sign, largest in (("top", 1.0, True), ("bottom", -1.0, False))[:2 if bottom else 1]:
         searched = time.perf_counter()
-        candidates, widened[name] = search_enough(index, prepared.cpu() * sign, shortlist, k, nprobe)
+        probe = (bottom_nprobe or nprobe) if name == "bottom" else nprobe
+        candidates, widened[name] = search_enough(index, prepared.cpu() * sign, shortlist, k, probe)
         profile[f"search_{name}_s"] = time.perf_counter() - searched
         reranked = time.perf_counter()
         kept[name] = rerank_exact(attributor, store, prepared, candidates, k, largest=largest)
@@ -189,6 +201,7 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
         "index": {"path": str(index.path) if index.path else None, "kind": index.params.kind,
                   "factory": index.params.factory(), "normalize": index.params.normalize,
                   "nprobe": nprobe or index.params.nprobe, "rerank": shortlist,
+                  "bottom_nprobe": (bottom_nprobe or nprobe or index.params.nprobe) if bottom else None,
                   "widened": widened, "store_digest": index.fingerprint.get("digest")}}
     return Scores(train_ids=list(store.ids), query_ids=list(query_set.ids), method=method.name, top=kept["top"],
                   bottom=kept.get("bottom"), meta=meta)

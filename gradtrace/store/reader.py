@@ -364,75 +364,80 @@ class GradientStore:
             self._maps[shard.name] = (data, scale)
         return self._maps[shard.name]
 
-    def _decode(self, shard: Shard, rows: slice | np.ndarray, out: Tensor) -> Tensor:
-        """Decode rows of one shard into ``out`` (float32 ``[n, dim]``, contiguous) and return it.
+    def _convert(self, raw: np.ndarray, row_scale: np.ndarray | None, out: Tensor, scales: Tensor | None) -> None:
+        """Stored values ``raw`` (and int8 scales) into ``out`` (float32 ``[n, dim]``, contiguous) in one pass, int8
+        rows then scaled in place (``float32(raw) * scale``, as a fresh decode); with ``scales`` (float32 ``[n]``)
+        rows stay unscaled and their scales (or 1s) are written there."""
+        values = torch.from_numpy(raw)
+        out.copy_(values.view(torch.bfloat16) if self.spec.dtype == "bfloat16" else values)
+        if scales is not None:
+            scales.copy_(torch.from_numpy(row_scale)) if row_scale is not None else scales.fill_(1.0)
+        elif row_scale is not None:
+            out.mul_(torch.from_numpy(row_scale).unsqueeze(1))
 
-        ``rows``: a slice (read straight from the mapping, no intermediate copy) or an int64 index array
-        (gathered by numpy in the stored dtype first). The raw values are converted into ``out`` in one pass and int8
-        rows are then scaled in place: ``out`` holds exactly ``float32(raw) * scale``, as a fresh decode would.
-        """
-        data, scale = self._arrays(shard)
-        raw = torch.from_numpy(data[rows])  # a slice: a view of the mapping; an index array: a gather
-        row_scale = None if scale is None else torch.from_numpy(scale[rows])
-        out.copy_(raw.view(torch.bfloat16) if self.spec.dtype == "bfloat16" else raw)
-        if row_scale is not None:
-            out.mul_(row_scale.unsqueeze(1))
-        return out
-
-    def _output(self, rows: int, out: Tensor | None) -> Tensor:
-        """``out`` checked to take ``rows`` decoded rows, or a fresh float32 ``[rows, dim]`` tensor."""
-        if out is None:
-            return torch.empty(rows, self.dim, dtype=torch.float32)
-        if out.dtype != torch.float32 or out.device.type != "cpu" or tuple(out.shape) != (rows, self.dim) \
-                or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous float32 CPU tensor of shape ({rows}, {self.dim}) for "
-                             f"{rows} rows of store {self.root}, got {out.dtype} {tuple(out.shape)} on "
-                             f"{out.device}{'' if out.is_contiguous() else ' (not contiguous)'}")
-        return out
+    def _output(self, rows: int, out: Tensor | None, scales: Tensor | None = None) -> Tensor:
+        """``out`` checked to take ``rows`` decoded rows, or a fresh float32 ``[rows, dim]`` tensor (and ``scales``
+        checked to take their scales)."""
+        for name, given, shape in (("out", out, (rows, self.dim)), ("scales", scales, (rows,))):
+            if given is not None and (given.dtype != torch.float32 or given.device.type != "cpu"
+                                      or tuple(given.shape) != shape or not given.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous float32 CPU tensor of shape {shape} for {rows} rows of "
+                                 f"store {self.root}, got {given.dtype} {tuple(given.shape)} on "
+                                 f"{given.device}{'' if given.is_contiguous() else ' (not contiguous)'}")
+        return torch.empty(rows, self.dim, dtype=torch.float32) if out is None else out
 
     def read(self, start: int, stop: int, device: torch.device | str | None = None, *,
-             out: Tensor | None = None) -> Tensor:
+             out: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
         """Rows ``start:stop`` as a float32 ``[n, dim]`` tensor.
 
         ``out``: a contiguous float32 CPU ``[n, dim]`` tensor (``n`` rows after clipping to the store) to decode
         into instead of a fresh tensor, e.g. one buffer reused for every block of a scan; it is returned (moved
-        to ``device`` when one is given).
+        to ``device`` when one is given). ``scales``: a float32 ``[n]`` tensor that receives the rows' int8
+        scales (1 for other dtypes), the returned rows then being unscaled: ``rows * scales[:, None]`` is the
+        normal read, and ``(q @ rows.T) * scales`` scores without a pass over the rows to scale them.
         """
         start, stop = max(0, start), min(len(self), stop)
-        out = self._output(max(0, stop - start), out)
+        out = self._output(max(0, stop - start), out, scales)
         for shard in self.shards:
             lo, hi = max(start, shard.start), min(stop, shard.start + shard.rows)
-            if lo < hi:
-                self._decode(shard, slice(lo - shard.start, hi - shard.start), out[lo - start:hi - start])
+            if lo < hi:  # a slice of the mapping: a view, converted without an intermediate copy
+                (data, scale), part = self._arrays(shard), slice(lo - shard.start, hi - shard.start)
+                self._convert(data[part], None if scale is None else scale[part], out[lo - start:hi - start],
+                              None if scales is None else scales[lo - start:hi - start])
         return out.to(device) if device is not None else out
 
     def rows(self, index: Sequence[int], device: torch.device | str | None = None, *,
-             out: Tensor | None = None) -> Tensor:
-        """The rows at ``index`` (any order, repeats allowed) as float32 ``[len(index), dim]`` (``out``: decode
-        into that tensor, as in :meth:`read`).
+             out: Tensor | None = None, scales: Tensor | None = None) -> Tensor:
+        """The rows at ``index`` (any order, repeats allowed) as float32 ``[len(index), dim]`` (``out``, ``scales``:
+        as in :meth:`read`).
 
-        Rows are read in sorted order, one gather per shard (a run of consecutive rows is one slice); an
-        unsorted ``index`` costs one more copy to put the rows in its order.
+        Rows are gathered in sorted order (forwards through each shard's mapping, a run of consecutive rows as one
+        slice) into one array of the stored dtype, put in ``index``'s order there, and converted in one pass.
         """
         rows = np.asarray(index, dtype=np.int64).reshape(-1)
         if rows.size and (rows.min() < 0 or rows.max() >= len(self)):
             bad = int(rows[(rows < 0) | (rows >= len(self))][0])
             raise IndexError(f"row {bad} is out of range for store {self.root} with {len(self)} rows")
-        out = self._output(len(rows), out)
-        ordered = bool(np.all(rows[1:] >= rows[:-1]))
-        order = None if ordered else np.argsort(rows, kind="stable")
+        out = self._output(len(rows), out, scales)
+        order = None if bool(np.all(rows[1:] >= rows[:-1])) else np.argsort(rows, kind="stable")
         sorted_rows = rows if order is None else rows[order]
-        target = out if order is None else torch.empty_like(out)
+        raw = np.empty((len(rows), self.dim), dtype=DTYPES[self.spec.dtype][0])
+        raw_scale = np.empty(len(rows), dtype=np.float32) if self.spec.dtype == "int8" else None
         starts = np.array([s.start for s in self.shards] + [len(self)], dtype=np.int64)
         bounds = np.searchsorted(sorted_rows, starts, side="left")  # sorted_rows[bounds[k]:bounds[k + 1]]: shard k
         for k in np.nonzero(bounds[1:] > bounds[:-1])[0]:
             shard, lo, hi = self.shards[int(k)], int(bounds[k]), int(bounds[k + 1])
             local = sorted_rows[lo:hi] - shard.start
-            run = bool(np.all(np.diff(local) == 1))  # consecutive rows, no repeats: one slice
-            where = slice(int(local[0]), int(local[-1]) + 1) if run else local
-            self._decode(shard, where, target[lo:hi])
-        if order is not None:
-            out.index_copy_(0, torch.from_numpy(order), target)
+            data, scale = self._arrays(shard)
+            for source, target in ((data, raw), (scale, raw_scale)) if raw_scale is not None else ((data, raw),):
+                if bool(np.all(np.diff(local) == 1)):  # consecutive rows, no repeats: one slice
+                    target[lo:hi] = source[int(local[0]):int(local[-1]) + 1]
+                else:
+                    np.take(source, local, axis=0, out=target[lo:hi], mode="clip")  # clip: unbuffered, checked above
+        if order is not None:  # the caller's order, moved in the stored dtype (int8: a quarter of the float bytes)
+            inverse = np.argsort(order)
+            raw, raw_scale = raw[inverse], None if raw_scale is None else raw_scale[inverse]
+        self._convert(raw, raw_scale, out, scales)
         return out.to(device) if device is not None else out
 
     def iter_blocks(self, block_rows: int = 8192, device: torch.device | str | None = None, *,

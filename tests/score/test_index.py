@@ -273,3 +273,66 @@ def test_missing_faiss_names_the_extra(store, monkeypatch):
     monkeypatch.setitem(sys.modules, "faiss", None)  # import faiss raises ImportError
     with pytest.raises(FaissMissing, match=r"pip install 'gradtrace\[index\]'"):
         build_index(store, "flat")
+
+
+@pytest.mark.parametrize("method", ["grad_dot", "grad_cos"])
+@pytest.mark.parametrize("sub_rows", [2, None])
+def test_rerank_of_int8_rows_equals_the_float64_scores_of_the_candidates(tmp_path, monkeypatch, method, sub_rows):
+    """Re-scoring decodes each query's candidates in sub-blocks (grad_dot: unscaled, the scores scaled): the kept
+    values are the float64 scores of the plainly decoded rows within the float32 bound, the kept rows a top-k of
+    that query's candidates (unsorted, -1 padded), and only its own candidates are kept."""
+    from gradtrace.score import engine
+    from gradtrace.score.shortlist import rerank_exact
+    from tests.store.common import DIM, make_rows, write
+    from tests.store.test_decode import assert_topk_valid, float32_bound, plain_decode, reference_scores
+
+    if sub_rows is not None:
+        monkeypatch.setattr(engine, "SUB_BLOCK_BYTES", sub_rows * 4 * DIM)
+        monkeypatch.setattr(engine.torch, "get_num_threads", lambda: 1)  # sub-blocks are for one thread
+    ids, rows = make_rows(23)
+    write(tmp_path, ids, rows, chunks=[23], dtype="int8")
+    store = GradientStore.open(tmp_path)
+    decoded = plain_decode(store)
+    gen = torch.Generator().manual_seed(3)
+    queries = torch.randn(4, DIM, generator=gen)
+    candidates = torch.stack([torch.randperm(23, generator=gen)[:9] for _ in range(4)])
+    candidates[1, 7:] = -1  # an IVF search that found fewer rows
+    attr = gradtrace.Attributor(method, store)
+    prepared = attr.method.prepare_queries(queries)
+    unit = (lambda x: x / x.norm(dim=1, keepdim=True)) if method == "grad_cos" else (lambda x: x)
+    reference = reference_scores(method, queries, decoded)
+    bound = float32_bound(unit(queries), unit(decoded))
+    for largest in (True, False):
+        values, kept = rerank_exact(attr, store, prepared, candidates, 5, largest=largest)
+        for q in range(4):
+            mine = candidates[q][candidates[q] >= 0]
+            assert set(kept[q].tolist()) <= set(mine.tolist())
+            local = torch.tensor([mine.tolist().index(r) for r in kept[q].tolist()])
+            assert_topk_valid(values[q:q + 1], local[None], reference[q:q + 1, mine], bound[q:q + 1, mine], largest)
+
+
+def test_the_bottom_searches_its_own_number_of_cells(store, queries, monkeypatch):
+    """bottom_nprobe: the negated query visits that many cells (the top keeps nprobe); with every cell visited the
+    bottom-k's recall is higher than with the default, and its values stay exact re-scores."""
+    index = build_index(store, "ivfpq", nlist=32, m=8, nbits=6, nprobe=2, train_rows=ROWS)
+    seen: list[tuple[int, float]] = []
+    original = Index.search
+
+    def recording(self, vectors, r, *, nprobe=None):
+        seen.append((nprobe, float(vectors[0, 0])))
+        return original(self, vectors, r, nprobe=nprobe)
+
+    exact = _exact("grad_dot", store, queries)
+    attr = gradtrace.Attributor("grad_dot", store)
+    default = score_with_index(attr, queries, index, rerank=40, topk=10)
+    monkeypatch.setattr(Index, "search", recording)
+    wide = score_with_index(attr, queries, index, rerank=40, topk=10, nprobe=3, bottom_nprobe=32)
+    assert seen[0] == (3, float(queries.vectors[0, 0])) and seen[-1] == (32, -float(queries.vectors[0, 0]))
+    assert wide.meta["index"]["bottom_nprobe"] == 32 and default.meta["index"]["bottom_nprobe"] == 2
+
+    def recall(got):
+        return sum(len(set(a) & set(b)) for a, b in zip(got.bottom[1].tolist(), exact.bottom[1].tolist()))
+
+    assert recall(wide) > recall(default)  # 50 / 60 against 21 / 60: the most negative rows lie in many cells
+    scale = float(exact.matrix.abs().max())
+    torch.testing.assert_close(wide.bottom[0], exact.matrix.gather(1, wide.bottom[1]), rtol=1e-5, atol=1e-6 * scale)

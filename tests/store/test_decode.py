@@ -88,17 +88,81 @@ def test_a_wrong_buffer_is_refused_naming_its_shape(store):
         store.read(0, 5, out=torch.empty(DIM, 5).t())
 
 
+def plain_parts(store: GradientStore) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored values as float32 (int8: unscaled integers) and the per-row scales (1 without int8)."""
+    rows = plain_decode(store)
+    if store.spec.dtype != "int8":
+        return rows, torch.ones(len(rows))
+    scales = torch.cat([torch.from_numpy(np.fromfile(store.root / "shards" / s.record["files"]["scale"]["name"],
+                                                     dtype=np.float32)) for s in store.shards])
+    raw = torch.cat([torch.from_numpy(np.fromfile(store.root / "shards" / s.record["files"]["data"]["name"],
+                                                  dtype=np.int8).astype(np.float32)) for s in store.shards])
+    return raw.reshape(-1, store.dim), scales
+
+
+def test_reading_unscaled_rows_with_their_scales_equals_plain_decode(store):
+    raw, scales = plain_parts(store)
+    got_scales = torch.full((7,), float("nan"))
+    got = store.read(4, 11, scales=got_scales)  # across two shard boundaries
+    assert torch.equal(got, raw[4:11]) and torch.equal(got_scales, scales[4:11])
+    index = [22, 0, 13, 13, 5, 4, 21, 1]  # unsorted with repeats
+    got_scales = torch.empty(len(index))
+    got = store.rows(index, out=torch.empty(len(index), DIM), scales=got_scales)
+    assert torch.equal(got, raw[index]) and torch.equal(got_scales, scales[index])
+    assert torch.equal(got * got_scales[:, None], plain_decode(store)[index])  # exactly the scaled decode
+    with pytest.raises(ValueError, match=r"scales must be a contiguous float32 CPU tensor of shape \(7,\)"):
+        store.read(4, 11, scales=torch.empty(6))
+
+
+def float32_bound(queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """A worst-case bound on the float32 error of ``queries @ rows.T`` against float64, whatever the summation
+    order (``gamma_n`` for a dot product of ``D`` terms, ``n = D + 2``: one more rounding each for the int8 scale
+    and the decode), doubled for ``grad_cos`` (each normalization adds at most ``(D / 2 + 3) u`` per element)."""
+    unit = 2.0 ** -24
+    return 2 * (queries.shape[1] + 4) * unit * (queries.double().abs() @ rows.double().abs().t())
+
+
+def reference_scores(method: str, queries: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Scores in float64 from the plainly decoded rows."""
+    q, r = queries.double(), rows.double()
+    if method == "grad_cos":
+        q, r = q / q.norm(dim=1, keepdim=True), r / r.norm(dim=1, keepdim=True)
+    return q @ r.t()
+
+
+def assert_topk_valid(values: torch.Tensor, rows: torch.Tensor, reference: torch.Tensor, bound: torch.Tensor,
+                      largest: bool) -> None:
+    """Each kept value is its row's reference score within the bound, and the kept rows are a top-k of the
+    reference up to the bound (a row may only swap with one whose score is within twice the bound)."""
+    picked, tol = reference.gather(1, rows), bound.gather(1, rows)
+    assert bool(((values.double() - picked).abs() <= tol).all())
+    sign = 1 if largest else -1
+    kth = (sign * reference).topk(rows.shape[1], dim=1).values[:, -1:]
+    assert bool((sign * picked >= kth - 2 * bound.max(dim=1, keepdim=True).values).all())
+
+
+@pytest.mark.parametrize("sub_rows", [1, 3, 7, None])
 @pytest.mark.parametrize("block_rows", [4, 8192])
-def test_streaming_scores_with_the_reused_buffer_equal_plain_scores(store, block_rows):
-    """The engine decodes every block into one buffer: scores equal those of the plainly decoded rows."""
-    queries = gradtrace.GradientSet(torch.randn(3, DIM, generator=torch.Generator().manual_seed(1)),
-                                    ["a", "b", "c"], store.spec)
-    plain = gradtrace.GradientSet(plain_decode(store), store.ids, store.spec)
+def test_streaming_scores_in_sub_blocks_equal_the_plainly_decoded_scores(store, block_rows, sub_rows, monkeypatch):
+    """The engine decodes each block sub-block by sub-block into one buffer and, for methods that score raw rows,
+    scales the scores instead of the int8 rows: the scores equal those of the plainly decoded rows in float64
+    within the float32 bound, and the kept rows are a top-k of them."""
+    from gradtrace.score import engine
+
+    if sub_rows is not None:
+        monkeypatch.setattr(engine, "SUB_BLOCK_BYTES", sub_rows * 4 * DIM)
+        monkeypatch.setattr(engine.torch, "get_num_threads", lambda: 1)  # sub-blocks are for one thread
+    queries = torch.randn(3, DIM, generator=torch.Generator().manual_seed(1))
+    query_set = gradtrace.GradientSet(queries, ["a", "b", "c"], store.spec)
+    rows = plain_decode(store)
     for method in ("grad_dot", "grad_cos"):  # grad_cos transforms the decoded rows (prepare_train)
-        got = gradtrace.Attributor(method, store, block_rows=block_rows).score(queries, topk=5, matrix=True)
-        want = gradtrace.Attributor(method, plain, block_rows=block_rows).score(queries, topk=5, matrix=True)
-        assert torch.equal(got.matrix, want.matrix)
-        assert torch.equal(got.top[1], want.top[1]) and torch.equal(got.bottom[1], want.bottom[1])
+        got = gradtrace.Attributor(method, store, block_rows=block_rows).score(query_set, topk=5, matrix=True)
+        reference = reference_scores(method, queries, rows)
+        unit = (lambda x: x / x.norm(dim=1, keepdim=True)) if method == "grad_cos" else (lambda x: x)
+        bound = float32_bound(unit(queries), unit(rows))
+        assert bool(((got.matrix.double() - reference).abs() <= bound).all())
+        assert_topk_valid(*got.top, reference, bound, largest=True)
+        assert_topk_valid(*got.bottom, reference, bound, largest=False)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
@@ -113,3 +177,28 @@ def test_the_streaming_check_finds_one_bad_score_anywhere(bad, where):
     with pytest.raises(ScoringError, match=rf"queries \['{'abc'[where[0]]}'\] against training rows "
                                            rf"{7 + where[1]}\.\.{7 + where[1]} \(ids \['r{7 + where[1]}'\]\)"):
         _check_block(scores, ["a", "b", "c"], [f"r{i}" for i in range(30)], 7, "grad_dot")
+
+
+def test_checkpoints_streamed_from_int8_stores_in_sub_blocks_equal_the_weighted_sum(tmp_path, monkeypatch):
+    """TracIn over two int8 stores (a method that combines checkpoints): each checkpoint's product is streamed in
+    sub-blocks, weighted and summed: the learning-rate weighted sum of the float64 reference scores."""
+    from gradtrace.score import engine
+
+    monkeypatch.setattr(engine, "SUB_BLOCK_BYTES", 3 * 4 * DIM)
+    monkeypatch.setattr(engine.torch, "get_num_threads", lambda: 1)
+    stores, decoded = [], []
+    for seed in (0, 1):
+        ids, rows = make_rows(23, seed=seed)
+        ids = [f"ex-{i}" for i in range(23)]
+        write(tmp_path / f"c{seed}", ids, rows, chunks=CHUNKS, dtype="int8")
+        stores.append(GradientStore.open(tmp_path / f"c{seed}"))
+        decoded.append(plain_decode(stores[-1]))
+    gen = torch.Generator().manual_seed(4)
+    queries = [torch.randn(2, DIM, generator=gen) for _ in stores]
+    query_sets = [gradtrace.GradientSet(q, ["a", "b"], stores[0].spec) for q in queries]
+    method = gradtrace.methods.get_method("tracin", weights=[0.5, 2.0])
+    got = gradtrace.Attributor(method, stores, block_rows=8).score(query_sets, topk=4, matrix=True)
+    reference = 0.5 * reference_scores("grad_dot", queries[0], decoded[0]) \
+        + 2.0 * reference_scores("grad_dot", queries[1], decoded[1])
+    bound = 0.5 * float32_bound(queries[0], decoded[0]) + 2.0 * float32_bound(queries[1], decoded[1])
+    assert bool(((got.matrix.double() - reference).abs() <= 2 * bound).all())  # one more rounding per sum
