@@ -169,9 +169,11 @@ class Arnoldi(_WholeModel):
     """Arnoldi influence (Schioppa et al. 2022); see the module docstring.
 
     rank: eigenpairs kept; iterations: Arnoldi steps (default ``min(P, 2 * rank)``; each is one pass over the data);
-    complement: ``"damping"`` (default: ``1 / lambda`` on the complement of the top eigenspace -- the exact inverse
-    of ``G_r + lambda I``) or ``"zero"`` (project onto the top eigenspace only); max_bytes: refuse when the Krylov
-    basis and eigenvectors would take more memory than this.
+    complement: what the complement of the top eigenspace is scaled by -- ``"damping"`` (default: ``1 / lambda``, the
+    exact inverse of ``G_r + lambda I``: the complement treated as curvature 0), ``"mean"`` (``1 / (lambda + m)``
+    with ``m = (trace(G) - sum_k e_k) / (P - rank)`` the mean eigenvalue of the complement, from ``diag(G)``: the
+    isotropic curvature with the complement's trace) or ``"zero"`` (project onto the top eigenspace only);
+    max_bytes: refuse when the Krylov basis and eigenvectors would take more memory than this.
     """
 
     name = "arnoldi"
@@ -182,11 +184,12 @@ class Arnoldi(_WholeModel):
         super().__init__(**kwargs)
         if rank < 1:
             raise ValueError(f"arnoldi rank must be >= 1, got {rank}")
-        if complement not in ("damping", "zero"):
-            raise ValueError(f"complement must be 'damping' or 'zero', got {complement!r}")
+        if complement not in ("damping", "mean", "zero"):
+            raise ValueError(f"complement must be 'damping', 'mean' or 'zero', got {complement!r}")
         self.rank, self.iterations, self.complement, self.max_bytes = rank, iterations, complement, max_bytes
         self.eigenvalues: Tensor | None = None
         self.eigenvectors: Tensor | None = None
+        self.tail_mean: float | None = None  # the complement's mean eigenvalue
 
     def _steps(self, dim: int) -> int:
         return self.iterations if self.iterations is not None else min(dim, 2 * self.rank)
@@ -212,19 +215,23 @@ class Arnoldi(_WholeModel):
         op = self.operator
         self.eigenvalues, self.eigenvectors = arnoldi(op.matmul, op.dim, self.rank, self._steps(op.dim),
                                                       seed=self.seed, dtype=op.dtype, device=op.device)
+        rest = op.dim - self.rank
+        tail = float(self.diagonal.sum()) - float(self.eigenvalues.sum())
+        self.tail_mean = max(tail, 0.0) / rest if rest > 0 else 0.0
 
     def _solve(self, queries: Tensor) -> Tensor:
         lam = self.lam
         coords = queries @ self.eigenvectors.t()  # [Q, r]
         if self.complement == "zero":
             return (coords / (self.eigenvalues + lam)) @ self.eigenvectors
-        return queries / lam + (coords * (1 / (self.eigenvalues + lam) - 1 / lam)) @ self.eigenvectors
+        shift = lam + (self.tail_mean if self.complement == "mean" else 0.0)
+        return queries / shift + (coords * (1 / (self.eigenvalues + lam) - 1 / shift)) @ self.eigenvectors
 
     def options(self) -> dict[str, Any]:
         steps = None if self.spec is None else self._steps(self.spec.dim)
         top = None if self.eigenvalues is None else [float(v) for v in self.eigenvalues[:3]]
         return {**super().options(), "rank": self.rank, "iterations": steps, "complement": self.complement,
-                "top_eigenvalues": top}
+                "top_eigenvalues": top, "complement_mean_eigenvalue": self.tail_mean}
 
 
 @register_method
