@@ -2,10 +2,10 @@
 *all* captured parameters together (cross-layer terms included), from matrix-vector products with the model.
 
 * ``arnoldi`` -- Schioppa et al. 2022: the top-``rank`` eigenpairs ``(e_k, u_k)`` of ``G`` from Arnoldi iterations,
-  then, as they do, the query projected onto that eigenspace, ``sum_k u_k u_k^T q / (e_k + lambda)``
-  (``complement="zero"``, default); ``complement="damping"`` adds the complement scaled by ``1 / lambda``, the
-  exact inverse of ``G_r + lambda I`` (``G_r`` the rank-``r`` truncation, which tends to the exact influence as
-  ``rank`` grows to ``P``), ``"mean"`` by ``1 / (lambda + m)``, ``m`` the complement's mean eigenvalue.
+  then ``sum_k u_k u_k^T q / (e_k + lambda)`` on that eigenspace plus its complement scaled by ``1 / (lambda + m)``,
+  ``m`` the complement's mean eigenvalue (``complement="mean"``, default); ``"damping"`` scales it by ``1 / lambda``,
+  the exact inverse of ``G_r + lambda I`` (``G_r`` the rank-``r`` truncation); ``"zero"`` drops it (the projection
+  onto the top eigenspace, as Schioppa et al. do). All three tend to the exact influence as ``rank`` grows to ``P``.
 * ``cg`` -- conjugate gradient on ``(G + lambda I) x = g_q`` for every query at once (one batched product per
   iteration), Jacobi-preconditioned.
 * ``ggn_full`` -- the dense ``P x P`` matrix (``P`` products) and its eigendecomposition: the exact reference, for
@@ -170,20 +170,19 @@ class Arnoldi(_WholeModel):
     """Arnoldi influence (Schioppa et al. 2022); see the module docstring.
 
     rank: eigenpairs kept; iterations: Arnoldi steps (default ``min(P, 2 * rank)``; each is one pass over the data);
-    complement: what the complement of the top eigenspace is scaled by -- ``"zero"`` (default: dropped, the query
-    projected onto the top eigenspace, Schioppa et al.'s definition), ``"damping"`` (``1 / lambda``, the exact
-    inverse of ``G_r + lambda I``: the complement treated as curvature 0) or ``"mean"`` (``1 / (lambda + m)`` with
-    ``m = (trace(G) - sum_k e_k) / (P - rank)`` the mean eigenvalue of the complement, from ``diag(G)``: the
-    isotropic curvature with the complement's trace). At ``rank`` well below the number of eigenvalues above
-    ``lambda`` the complement's directions carry curvature between 0 and ``e_rank``; ``"damping"`` weights them up to
-    ``e_rank / lambda`` times more than the exact inverse would (docs/quality.md measures it);
+    complement: what the complement of the top eigenspace is scaled by -- ``"mean"`` (default: ``1 / (lambda + m)``
+    with ``m = (trace(G) - sum_k e_k) / (P - rank)`` the mean eigenvalue of the complement, from ``diag(G)``: the
+    isotropic curvature with the complement's trace), ``"damping"`` (``1 / lambda``, the exact inverse of
+    ``G_r + lambda I``: the complement treated as curvature 0, which weights directions of curvature up to
+    ``e_rank`` up to ``e_rank / lambda`` times more than the exact inverse) or ``"zero"`` (dropped: the query
+    projected onto the top eigenspace, Schioppa et al.'s definition); docs/quality.md measures all three;
     max_bytes: refuse when the Krylov basis and eigenvectors would take more memory than this.
     """
 
     name = "arnoldi"
     description = "Arnoldi influence: top eigenspace of the whole-model Gauss-Newton matrix (Schioppa et al. 2022)"
 
-    def __init__(self, rank: int = 128, iterations: int | None = None, complement: str = "zero",
+    def __init__(self, rank: int = 128, iterations: int | None = None, complement: str = "mean",
                  max_bytes: int = 4 << 30, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if rank < 1:

@@ -112,13 +112,13 @@ def test_arnoldi_low_rank_equals_truncated_eigendecomposition():
         attr.fit(model, batches, classification_loss)
         assert torch.allclose(attr.method.eigenvalues, values[:rank], rtol=1e-6, atol=1e-10 * float(values[0]))
         assert _rel(attr.method.prepare_queries(query.vectors), truncated) <= 1e-4
-    attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=51, precision="float64")  # default: "zero"
+    attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=51, complement="zero", precision="float64")
     attr.fit(model, batches, classification_loss)
-    assert attr.method.complement == "zero"
     assert _rel(attr.method.prepare_queries(query.vectors), (coords / (values[:rank] + lam)) @ U.t()) <= 1e-4
     # complement="mean": the complement scaled by 1 / (lambda + its mean eigenvalue), (trace - sum of the top) / (P - r)
-    attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=51, complement="mean", precision="float64")
+    attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=51, precision="float64")  # default: "mean"
     attr.fit(model, batches, classification_loss)
+    assert attr.method.complement == "mean"
     tail = (torch.trace(G) - values[:rank].sum()) / (G.shape[0] - rank)
     assert abs(attr.method.tail_mean - float(tail)) <= 1e-5 * float(tail)  # float32 diagonal (label enumeration)
     shift = lam + tail
