@@ -14,6 +14,9 @@ is built once and cached under ``--cache`` (refused and rebuilt only if the task
 delete the directory). Every method in ``gradtrace.available_methods()`` that the harness can run is
 scored with default options on exact per-example gradients at the model trained on all the data (``logra``
 and ``trak`` on LoGra-projected ones, ``--rank``), plus a ``random`` baseline; the others are listed with the reason.
+On tinylm, ``arnoldi`` and ``cg`` (whose Gauss-Newton products need a forward-mode derivative, which the GPT-2's
+CPU scaled-dot-product attention lacks) run on ``TinyLMTask.eager_model()``: the trained weights in an
+eager-attention copy (training with eager attention would end at other weights than the ground truth's recipe).
 Prints one markdown table per task (LDS mean ± standard error over queries, and fit + score seconds).
 
 Ensembles (``--ensembles``, on ``digits_mlp`` and ``tinylm``, for ``grad_dot``, ``logra``, ``kfac`` and ``ekfac``):
