@@ -19,6 +19,9 @@ trains the task's model once more with ``torch.optim.Adam`` / ``AdamW`` recorded
 bit-identical to the task's model (else the row is skipped with the reason) and fits with that optimizer's
 ``state_dict()``; it is scored on exact gradients (the normalisation is then TrackStar's exactly) and on LoGra
 rank ``--rank`` ones (the second moment mapped into the projection; the paper's setting is projected).
+On tinylm, ``arnoldi`` and ``cg`` (whose Gauss-Newton products need a forward-mode derivative, which the GPT-2's
+CPU scaled-dot-product attention lacks) run on ``TinyLMTask.eager_model()``: the trained weights in an
+eager-attention copy (training with eager attention would end at other weights than the ground truth's recipe).
 Prints one markdown table per task (LDS mean ± standard error over queries, and fit + score seconds).
 
 Ensembles (``--ensembles``, on ``digits_mlp`` and ``tinylm``, for ``grad_dot``, ``logra``, ``trak``, ``kfac`` and
@@ -71,11 +74,22 @@ SKIP = {  # (task, method): why the harness does not run it there
     ("tinylm", "ggn"): "the dense per-parameter Fisher (blocks up to 65,536 entries) includes the 32,768-entry "
                        "embedding matrix; fitting it was killed at 23 GB of memory on this machine",
     ("tinylm", "ggn_full"): "the dense matrix of all 87k parameters would take 2 x 87k^2 x 8 bytes = 113 GiB",
-    ("tinylm", "arnoldi"): "its Gauss-Newton products need forward-mode differentiation, which the GPT-2's CPU "
-                           "scaled-dot-product attention does not have (a model loaded with "
-                           "attn_implementation='eager' would work)",
-    ("tinylm", "cg"): "as arnoldi: no forward-mode derivative of the CPU scaled-dot-product attention",
 }
+# methods whose Gauss-Newton products need a forward-mode derivative, which the GPT-2's CPU scaled-dot-product
+# attention lacks: on tinylm they run on the trained model's eager-attention copy (the same weights,
+# TinyLMTask.eager_model); training and the ground truth keep the default attention
+FORWARD_MODE = {"arnoldi", "cg"}
+
+
+class _EagerTask:
+    """``task`` with :attr:`model` replaced by its eager-attention copy (everything else is the task's)."""
+
+    def __init__(self, task) -> None:
+        self._task = task
+        self.model = task.eager_model()
+
+    def __getattr__(self, name: str):
+        return getattr(self._task, name)
 
 
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
@@ -216,9 +230,11 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
     # are trained and their gradients collected once), one at a time if that fails
     groups = [[spec] for spec in specs] + [[spec for spec, _ in ensembles if spec.ensemble == kind]
                                            for kind in args.ensemble_kinds]
+    eager = _EagerTask(task) if hasattr(task, "eager_model") else task
     for group in (g for g in groups if g):
+        on = eager if all(spec.name in FORWARD_MODE for spec in group) else task
         try:
-            rows += evaluate(task, group, truth, batch_size=args.batch_size)
+            rows += evaluate(on, group, truth, batch_size=args.batch_size)
             continue
         except Exception as error:  # report it in the table's notes, never as a score
             if len(group) == 1:
@@ -226,7 +242,8 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
                 continue
         for spec in group:
             try:
-                rows += evaluate(task, [spec], truth, batch_size=args.batch_size)
+                rows += evaluate(eager if spec.name in FORWARD_MODE else task, [spec], truth,
+                                 batch_size=args.batch_size)
             except Exception as error:
                 notes.append(f"`{spec.title}` failed: {type(error).__name__}: {error}")
     print()

@@ -152,10 +152,13 @@ class LoGraInfluence(_CurvatureMethod):
     """LoGra influence: curvature in the LoGra-projected space.
 
     mode: ``"dense"`` -- the dense Fisher of each parameter's projected per-example gradients, from the training
-        store (LoGra's "raw" mode; no model pass; needs many more examples than projected dimensions to be well
-        estimated); ``"ekfac"`` / ``"kfac"`` -- Kronecker factors of the projected activations and output-gradients
+        store (LoGra's "raw" mode, LogIX's default; no model pass; its estimate from ``N`` examples has rank at most
+        ``N``); ``"ekfac"`` / ``"kfac"`` -- Kronecker factors of the projected activations and output-gradients
         (fitted with a model pass over the data: ``k x k`` factors estimated from every token). ``"auto"``
-        (default): ``"ekfac"`` when ``fit`` gets a model and data, else ``"dense"``.
+        (default): ``"dense"`` when the store holds at least as many examples as the largest projected parameter
+        has dimensions (every block's estimate can be full rank) and every block fits ``max_dense``, else
+        ``"ekfac"`` when ``fit`` gets a model and data (and ``"dense"`` without them); a ``fisher`` other than
+        ``"auto"`` / ``"empirical"`` asks for a model pass, so ``"ekfac"``. The choice made is :attr:`mode_used`.
     fisher: in the model-pass modes as for kfac/ekfac (default ``"auto"``); ``"dense"`` is the empirical Fisher of
         the stored gradients, and refuses any other choice.
     """
@@ -171,9 +174,21 @@ class LoGraInfluence(_CurvatureMethod):
             raise ValueError(f"logra mode must be 'auto', 'dense', 'kfac' or 'ekfac', got {mode!r}")
         super().__init__(*args, **kwargs)
         self.mode = mode
+        self.mode_used: str | None = None
 
     def options(self) -> dict[str, Any]:
-        return {**super().options(), "mode": self.mode}
+        return {**super().options(), "mode": self.mode, "mode_used": self.mode_used}
+
+    def resolve_mode(self, examples: int, spec: GradientSpec, has_data: bool, max_dense: int) -> str:
+        """The mode ``"auto"`` means for ``examples`` stored training gradients of ``spec`` (see the class doc)."""
+        if self.mode != "auto":
+            return self.mode
+        if not has_data:
+            return "dense"
+        if self.fisher not in ("auto", "empirical"):
+            return "ekfac"
+        largest = max(dim for _, dim in spec.params)
+        return "dense" if largest <= max_dense and examples >= largest else "ekfac"
 
     def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, *,
             projection: Any = None, **options: Any) -> None:
@@ -183,7 +198,9 @@ class LoGraInfluence(_CurvatureMethod):
         if spec.projection is None:
             raise ValueError("logra influence works in a projected space: collect the training gradients with "
                              "projection=gradtrace.LoGra(...)")
-        mode = self.mode if self.mode != "auto" else ("ekfac" if model is not None and data is not None else "dense")
+        max_dense = options.get("max_dense", self.fit_options["max_dense"])
+        mode = self.resolve_mode(len(attributor.train[0]), spec, model is not None and data is not None, max_dense)
+        self.mode_used = mode
         if mode in ("kfac", "ekfac"):
             if model is None or data is None:
                 raise MissingStage(f"logra mode {mode!r}: fit(model, train_data, loss_fn) needs the model and data")

@@ -2,9 +2,10 @@
 *all* captured parameters together (cross-layer terms included), from matrix-vector products with the model.
 
 * ``arnoldi`` -- Schioppa et al. 2022: the top-``rank`` eigenpairs ``(e_k, u_k)`` of ``G`` from Arnoldi iterations,
-  then ``(G_r + lambda I)^-1 q = q / lambda + sum_k (1 / (e_k + lambda) - 1 / lambda) u_k u_k^T q`` -- the exact
-  inverse of the rank-``r`` truncation ``G_r``: the complement of the top eigenspace is treated as curvature 0, so
-  it is scaled by ``1 / lambda`` (``complement="zero"`` drops it instead, as Schioppa et al. do).
+  then ``sum_k u_k u_k^T q / (e_k + lambda)`` on that eigenspace plus its complement scaled by ``1 / (lambda + m)``,
+  ``m`` the complement's mean eigenvalue (``complement="mean"``, default); ``"damping"`` scales it by ``1 / lambda``,
+  the exact inverse of ``G_r + lambda I`` (``G_r`` the rank-``r`` truncation); ``"zero"`` drops it (the projection
+  onto the top eigenspace, as Schioppa et al. do). All three tend to the exact influence as ``rank`` grows to ``P``.
 * ``cg`` -- conjugate gradient on ``(G + lambda I) x = g_q`` for every query at once (one batched product per
   iteration), Jacobi-preconditioned.
 * ``ggn_full`` -- the dense ``P x P`` matrix (``P`` products) and its eigendecomposition: the exact reference, for
@@ -169,24 +170,29 @@ class Arnoldi(_WholeModel):
     """Arnoldi influence (Schioppa et al. 2022); see the module docstring.
 
     rank: eigenpairs kept; iterations: Arnoldi steps (default ``min(P, 2 * rank)``; each is one pass over the data);
-    complement: ``"damping"`` (default: ``1 / lambda`` on the complement of the top eigenspace -- the exact inverse
-    of ``G_r + lambda I``) or ``"zero"`` (project onto the top eigenspace only); max_bytes: refuse when the Krylov
-    basis and eigenvectors would take more memory than this.
+    complement: what the complement of the top eigenspace is scaled by -- ``"mean"`` (default: ``1 / (lambda + m)``
+    with ``m = (trace(G) - sum_k e_k) / (P - rank)`` the mean eigenvalue of the complement, from ``diag(G)``: the
+    isotropic curvature with the complement's trace), ``"damping"`` (``1 / lambda``, the exact inverse of
+    ``G_r + lambda I``: the complement treated as curvature 0, which weights directions of curvature up to
+    ``e_rank`` up to ``e_rank / lambda`` times more than the exact inverse) or ``"zero"`` (dropped: the query
+    projected onto the top eigenspace, Schioppa et al.'s definition); docs/quality.md measures all three;
+    max_bytes: refuse when the Krylov basis and eigenvectors would take more memory than this.
     """
 
     name = "arnoldi"
     description = "Arnoldi influence: top eigenspace of the whole-model Gauss-Newton matrix (Schioppa et al. 2022)"
 
-    def __init__(self, rank: int = 128, iterations: int | None = None, complement: str = "damping",
+    def __init__(self, rank: int = 128, iterations: int | None = None, complement: str = "mean",
                  max_bytes: int = 4 << 30, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if rank < 1:
             raise ValueError(f"arnoldi rank must be >= 1, got {rank}")
-        if complement not in ("damping", "zero"):
-            raise ValueError(f"complement must be 'damping' or 'zero', got {complement!r}")
+        if complement not in ("damping", "mean", "zero"):
+            raise ValueError(f"complement must be 'damping', 'mean' or 'zero', got {complement!r}")
         self.rank, self.iterations, self.complement, self.max_bytes = rank, iterations, complement, max_bytes
         self.eigenvalues: Tensor | None = None
         self.eigenvectors: Tensor | None = None
+        self.tail_mean: float | None = None  # the complement's mean eigenvalue
 
     def _steps(self, dim: int) -> int:
         return self.iterations if self.iterations is not None else min(dim, 2 * self.rank)
@@ -212,19 +218,23 @@ class Arnoldi(_WholeModel):
         op = self.operator
         self.eigenvalues, self.eigenvectors = arnoldi(op.matmul, op.dim, self.rank, self._steps(op.dim),
                                                       seed=self.seed, dtype=op.dtype, device=op.device)
+        rest = op.dim - self.rank
+        tail = float(self.diagonal.sum()) - float(self.eigenvalues.sum())
+        self.tail_mean = max(tail, 0.0) / rest if rest > 0 else 0.0
 
     def _solve(self, queries: Tensor) -> Tensor:
         lam = self.lam
         coords = queries @ self.eigenvectors.t()  # [Q, r]
         if self.complement == "zero":
             return (coords / (self.eigenvalues + lam)) @ self.eigenvectors
-        return queries / lam + (coords * (1 / (self.eigenvalues + lam) - 1 / lam)) @ self.eigenvectors
+        shift = lam + (self.tail_mean if self.complement == "mean" else 0.0)
+        return queries / shift + (coords * (1 / (self.eigenvalues + lam) - 1 / shift)) @ self.eigenvectors
 
     def options(self) -> dict[str, Any]:
         steps = None if self.spec is None else self._steps(self.spec.dim)
         top = None if self.eigenvalues is None else [float(v) for v in self.eigenvalues[:3]]
         return {**super().options(), "rank": self.rank, "iterations": steps, "complement": self.complement,
-                "top_eigenvalues": top}
+                "top_eigenvalues": top, "complement_mean_eigenvalue": self.tail_mean}
 
 
 @register_method

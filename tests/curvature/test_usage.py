@@ -151,12 +151,35 @@ def test_logra_fisher_follows_its_mode():
     x, y = torch.randn(16, 7), torch.randint(0, 4, (16,))
     batches = [(x[:8], y[:8]), (x[8:], y[8:])]
     train = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=2))
-    fitted = gradtrace.Attributor("logra", train).fit(model, batches)  # EK-FAC in the projected space
+    fitted = gradtrace.Attributor("logra", train, mode="ekfac").fit(model, batches)  # EK-FAC, projected space
     assert fitted.method.curvature.fisher == "exact" and fitted.method.curvature.kind == "ekfac"
     dense = gradtrace.Attributor("logra", train).fit()  # from the store alone: the empirical Fisher
     assert dense.method.curvature.fisher == "empirical"
     with pytest.raises(ValueError, match=r"mode 'dense'.*empirical"):
         gradtrace.Attributor("logra", train, fisher="true").fit()
+
+
+def test_logra_auto_mode_is_dense_when_the_store_can_estimate_every_block():
+    model = tiny.MLP()
+    x, y = torch.randn(24, 7), torch.randint(0, 4, (24,))
+    batches = [(x[:12], y[:12]), (x[12:], y[12:])]
+    # rank 4: the largest projected block has 16 dimensions, 24 examples can estimate it -> the dense Fisher
+    train = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4))
+    assert max(dim for _, dim in train.spec.params) == 16
+    auto = gradtrace.Attributor("logra", train).fit(model, batches)
+    assert auto.method.mode_used == "dense" and auto.method.curvature.kind == "fisher"
+    dense = gradtrace.Attributor("logra", train, mode="dense").fit()
+    assert torch.equal(auto.score(train).matrix, dense.score(train).matrix)
+    # a block of 36 dimensions and 24 examples: the dense estimate would be rank-deficient -> EK-FAC (model pass)
+    wide = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=6))
+    auto = gradtrace.Attributor("logra", wide).fit(model, batches)
+    assert auto.method.mode_used == "ekfac" and auto.method.curvature.kind == "ekfac"
+    assert gradtrace.Attributor("logra", wide).fit().method.mode_used == "dense"  # no model: the store alone
+    # blocks wider than max_dense would be kept diagonal by the dense mode -> EK-FAC
+    capped = gradtrace.Attributor("logra", train, max_dense=8).fit(model, batches)
+    assert capped.method.mode_used == "ekfac"
+    # a model-pass Fisher asked for -> EK-FAC
+    assert gradtrace.Attributor("logra", train, fisher="true").fit(model, batches).method.mode_used == "ekfac"
 
 
 def test_pca_logra_keeps_top_kronecker_directions():

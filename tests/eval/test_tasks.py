@@ -71,3 +71,24 @@ def test_tinylm_trains_deterministically():
     assert batch["input_ids"].shape[0] == 5 and batch["id"] == task.train_ids[:5]
     assert task.config == TinyLMTask(num_train=16, num_queries=4, epochs=2, batch_size=8, vocab_size=300,
                                      width=32).config
+
+
+def test_tinylm_eager_model_is_the_same_model_with_a_forward_mode_derivative():
+    task = TinyLMTask(num_train=8, num_queries=2, epochs=1, batch_size=4, vocab_size=300, width=32)
+    eager = task.eager_model()
+    assert eager.config._attn_implementation == "eager" and task.model.config._attn_implementation != "eager"
+    assert _same_weights(task.model, eager)
+    batch = task.query_batches()[0]
+    with torch.no_grad():
+        default, copy = task.loss_fn(task.model, batch), task.loss_fn(eager, batch)
+    # the attention kernels round differently: float32 sums of a few dozen token losses agree to ~1e-6 relative
+    torch.testing.assert_close(copy, default, rtol=1e-5, atol=0)
+    params = dict(eager.named_parameters())
+    tangents = {name: torch.ones_like(value) for name, value in params.items()}
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+    def logits_sum(values):
+        return torch.func.functional_call(eager, values, (), inputs).logits.sum()
+
+    value, derivative = torch.func.jvp(logits_sum, (params,), (tangents,))
+    assert torch.isfinite(derivative) and torch.isfinite(value)

@@ -107,13 +107,25 @@ def test_arnoldi_low_rank_equals_truncated_eigendecomposition():
     coords = q @ U
     truncated = q / lam + (coords * (1 / (values[:rank] + lam) - 1 / lam)) @ U.t()
     for iterations in (51, 30):  # a full Krylov basis, and fewer steps than parameters
-        attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=iterations, precision="float64")
+        attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=iterations, complement="damping",
+                                    precision="float64")
         attr.fit(model, batches, classification_loss)
         assert torch.allclose(attr.method.eigenvalues, values[:rank], rtol=1e-6, atol=1e-10 * float(values[0]))
         assert _rel(attr.method.prepare_queries(query.vectors), truncated) <= 1e-4
     attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=51, complement="zero", precision="float64")
     attr.fit(model, batches, classification_loss)
     assert _rel(attr.method.prepare_queries(query.vectors), (coords / (values[:rank] + lam)) @ U.t()) <= 1e-4
+    # complement="mean": the complement scaled by 1 / (lambda + its mean eigenvalue), (trace - sum of the top) / (P - r)
+    attr = gradtrace.Attributor("arnoldi", train, rank=rank, iterations=51, precision="float64")  # default: "mean"
+    attr.fit(model, batches, classification_loss)
+    assert attr.method.complement == "mean"
+    tail = (torch.trace(G) - values[:rank].sum()) / (G.shape[0] - rank)
+    assert abs(attr.method.tail_mean - float(tail)) <= 1e-5 * float(tail)  # float32 diagonal (label enumeration)
+    shift = lam + tail
+    want = q / shift + (coords * (1 / (values[:rank] + lam) - 1 / shift)) @ U.t()
+    assert _rel(attr.method.prepare_queries(query.vectors), want) <= 1e-4
+    with pytest.raises(ValueError, match="complement must be 'damping', 'mean' or 'zero'"):
+        gradtrace.Attributor("arnoldi", train, complement="half")
 
 
 def test_regression_ggn_and_empirical_fisher_products():

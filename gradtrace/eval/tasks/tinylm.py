@@ -100,8 +100,10 @@ class TinyLMTask(Task):
     def loss_fn(self):
         return causal_lm_loss
 
-    def new_model(self) -> nn.Module:
-        """A random-init GPT-2 of the task's shape (seed it first)."""
+    def new_model(self, attn_implementation: str | None = None) -> nn.Module:
+        """A random-init GPT-2 of the task's shape (seed it first); ``attn_implementation``: transformers' choice
+        (None: its default, the CPU scaled-dot-product attention the task trains with; ``"eager"``: see
+        :meth:`eager_model`)."""
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg, tok = self.settings, self.tokenizer
@@ -109,7 +111,20 @@ class TinyLMTask(Task):
                             n_head=cfg.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id)
+        if attn_implementation is not None:
+            config._attn_implementation = attn_implementation
         return GPT2LMHeadModel(config)
+
+    def eager_model(self, model: nn.Module | None = None) -> nn.Module:
+        """A copy of ``model`` (default: :attr:`model`) with eager attention: the same weights, the same function to
+        float32 rounding, and a forward-mode derivative, which the whole-model methods' Gauss-Newton products
+        (``arnoldi``, ``cg``) need and PyTorch's CPU scaled-dot-product attention lacks. Training stays on the default
+        attention: eager attention rounds differently, so a model trained with it ends at other weights (and the
+        ground truth, built with the default, would not describe it)."""
+        source = self.model if model is None else model
+        copy = self.new_model(attn_implementation="eager")
+        copy.load_state_dict(source.state_dict())
+        return copy.eval()
 
     @torch.enable_grad()
     def train(self, indices: Tensor, seed: int,
