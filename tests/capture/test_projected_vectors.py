@@ -4,8 +4,6 @@ padding's NaN/inf still kept out of the examples (issue #17: fewer, smaller proj
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
@@ -13,7 +11,13 @@ import gradtrace
 from gradtrace.grad.terms import VectorTerm
 from gradtrace.projection.logra import Projector
 from tests import tiny
-from tests.reliability.test_no_silent_loss import LENGTHS, NAMES, _padded_batch, _single_loss
+from tests.reliability.test_no_silent_loss import (
+    LENGTHS,
+    NAMES,
+    _padded_batch,
+    _single_loss,
+    collect_with_nan_in_padding,
+)
 
 RANK = 4
 
@@ -65,19 +69,7 @@ def test_nan_in_padding_stays_out_of_projected_vectors():
     torch.manual_seed(0)
     model = tiny.gpt2()
     data = _padded_batch()
-
-    def hook(mod, args, output):
-        output = output.clone()
-        output[2, 8] = float("nan")  # row 2 holds 4 tokens: position 8 is padding
-        return output
-
-    handle = model.transformer.wte.register_forward_hook(hook)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            grads = gradtrace.collect(model, [{**data, "id": NAMES}], projection=gradtrace.LoGra(rank=RANK))
-    finally:
-        handle.remove()
+    grads = collect_with_nan_in_padding(model, data, projection=gradtrace.LoGra(rank=RANK))
     ref = tiny.reference_grads(model, [data["input_ids"][i, :n] for i, n in enumerate(LENGTHS)], _single_loss)
     projector = Projector(gradtrace.LoGra(rank=RANK))
     assert grads.dropped == [] and grads.ids == NAMES

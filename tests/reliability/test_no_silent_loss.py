@@ -79,23 +79,29 @@ def test_nan_at_padded_positions_flags_only_the_examples_that_have_it(arch):
     tiny.assert_grads_close({n: g.reshape(ref[n].shape) for n, g in got.items()}, ref)
 
 
-def test_nan_only_in_one_examples_padding_flags_nothing():
-    """Padding is no example's: a NaN there (in the saved activations) does not make its row's example NaN."""
-    model = tiny.gpt2()
-    batch = _padded_batch()
+def collect_with_nan_in_padding(model, batch: dict, **options):
+    """``collect`` of ``batch`` with a NaN in one row's padding (the token embeddings of row 2, 4 tokens long, at
+    position 8), refusing any warning: padding is no example's."""
 
     def hook(mod, args, output):
         output = output.clone()
-        output[2, 8] = float("nan")  # row 2 holds 4 tokens: position 8 is padding
+        output[2, 8] = float("nan")
         return output
 
     handle = model.transformer.wte.register_forward_hook(hook)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            grads = gradtrace.collect(model, [{**batch, "id": NAMES}])
+            return gradtrace.collect(model, [{**batch, "id": NAMES}], **options)
     finally:
         handle.remove()
+
+
+def test_nan_only_in_one_examples_padding_flags_nothing():
+    """Padding is no example's: a NaN there (in the saved activations) does not make its row's example NaN."""
+    model = tiny.gpt2()
+    batch = _padded_batch()
+    grads = collect_with_nan_in_padding(model, batch)
     ref = tiny.reference_grads(model, [batch["input_ids"][i, :n] for i, n in enumerate(LENGTHS)], _single_loss)
     assert grads.dropped == [] and grads.ids == NAMES
     got = _split(grads.vectors, grads.spec)
