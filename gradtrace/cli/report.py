@@ -9,21 +9,14 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.table import Table
 
+from ..common.units import human_bytes
+
 __all__ = ["Phases", "console", "human_bytes"]
 
 
 def console(stderr: bool = False) -> Console:
     """A rich console on the current stdout/stderr (made per call, so redirected streams are honoured)."""
     return Console(stderr=stderr, highlight=False, soft_wrap=False)
-
-
-def human_bytes(count: int | float) -> str:
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"  # pragma: no cover
 
 
 class Phases:

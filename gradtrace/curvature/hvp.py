@@ -33,7 +33,7 @@ from ..losses import MODEL_KEYS, causal_lm_loss, classification_loss, default_lo
 from .curvature import CurvatureError
 
 __all__ = ["GGNOperator", "EmpiricalFisherOperator", "arnoldi", "conjugate_gradient", "dense_matrix",
-           "arnoldi_bytes", "loss_kind", "memory_text"]
+           "arnoldi_bytes", "loss_kind"]
 
 _KINDS = {causal_lm_loss: "lm", classification_loss: "cls", regression_loss: "reg"}
 
@@ -335,12 +335,3 @@ def conjugate_gradient(matmul: Callable[[Tensor], Tensor], rhs: Tensor, damping:
         rho[active] = rho_new
         relative[active] = residual[active].norm(dim=1) / rhs_norm[active]
     return solution, iterations, relative
-
-
-def memory_text(nbytes: float) -> str:
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if nbytes < 1024 or unit == "TiB":
-            return f"{nbytes:,.0f} {unit}" if unit == "bytes" else f"{nbytes:,.1f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.1f}"  # pragma: no cover
-

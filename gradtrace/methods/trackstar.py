@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.units import human_bytes
 from ..curvature.curvature import CurvatureError
-from ..curvature.hvp import memory_text
 from ..projection.logra import LoGra
 from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, get_method, register_method
@@ -166,7 +166,7 @@ class TrackStar(Method):
         dim = self.spec.dim
         if dim > self.max_dim:
             raise CurvatureError(f"trackstar: precondition='autocorrelation' of {dim:,}-dimensional gradients takes "
-                                 f"{memory_text(8 * dim * dim)} (float64), beyond max_dim={self.max_dim:,}; collect "
+                                 f"{human_bytes(8 * dim * dim)} (float64), beyond max_dim={self.max_dim:,}; collect "
                                  "projected gradients (projection=gradtrace.LoGra(rank=...)) or raise max_dim=")
         source = attributor.train[0]
         kernel = torch.zeros(dim, dim, dtype=torch.float64, device=attributor.device)

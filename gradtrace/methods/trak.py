@@ -29,8 +29,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.units import human_bytes
 from ..curvature.curvature import CurvatureError
-from ..curvature.hvp import loss_kind, memory_text
+from ..curvature.hvp import loss_kind
 from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, register_method
 
@@ -112,7 +113,7 @@ class TRAK(Method):
         dim = spec.dim
         if dim > self.max_dim:
             raise CurvatureError(f"trak: the kernel of {dim:,}-dimensional gradients takes {dim:,}^2 x 8 bytes = "
-                                 f"{memory_text(8 * dim * dim)} (float64), beyond max_dim={self.max_dim:,}; collect "
+                                 f"{human_bytes(8 * dim * dim)} (float64), beyond max_dim={self.max_dim:,}; collect "
                                  "projected gradients (projection=gradtrace.LoGra(rank=...)) or raise max_dim=")
         source = attributor.train[0]
         weights = self._weights(source, model, data, loss_fn)

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..common.units import human_bytes
 from ..curvature.curvature import CurvatureError
 from ..curvature.hvp import (
     EmpiricalFisherOperator,
@@ -39,7 +40,6 @@ from ..curvature.hvp import (
     conjugate_gradient,
     dense_matrix,
     loss_kind,
-    memory_text,
 )
 from ..store.spec import GradientSpec, SpecMismatch, model_fingerprint
 from .base import Method, MissingStage, register_method
@@ -210,8 +210,8 @@ class Arnoldi(_WholeModel):
         if need > self.max_bytes:
             raise CurvatureError(
                 f"arnoldi: rank {self.rank} with {steps} iterations over {dim:,} parameters needs "
-                f"({steps} + 1 + {self.rank}) x {dim:,} x {itemsize} bytes = {memory_text(need)} for the Krylov basis "
-                f"and eigenvectors, more than max_bytes={memory_text(self.max_bytes)}; lower rank= / iterations=, "
+                f"({steps} + 1 + {self.rank}) x {dim:,} x {itemsize} bytes = {human_bytes(need)} for the Krylov basis "
+                f"and eigenvectors, more than max_bytes={human_bytes(self.max_bytes)}; lower rank= / iterations=, "
                 "capture fewer layers, or use cg (memory: a few vectors per query)")
 
     def _prepare(self) -> None:
@@ -297,7 +297,7 @@ class DenseGGN(_WholeModel):
     def _check_size(self, dim: int) -> None:
         if dim > self.max_params:
             raise CurvatureError(f"ggn_full: the dense matrix of {dim:,} parameters needs 2 x {dim:,}^2 x 8 bytes = "
-                                 f"{memory_text(16 * dim * dim)} (matrix and eigenvectors, float64), beyond "
+                                 f"{human_bytes(16 * dim * dim)} (matrix and eigenvectors, float64), beyond "
                                  f"max_params={self.max_params:,}; use arnoldi or cg")
 
     def _prepare(self) -> None:

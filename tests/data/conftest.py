@@ -80,3 +80,20 @@ def pair_records(with_ids: bool = True) -> list[dict]:
 
 def conversation_records() -> list[dict]:
     return [{"id": f"c{i}", "messages": m} for i, m in enumerate(CONVERSATIONS)]
+
+
+def sft_store(tmp_path, records: list[dict], tok, **schedule):
+    """The store a ``GradtraceCallback`` with content-hash ids (``ids=None``) writes during a TRL ``SFTTrainer`` run
+    on ``records`` (completion-only loss, batches of 3; ``schedule``: ``num_train_epochs=`` or ``max_steps=``)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from gradtrace.integrations.hf import GradtraceCallback
+
+    callback = GradtraceCallback(tmp_path / "store", ids=None)
+    args = SFTConfig(str(tmp_path / "out"), per_device_train_batch_size=3, learning_rate=1e-3, report_to=[],
+                     use_cpu=True, bf16=False, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                     completion_only_loss=True, seed=0, gradient_checkpointing=False, **schedule)
+    SFTTrainer(model=gpt2(len(tok)), args=args, train_dataset=Dataset.from_list(records), processing_class=tok,
+               callbacks=[callback]).train()
+    return callback.result()

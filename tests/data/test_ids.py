@@ -9,7 +9,7 @@ import pytest
 import gradtrace
 import gradtrace.data as gd
 from gradtrace.data.ids import ContentIds, content_hash
-from tests.data.conftest import PAIRS, gpt2, make_tokenizer
+from tests.data.conftest import PAIRS, gpt2, make_tokenizer, sft_store
 
 # two copies of the first pair and three of the second: repeats get #1, #2
 RECORDS = [{"prompt": p, "completion": c} for p, c in PAIRS[:3] + PAIRS[:2] + PAIRS[1:2]]
@@ -40,17 +40,7 @@ def test_capture_numbers_content_ids_with_the_data_layer_rule():
 
 def test_trainer_callback_numbers_repeats_as_the_data_layer_each_epoch(tmp_path):
     pytest.importorskip("trl")
-    from datasets import Dataset
-    from trl import SFTConfig, SFTTrainer
-
-    from gradtrace.integrations.hf import GradtraceCallback
-
     tok = make_tokenizer()
-    callback = GradtraceCallback(tmp_path / "store", ids=None)
-    args = SFTConfig(str(tmp_path / "out"), per_device_train_batch_size=3, num_train_epochs=2, learning_rate=1e-3,
-                     report_to=[], use_cpu=True, bf16=False, save_strategy="no", logging_strategy="no",
-                     disable_tqdm=True, completion_only_loss=True, seed=0, gradient_checkpointing=False)
-    SFTTrainer(model=gpt2(len(tok)), args=args, train_dataset=Dataset.from_list(RECORDS), processing_class=tok,
-               callbacks=[callback]).train()
+    store = sft_store(tmp_path, RECORDS, tok, num_train_epochs=2)
     ids = gd.load(RECORDS, tok).ids
-    assert sorted(callback.result().ids) == sorted(ids)  # second epoch: the same ids again (numbering reset)
+    assert sorted(store.ids) == sorted(ids)  # second epoch: the same ids again (numbering reset)

@@ -95,6 +95,22 @@ def _load_v1(load, path: Path):
         return load(path)
 
 
+def _refused_edits(source: Path, stem: str, cases: dict, load, error: type[Exception]) -> None:
+    """Each case ``{name: (edit(tensors, manifest), message)}`` applied to a copy of the version-1 artifact
+    ``source`` (``<stem>.safetensors`` + ``<stem>.json``): loading the copy raises ``error`` matching ``message``."""
+    from safetensors.torch import load_file, save_file
+
+    for case, (edit, message) in cases.items():
+        directory = Path(shutil.copytree(source, source.parent / case.replace(" ", "-")))
+        tensors = load_file(directory / f"{stem}.safetensors")
+        manifest = json.loads((directory / f"{stem}.json").read_text())
+        edit(tensors, manifest)
+        save_file(tensors, directory / f"{stem}.safetensors")
+        (directory / f"{stem}.json").write_text(json.dumps(manifest))
+        with pytest.raises(error, match=message):
+            _load_v1(load, directory)
+
+
 def _disk_full_at(monkeypatch, target: str) -> None:
     """Make the atomic write of the ``target`` file (suffix ``.safetensors`` or ``.json``) fail with ENOSPC after
     writing part of its temporary file, as a full disk does."""
@@ -184,7 +200,6 @@ def test_version_1_curvature_loads_with_a_warning_and_its_structure_is_checked(f
     _as_version_1(tmp_path / "c", "curvature")
     scores = gradtrace.Attributor("kfac", fit["train"], curvature=_load_v1(Curvature.load, tmp_path / "c"))
     assert torch.equal(scores.score(fit["queries"]).matrix, fit["scores"])
-    from safetensors.torch import load_file, save_file
 
     kron = next(n for n, e in curvature.blocks.items() if e.__class__.__name__ == "KronEigen")
     cases = {  # what a version-1 directory can hold, and the one-line refusal of each
@@ -199,15 +214,7 @@ def test_version_1_curvature_loads_with_a_warning_and_its_structure_is_checked(f
         "NaN eigenvector": (lambda t, m: t[f"{kron}::q_rows"].view(-1)[0].fill_(float("nan")),
                             f"q_rows of block {kron} holds NaN/inf"),
     }
-    for case, (edit, message) in cases.items():
-        directory = Path(shutil.copytree(tmp_path / "c", tmp_path / case.replace(" ", "-")))
-        tensors = load_file(directory / "curvature.safetensors")
-        manifest = json.loads((directory / "curvature.json").read_text())
-        edit(tensors, manifest)
-        save_file(tensors, directory / "curvature.safetensors")
-        (directory / "curvature.json").write_text(json.dumps(manifest))
-        with pytest.raises(CurvatureError, match=message):
-            _load_v1(Curvature.load, directory)
+    _refused_edits(tmp_path / "c", "curvature", cases, Curvature.load, CurvatureError)
     truncated = Path(shutil.copytree(tmp_path / "c", tmp_path / "truncated"))
     (truncated / "curvature.safetensors").write_bytes((truncated / "curvature.safetensors").read_bytes()[:50])
     with pytest.raises(CurvatureError, match="is not a readable safetensors file"):
@@ -280,7 +287,6 @@ def test_corrupted_scores_are_refused(tmp_path):
 
 
 def test_version_1_scores_load_with_a_warning_and_are_checked(tmp_path):
-    from safetensors.torch import load_file, save_file
 
     _scores().save(tmp_path / "s")
     _as_version_1(tmp_path / "s", "scores")
@@ -292,15 +298,7 @@ def test_version_1_scores_load_with_a_warning_and_are_checked(tmp_path):
         "edited ids": (lambda t, m: m["train_ids"].pop(), r"matrix of shape \(3, 8\) for 3 queries and 7"),
         "index out of range": (lambda t, m: t["top_indices"].__setitem__((0, 0), 99), "top indices must be int64"),
     }
-    for case, (edit, message) in cases.items():
-        directory = Path(shutil.copytree(tmp_path / "s", tmp_path / case.replace(" ", "-")))
-        tensors = load_file(directory / "scores.safetensors")
-        manifest = json.loads((directory / "scores.json").read_text())
-        edit(tensors, manifest)
-        save_file(tensors, directory / "scores.safetensors")
-        (directory / "scores.json").write_text(json.dumps(manifest))
-        with pytest.raises(ScoresError, match=message):
-            _load_v1(gradtrace.Scores.load, directory)
+    _refused_edits(tmp_path / "s", "scores", cases, gradtrace.Scores.load, ScoresError)
 
 
 def test_non_finite_scores_are_refused_so_topk_never_ranks_nan_first():
