@@ -33,9 +33,14 @@ class BuildOptions(Group):
     nlist: int | None = field(default=None, metadata=cli(
         "ivfpq: number of k-means cells (default: sqrt(rows), at most train-rows / 39).", min=1))
     m: int | None = field(default=None, metadata=cli(
-        "ivfpq: PQ sub-quantizers, a divisor of the store's dimension (default: the largest divisor <= dim/16).",
-        "--m", min=1))
-    nbits: int = field(default=8, metadata=cli("ivfpq: bits per sub-quantizer code.", min=1, max=16))
+        "ivfpq: PQ sub-quantizers, a divisor of the store's dimension (default: the largest divisor <= dim/16, "
+        "or <= dim/8 with --fast-scan: one byte per 16 dims either way).", "--m", min=1))
+    nbits: int | None = field(default=None, metadata=cli(
+        "ivfpq: bits per sub-quantizer code (default 8; 4 with --fast-scan).", min=1, max=16))
+    fast_scan: bool = field(default=False, metadata=cli(
+        "ivfpq: 4-bit codes searched with FAISS's SIMD fast-scan kernels (PQ<m>x4fs): several times faster to "
+        "search and build than 8-bit codes of the same size, with coarser approximate scores (the shortlist is "
+        "re-scored exactly either way).", "--fast-scan"))
     nprobe: int | None = field(default=None, metadata=cli(
         "ivfpq: cells searched per query, saved with the index (default: min(nlist, 16)).", min=1))
     train_rows: int = field(default=65536, metadata=cli(
@@ -85,8 +90,8 @@ def run(opts: IndexOptions) -> None:
     try:
         with phases("build"):
             index = build_index(store, b.kind, normalize=b.normalize, nlist=b.nlist, m=b.m, nbits=b.nbits,
-                                nprobe=b.nprobe, train_rows=b.train_rows, seed=b.seed, block_rows=b.block_rows,
-                                progress=opts.progress)
+                                nprobe=b.nprobe, train_rows=b.train_rows, seed=b.seed, fast_scan=b.fast_scan,
+                                block_rows=b.block_rows, progress=opts.progress)
     except FaissMissing as err:
         raise CliError(str(err)) from None
     with phases("save"):
@@ -96,7 +101,8 @@ def run(opts: IndexOptions) -> None:
     params = index.params
     out = console()
     detail = "exact inner product" if params.kind == "flat" else \
-        f"nlist {params.nlist}, PQ {params.m}x{params.nbits} bits, nprobe {params.nprobe}, trained on " \
+        f"nlist {params.nlist}, PQ {params.m}x{params.nbits} bits{' fast-scan' if params.fast_scan else ''}, " \
+        f"nprobe {params.nprobe}, trained on " \
         f"{params.train_rows:,} rows"
     size = sum(f.stat().st_size for f in opts.out.iterdir() if f.is_file())
     out.print(f"Indexed {len(index):,} rows of {opts.store} ({params.kind}: {detail}); saved in {opts.out}")

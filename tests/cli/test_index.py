@@ -63,6 +63,18 @@ def test_ivfpq_index_from_the_cli(ws, runner, store, scores_dir, fresh):
     assert gradtrace.Scores.load(fresh / "sc").topk(5).ids == gradtrace.Scores.load(scores_dir).topk(5).ids
 
 
+def test_fast_scan_index_from_the_cli(ws, runner, store, scores_dir, fresh):
+    out = flat(invoke(runner, "index", store, "--out", fresh / "fs", "--nlist", 2, "--fast-scan", "--nprobe", 2,
+                      "--no-progress").stdout)
+    assert "Indexed 24 rows" in out and "x4 bits fast-scan" in out
+    invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", fresh / "fs", "--rerank", 24,
+           "--topk", 5, "--out", fresh / "sc", "--no-progress")
+    assert gradtrace.Scores.load(fresh / "sc").topk(5).ids == gradtrace.Scores.load(scores_dir).topk(5).ids
+    line = error_line(invoke(runner, "index", store, "--out", fresh / "fs8", "--fast-scan", "--nbits", 8,
+                             "--no-progress", code=2))
+    assert "fast-scan PQ codes are 4 bits wide" in line and not (fresh / "fs8" / "index.json").exists()
+
+
 def test_index_of_changed_store_is_refused(ws, runner, store, flat_index, fresh):
     other = copy_store(store, fresh / "store")
     record_path = other / "shards" / "r00000-000000.json"

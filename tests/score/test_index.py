@@ -136,6 +136,35 @@ def test_ivfpq_streams_the_store_and_recalls_the_exact_topk(store, queries, tmp_
         assert torch.equal(a, b)
 
 
+def test_fast_scan_ivfpq_recalls_the_exact_topk(store, queries, tmp_path):
+    """fast_scan: 4-bit codes, by default as many sub-quantizers as the largest divisor of the dimension <= dim / 8
+    (232 = 8 x 29 dims -> 29), searched with FAISS's fast-scan kernels; the index path still finds the exact
+    top-10 from a shortlist of 100, with exact values, and a saved index loads as built."""
+    index = build_index(store, "ivfpq", nlist=8, nprobe=4, train_rows=300, fast_scan=True)
+    assert index.params.fast_scan and index.params.nbits == 4 and index.params.m == 29
+    assert index.params.factory() == "IVF8,PQ29x4fs" and len(index) == ROWS
+    exact = _exact("grad_dot", store, queries)
+    approx = score_with_index(gradtrace.Attributor("grad_dot", store), queries, index, rerank=100, topk=10)
+    hits = [len(set(a) & set(b)) for a, b in zip(approx.top[1].tolist(), exact.top[1].tolist())]
+    assert sum(hits) / 60 >= 0.9, hits
+    scale = float(exact.matrix.abs().max())
+    for got in (approx.top, approx.bottom):
+        torch.testing.assert_close(got[0], exact.matrix.gather(1, got[1]), rtol=1e-5, atol=1e-6 * scale)
+    assert approx.meta["index"]["factory"] == "IVF8,PQ29x4fs"
+    index.save(tmp_path / "fs")
+    loaded = Index.load(tmp_path / "fs")
+    assert loaded.params == index.params
+    for a, b in zip(loaded.search(queries.vectors, 50), index.search(queries.vectors, 50)):
+        assert torch.equal(a, b)
+
+
+def test_fast_scan_options_that_cannot_work_are_refused(store):
+    with pytest.raises(ValueError, match="fast-scan PQ codes are 4 bits wide; nbits=8"):
+        build_index(store, "ivfpq", nlist=8, nbits=8, train_rows=300, fast_scan=True)
+    with pytest.raises(ValueError, match="fast_scan applies to kind='ivfpq'"):
+        build_index(store, "flat", fast_scan=True)
+
+
 def test_queries_whose_cells_hold_too_few_rows_search_more_cells(store, queries):
     """32 cells of ~19 rows and nprobe=1 cannot give 40 candidates: those queries are searched with more cells
     (recorded), and the kept scores are exact."""
