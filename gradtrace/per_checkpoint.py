@@ -64,9 +64,11 @@ def _path_of(item: Any) -> Path:
                      f"gradtrace.integrations.checkpoints(store) (a dict with a 'path'), got {type(item).__name__}")
 
 
-def checkpoint_names(paths: Sequence[Path], names: Sequence[str] | None = None) -> list[str]:
+def checkpoint_names(paths: Sequence[Path], names: Sequence[str] | None = None, *, what: str = WHAT,
+                     fix: str = "pass names=[...] (one distinct name per checkpoint)") -> list[str]:
     """One store name per checkpoint: ``names`` when given, else each directory's name (``checkpoint-500``) or
-    each file's name without its suffix; a name used twice is an error naming it."""
+    each file's name without its suffix; a name used twice is an error naming it (``what``: who asks, ``fix``:
+    what to do)."""
     if names is None:
         chosen = [p.name if p.is_dir() or not p.suffix else p.stem for p in paths]
     else:
@@ -80,8 +82,8 @@ def checkpoint_names(paths: Sequence[Path], names: Sequence[str] | None = None) 
     twice = sorted({n for n in chosen if chosen.count(n) > 1})
     if twice:
         clash = [str(p) for p, n in zip(paths, chosen) if n == twice[0]]
-        raise UsageError(f"{WHAT}: store name {twice[0]!r} would be used for {len(clash)} checkpoints "
-                         f"({', '.join(clash)}); pass names=[...] (one distinct name per checkpoint)")
+        raise UsageError(f"{what}: store name {twice[0]!r} would be used for {len(clash)} checkpoints "
+                         f"({', '.join(clash)}); {fix}")
     return chosen
 
 
