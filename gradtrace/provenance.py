@@ -26,7 +26,8 @@ PATH_KEYS = frozenset({"model", "data", "store", "queries", "out", "export", "cu
 relative to the artifact's folder by :func:`record_paths`, read back against it by :func:`resolve_paths`."""
 ORIGIN_KEY = "recorded_in"
 """Key of the folder an artifact's paths were recorded relative to (where it was written)."""
-_NESTED = ("gradtrace",)  # blocks searched for path keys too: the provenance block's data fingerprint
+_NESTED = ("gradtrace", "checkpoint")  # blocks searched for path keys too: the provenance block's data fingerprint, the
+# checkpoint a store was collected at (gradtrace.collect_checkpoints)
 
 
 def _version(package: str) -> str | None:

@@ -23,7 +23,8 @@ LAYERS: list[set[str]] = [
     {"grad", "projection", "options"},  # gradient containers and ops; LoGra and the sketches; typed options
     {"store"},  # rows of gradients on disk: spec, layout, shard writer, reader, artifacts
     {"distributed"},  # ranks: process group, agreement between ranks (on stores and captures)
-    {"capture", "sink", "gradients", "collect"},  # hooks -> GradientBatch -> rows (sink: store or memory)
+    {"capture", "sink", "gradients", "collect", "per_checkpoint"},  # hooks -> GradientBatch -> rows (sink: store or
+    # memory); per_checkpoint: collect at each of C checkpoints
     {"curvature"},  # K-FAC / EK-FAC / dense Fisher fitted from captured factors; PCA bases
     {"methods"},  # attribution methods: preconditioning and scoring math
     {"report"},  # HTML report of any Scores-like object

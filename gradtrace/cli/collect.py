@@ -1,9 +1,11 @@
-"""``gradtrace collect MODEL_DIR DATA --out STORE``: per-example gradients of a dataset into a gradient store."""
+"""``gradtrace collect MODEL_DIR DATA --out STORE``: per-example gradients of a dataset into a gradient store;
+with several ``--model``, one store per model under ``--out`` (checkpoints for an ensemble)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,9 +40,14 @@ class StoreGroup(Group):
 class CollectOptions:
     """Options of ``gradtrace collect``."""
 
-    model: Path = field(metadata=cli("Local Hugging Face model directory (config, weights and tokenizer).",
-                                     argument=True, metavar="MODEL_DIR"))
-    data: Path = field(metadata=cli(DATA_HELP, argument=True, metavar="DATA"))
+    model: Path | None = field(default=None, metadata=cli(
+        "Local Hugging Face model directory (config, weights and tokenizer); or give the models with --model and "
+        "DATA alone.", argument=True, metavar="MODEL_DIR"))
+    data: Path | None = field(default=None, metadata=cli(DATA_HELP, argument=True, metavar="DATA"))
+    models: list[Path] = field(default_factory=list, metadata=cli(
+        "Model directory, one store each (repeat: checkpoints or models; MODEL_DIR, when given, is the first). With "
+        "several, --out is the directory the stores go in, one per model named after its directory.", "--model",
+        "-m", metavar="MODEL_DIR"))
     store_options: StoreGroup
     data_options: DataOptions
     projection_options: ProjectionOptions
@@ -55,78 +62,148 @@ class CollectOptions:
 OPTIONS = CollectOptions
 
 
+@dataclass
+class _Target:
+    """One store to write: the model directory it is collected with, the store's path, the rows it already holds."""
+
+    model: Path
+    out: Path
+    already: int = 0
+
+
 def run(opts: CollectOptions) -> None:
-    """Collect per-example gradients of a dataset into a gradient store.
+    """Collect per-example gradients of a dataset into a gradient store (one per model).
 
     Each example's gradient is that of its own loss (causal LM, summed over the tokens in its loss: all of a
     text, the completion of a prompt-completion pair, the assistant turns of a conversation; see --loss-on).
     Gradients are projected with LoGra at capture time unless --projection none.
 
     Example: gradtrace collect ./model train.jsonl --out ./store --rank 16
+
+    Several checkpoints (one store each under --out, named after each model directory; for gradtrace score's
+    ensembles): gradtrace collect --model run/checkpoint-500 --model run/checkpoint-1000 train.jsonl --out stores
     """
     import gradtrace
 
     phases = Phases()
     store_opts, data_opts, model_opts = opts.store_options, opts.data_options, opts.model_options
-    already = _check_target(store_opts)
+    models, data = _models_and_data(opts)
+    targets = _targets(models, store_opts)
     with phases("load model"):
-        tokenizer = load_tokenizer(opts.model)
+        tokenizer = load_tokenizer(models[0])
         device = resolve_device(model_opts.device)
-        model = load_model(opts.model, device, model_opts.model_dtype)
+        model = load_model(models[0], device, model_opts.model_dtype)
     with phases("read data"):
         max_length = resolve_max_length(data_opts.max_length, model)
-        batches = read_dataset(opts.data, tokenizer, data_opts, max_length, pad_id(tokenizer))
+        batches = read_dataset(data, tokenizer, data_opts, max_length, pad_id(tokenizer))
     phases.note("read data", f"{batches.summary.total_tokens:,} tokens")
     console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
-    single = batches.no_target_ids()  # nothing to predict: a zero gradient
     capture_options = opts.projection_options.capture_options()
     projection, settings = capture_options.projection, store_opts.settings
-    if already:
-        _check_resume(store_opts, projection, model)
+    if targets[0].already:
+        _check_resume(replace(store_opts, out=targets[0].out), projection, model)
     with phases("plan"):
         planned = gradtrace.plan(model, batches, projection=projection, dtype=settings.dtype, store=store_opts.out,
                                  device=device)
-    console().print(plan_lines(planned, store_opts.out), markup=False, highlight=False, soft_wrap=True)
+    console().print(plan_lines(planned, store_opts.out, stores=len(targets)), markup=False, highlight=False,
+                    soft_wrap=True)
     _check_shard_bytes(settings.shard_bytes, planned.dim, settings.dtype)
     if opts.dry_run:
         return
-    if not planned.fits and not opts.force:
-        raise CliError(f"the store needs about {human_bytes(planned.store_bytes)} but {store_opts.out} has "
-                       f"{human_bytes(planned.free_bytes or 0)} free: free space, choose another --out, store "
-                       "--dtype int8 or a smaller --rank, or pass --force")
-    final = replace(opts, model=opts.model.absolute(), data=opts.data.absolute(),
-                    store_options=replace(store_opts, out=store_opts.out.absolute()),
+    total = planned.store_bytes * len(targets)
+    if planned.free_bytes is not None and total > planned.free_bytes and not opts.force:
+        raise CliError(f"the store{'s need' if len(targets) > 1 else ' needs'} about {human_bytes(total)} but "
+                       f"{store_opts.out} has {human_bytes(planned.free_bytes)} free: free space, choose another "
+                       "--out, store --dtype int8 or a smaller --rank, or pass --force")
+    final = replace(opts, model=None, models=[], data=data.absolute(),
                     data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))
-    values = resolved(final)
-    with phases("gradients"), _interrupt_reported(store_opts.out):
-        store = gradtrace.collect(model, batches, options=capture_options, store=store_opts.out,
-                                  store_options=settings, device=device, progress=opts.progress,
-                                  config=record_paths({META_KEY: provenance("collect", opts.data,
-                                                                            batches.num_examples), **values},
-                                                      store_opts.out))
-    seconds = phases.seconds["gradients"]
-    phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
-    written = write_resolved(store_opts.out, "collect", values)
-    info = store.info()
-    out = console()
-    new = len(store) - already
-    resumed = f" ({already:,} were already stored)" if settings.resume and already else ""
-    out.print(f"Stored {new:,} new example{'' if new == 1 else 's'}{resumed} in {store_opts.out}")
-    out.print(f"  rows x dim  {len(store):,} x {info['dim']:,} ({info['dtype']}, {human_bytes(info['bytes'])})")
-    out.print(f"  projection  {projection_label(info['projection'])}")
-    out.print(f"  config      {written}")
-    nonfinite = [i for r in store.ranks.values() for i in (r.get("skipped") or {}).get("nonfinite", [])]
-    if nonfinite:
-        out.print(f"[yellow]Warning: {len(nonfinite)} examples had NaN/inf gradients and were not stored "
-                  f"(first ids: {json.dumps(nonfinite[:3])}).[/yellow]")
-    if single:
-        out.print(f"[yellow]Warning: {len(single)} example{' has' if len(single) == 1 else 's have'} no token in the "
-                  "loss (a single token, or nothing after the prompt), so nothing to predict: stored with a zero "
-                  f"gradient (first ids: {json.dumps(single[:3])}).[/yellow]")
-    out.print(f"Next: gradtrace score {store_opts.out} QUERIES.jsonl --out SCORES_DIR")
+    stores = []
+    for c, target in enumerate(targets):
+        if c > 0:
+            with phases("load model"):
+                model = load_model(target.model, device, model_opts.model_dtype)
+            if target.already:
+                _check_resume(replace(store_opts, out=target.out), projection, model)
+        stores.append(_collect_one(gradtrace, model, batches, target, final, phases, progress=opts.progress))
+        del model
+    further = "".join(f" --store {shlex.quote(str(s))}" for s in stores[1:])  # an ensemble of the stores
+    console().print(f"Next: gradtrace score {shlex.quote(str(stores[0]))} QUERIES.jsonl{further} --out SCORES_DIR",
+                    markup=False, highlight=False, soft_wrap=True)
     if opts.progress:
         console(stderr=True).print(phases.table())
+
+
+def _models_and_data(opts: CollectOptions) -> tuple[list[Path], Path]:
+    """The model directories in order (MODEL_DIR, then each --model) and the data: with --model and one argument,
+    that argument is DATA."""
+    if opts.data is None and opts.model is not None and opts.models:
+        return list(opts.models), opts.model
+    if opts.data is None:
+        raise CliError("give the model and the data: gradtrace collect MODEL_DIR DATA --out STORE, or gradtrace "
+                       "collect --model MODEL_DIR [--model MODEL_DIR_2 ...] DATA --out DIR")
+    assert opts.model is not None  # a second argument implies the first
+    return [opts.model, *opts.models], opts.data
+
+
+def _targets(models: list[Path], store_opts: StoreGroup) -> list[_Target]:
+    """The stores to write, checked before any model work: --out itself for one model; for several, one per model
+    under --out, named after its directory (two directories of one name are refused)."""
+    from ..common.model_dir import check_model_dir
+    from ..per_checkpoint import checkpoint_names
+
+    if len(models) == 1:
+        return [_Target(models[0], store_opts.out, _check_target(store_opts))]
+    for path in models:
+        check_model_dir(path)
+    if (store_opts.out / "manifest.json").exists():
+        raise CliError(f"--out {store_opts.out} is a gradient store; with several --model, --out is the directory "
+                       "their stores go in: choose another one")
+    names = checkpoint_names(models, what="gradtrace collect", fix="give model directories of distinct names, or "
+                             "collect the clashing ones into separate --out directories")
+    return [_Target(m, store_opts.out / n, _check_target(replace(store_opts, out=store_opts.out / n)))
+            for m, n in zip(models, names)]
+
+
+def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, final: CollectOptions, phases: Phases,
+                 *, progress: bool) -> Path:
+    """Collect one store (``final``: the resolved options, completed with this store's model and path) and print
+    what it holds; its resolved configuration is written beside it."""
+    settings = final.store_options.settings
+    out, capture_options = target.out, final.projection_options.capture_options()
+    values = resolved(replace(final, model=target.model.absolute(),
+                              store_options=replace(final.store_options, out=out.absolute())))
+    values.pop("models")
+    with phases("gradients"), _interrupt_reported(out):
+        store = gradtrace.collect(model, batches, options=capture_options, store=out, store_options=settings,
+                                  device=final.model_options.device, progress=progress,
+                                  config=record_paths({META_KEY: provenance("collect", final.data,
+                                                                            batches.num_examples), **values}, out))
+    seconds = phases.seconds["gradients"]
+    phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
+    _print_stored(store, out, target.already, settings.resume, write_resolved(out, "collect", values),
+                  batches.no_target_ids())
+    return out
+
+
+def _print_stored(store: Any, out: Path, already: int, resume: bool, written: Path, single: list[str]) -> None:
+    """What a collected store holds: new rows, size, projection, its configuration, and what was not stored."""
+    info = store.info()
+    printer = console()
+    new = len(store) - already
+    resumed = f" ({already:,} were already stored)" if resume and already else ""
+    printer.print(f"Stored {new:,} new example{'' if new == 1 else 's'}{resumed} in {out}")
+    printer.print(f"  rows x dim  {len(store):,} x {info['dim']:,} ({info['dtype']}, {human_bytes(info['bytes'])})")
+    printer.print(f"  projection  {projection_label(info['projection'])}")
+    printer.print(f"  config      {written}")
+    nonfinite = [i for r in store.ranks.values() for i in (r.get("skipped") or {}).get("nonfinite", [])]
+    if nonfinite:
+        printer.print(f"[yellow]Warning: {len(nonfinite)} examples had NaN/inf gradients and were not stored "
+                      f"(first ids: {json.dumps(nonfinite[:3])}).[/yellow]")
+    if single:
+        printer.print(f"[yellow]Warning: {len(single)} example{' has' if len(single) == 1 else 's have'} no token in "
+                      "the loss (a single token, or nothing after the prompt), so nothing to predict: stored with a "
+                      f"zero gradient (first ids: {json.dumps(single[:3])}).[/yellow]")
 
 
 @contextmanager
@@ -157,16 +234,20 @@ def _check_shard_bytes(shard_bytes: int | None, dim: int, dtype: str) -> None:
                        f"values in {dtype}); pass --shard-bytes {one:,} or more (default: 256 MiB)")
 
 
-def plan_lines(planned: Any, out: Path) -> str:
-    """The printed plan: what will be collected and what it takes."""
+def plan_lines(planned: Any, out: Path, stores: int = 1) -> str:
+    """The printed plan: what will be collected and what it takes (``stores``: one per model, each the same size
+    and time, from the first model's warm-up)."""
     tokens = "" if planned.tokens is None else f", {planned.tokens:,} tokens"
     free = "" if planned.free_bytes is None else f" ({human_bytes(planned.free_bytes)} free there)"
+    each = "" if stores == 1 else f" ({stores} stores x {human_bytes(planned.store_bytes)})"
+    times = "" if stores == 1 else f" ({stores} models x {planned.seconds:,.0f} s)"
     return "\n".join([
         f"Plan: {planned.examples:,} examples{tokens}; {planned.params:,} captured parameters",
         f"  per example {planned.dim:,} dims, {human_bytes(planned.bytes_per_example)} ({planned.dtype})",
-        f"  store       about {human_bytes(planned.store_bytes)} in {out}{free}",
-        f"  time        about {planned.seconds:,.0f} s ({planned.seconds_per_example * 1e3:,.1f} ms/example, "
-        "from a warm-up)"])
+        f"  store{'s' if stores > 1 else ' '}      about {human_bytes(stores * planned.store_bytes)}{each} in "
+        f"{out}{free}",
+        f"  time        about {stores * planned.seconds:,.0f} s{times} ({planned.seconds_per_example * 1e3:,.1f} "
+        "ms/example, from a warm-up)"])
 
 
 def _check_target(store_opts: StoreGroup) -> int:

@@ -2,60 +2,29 @@
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..collect import NonFiniteError, check_finite_parameters
-from ..common.errors import first_line as _first_line
-from ..common.model_dir import check_model_dir as _check_dir
-from ..common.model_dir import load_tokenizer
-from ..common.model_dir import quiet_loading as _quiet
+from ..common.model_dir import load_causal_lm, load_tokenizer
 from ..common.models import context_limit
 from .errors import CliError
 
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained(path, local_files_only=True)`` on ``device``.
-
-    Pickled weight files are loaded tensors-only: one holding other Python objects (which could run code) is
-    refused, as is a model with a NaN/inf parameter (every gradient through it would be broken)."""
-    path = _check_dir(path)
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    if dtype == "auto":
-        torch_dtype: Any = "auto"
-    else:
-        torch_dtype = TORCH_DTYPES[dtype]
-    major_minor = tuple(int(p) for p in transformers.__version__.split(".")[:2])
-    dtype_kwarg = {"dtype": torch_dtype} if major_minor >= (4, 56) else {"torch_dtype": torch_dtype}
-    try:
-        with _quiet():
-            model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, **dtype_kwarg)
-    except (OSError, ValueError, KeyError) as err:
-        raise CliError(f"cannot load a causal language model from {path}: {_first_line(err)}") from None
-    except pickle.UnpicklingError:
-        files = ", ".join(p.name for p in _pickle_files(path)) or "its weight file"
-        raise CliError(f"refusing to load {path}: {files} holds pickled Python objects besides tensors (they could run "
-                       "code when loaded) and gradtrace loads weights only; get the model as safetensors from a "
-                       "source you trust") from None
+    """The causal LM of model directory ``path`` (:func:`gradtrace.common.model_dir.load_causal_lm`: local files
+    only, pickles refused) on ``device``; a model with a NaN/inf parameter is refused (every gradient through it
+    would be broken)."""
+    model = load_causal_lm(path, dtype)
     try:
         check_finite_parameters(model, what=f"model {path}")
     except NonFiniteError as err:
         raise CliError(str(err)) from None
     return model.to(device)
-
-
-def _pickle_files(path: Path) -> list[Path]:
-    """The pickle-based weight files of a model directory (``pytorch_model*.bin``, ``*.pt``, ``*.pth``)."""
-    return sorted(p for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern))
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -32,13 +32,13 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..common.checkpoints import load_into, read_state_dict, restored_weights
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet, as_source
 from ..methods import Method, get_method
@@ -295,13 +295,10 @@ class Ensemble:
         if len(checkpoints) != len(self.members):
             raise EnsembleError(f"{len(checkpoints)} checkpoints for {len(self.members)} members: pass one "
                                 "checkpoint per member, in the order of the training gradients")
-        original = {name: value.detach().clone() for name, value in model.state_dict().items()}
-        try:
-            for member, checkpoint in zip(self.members, checkpoints):
-                model.load_state_dict(_state_dict(checkpoint))
+        with restored_weights(model):
+            for c, (member, checkpoint) in enumerate(zip(self.members, checkpoints)):
+                load_into(model, read_state_dict(checkpoint), f"checkpoint {c}")
                 member.fit(model, data, loss_fn, **options)
-        finally:
-            model.load_state_dict(original)
 
     def score(self, queries: Sequence[Any], *, topk: int | None = 100, matrix: bool | str = "auto",
               progress: bool = False) -> Scores:
@@ -364,23 +361,6 @@ class Ensemble:
 
     def __repr__(self) -> str:
         return f"Ensemble({self.method.name!r}, members={len(self)}, weights={self.weights})"
-
-
-def _state_dict(checkpoint: Any) -> Mapping[str, Tensor]:
-    """A checkpoint as a state dict: given as one, or read from a ``.safetensors`` file or a ``torch.save``-d
-    state dict (``weights_only=True``: no pickled code runs)."""
-    if isinstance(checkpoint, Mapping):
-        return checkpoint
-    if isinstance(checkpoint, nn.Module):
-        return checkpoint.state_dict()
-    path = Path(checkpoint)
-    if not path.exists():
-        raise EnsembleError(f"checkpoint {path} does not exist")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 ENSEMBLES.append((wants_ensemble, Ensemble))

@@ -1,0 +1,82 @@
+"""Checkpoints as state dicts: reading one safely, loading it into a model with clear errors, and restoring the
+model's own weights afterwards.
+
+Shared by :meth:`gradtrace.Ensemble.fit` (``checkpoints=``) and :func:`gradtrace.collect_checkpoints`. Files are
+read tensors-only (``.safetensors``, or ``torch.load(weights_only=True)``): no pickled code runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .errors import UsageError
+
+__all__ = ["load_into", "read_state_dict", "restored_weights"]
+
+
+def read_state_dict(checkpoint: Any) -> Mapping[str, Tensor]:
+    """A checkpoint as a state dict: given as one (or a module's), or read from a ``.safetensors`` file or a
+    ``torch.save``-d state dict (``weights_only=True``: no pickled code runs)."""
+    if isinstance(checkpoint, Mapping):
+        return checkpoint
+    if isinstance(checkpoint, nn.Module):
+        return checkpoint.state_dict()
+    path = Path(checkpoint)
+    if not path.exists():
+        raise UsageError(f"checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _tied_aliases(model: nn.Module) -> dict[str, set[str]]:
+    """``{state-dict key: the other keys holding the same tensor}`` (tied weights such as ``lm_head.weight`` and
+    ``transformer.wte.weight``: a checkpoint saved with one of them holds both)."""
+    by_tensor: dict[tuple[int, int, tuple[int, ...]], set[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if isinstance(value, Tensor) and value.numel():
+            by_tensor.setdefault((value.data_ptr(), value.storage_offset(), tuple(value.shape)), set()).add(key)
+    return {key: group - {key} for group in by_tensor.values() for key in group}
+
+
+def load_into(model: nn.Module, state: Mapping[str, Tensor], what: str) -> None:
+    """Load ``state`` into ``model``; a key the model lacks, a key of the model the state lacks (a tied weight
+    given once is enough) or a tensor of another shape is a :class:`UsageError` naming them (``what``: the
+    checkpoint, as the message calls it)."""
+    wanted = model.state_dict()
+    aliases = _tied_aliases(model)
+    missing = [k for k in wanted if k not in state and not (aliases.get(k, set()) & state.keys())]
+    unexpected = [k for k in state if k not in wanted]
+    if missing or unexpected:
+        parts = [f"{len(keys)} {label} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+                 for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise UsageError(f"{what} does not fit the model: {'; '.join(parts)} keys. Pass the model it was saved "
+                         "from (the same architecture and parameter names)")
+    shapes = [f"{k} {tuple(state[k].shape)} vs {tuple(wanted[k].shape)}" for k in state
+              if tuple(state[k].shape) != tuple(wanted[k].shape)]
+    if shapes:
+        raise UsageError(f"{what} does not fit the model: {len(shapes)} tensors of other shapes ({shapes[0]}). Pass "
+                         "the model it was saved from")
+    model.load_state_dict(state, strict=False)
+
+
+@contextlib.contextmanager
+def restored_weights(model: nn.Module | None) -> Iterator[None]:
+    """Within the block the model's weights may be replaced (checkpoints loaded into it); on exit, even by an
+    error, its own weights are loaded back. ``None``: nothing to restore."""
+    if model is None:
+        yield
+        return
+    original = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    try:
+        yield
+    finally:
+        model.load_state_dict(original)
