@@ -59,6 +59,10 @@ class IndexOptions:
     out: Path = field(metadata=cli("Directory to save the index in.", "--out", "-o", metavar="INDEX"))
     build_options: BuildOptions
     overwrite: bool = field(default=False, metadata=cli("Replace an index already saved in --out."))
+    add_norms: bool = field(default=False, metadata=cli(
+        "Add every row's L2 norm to the index already saved in --out (one pass over STORE, no rebuild): what "
+        "gradtrace score --norm-rows needs from an index built before norms were recorded. Refused for an index "
+        "of another store.", "--add-norms"))
     progress: bool = progress_flag("Show a progress bar.")
 
 
@@ -72,7 +76,8 @@ def run(opts: IndexOptions) -> None:
     query exactly from the store. It records the store's fingerprint and is refused once the store changes.
 
     Example: gradtrace index ./store --out ./index --kind ivfpq
-    then:    gradtrace score ./store queries.jsonl --index ./index --rerank 1000 --out ./scores
+    then:    gradtrace score ./store queries.jsonl --index ./index --rerank 1000 --norm-rows 10000 --out ./scores
+    An index built before row norms were recorded: gradtrace index ./store --out ./index --add-norms
     """
     from ..score.index import FaissMissing, build_index
     from ..store import GradientStore
@@ -80,6 +85,9 @@ def run(opts: IndexOptions) -> None:
     b = opts.build_options
     if not opts.store.exists():
         raise CliError(f"store {opts.store} does not exist")
+    if opts.add_norms:
+        _add_norms(opts)
+        return
     if opts.out.exists() and not opts.out.is_dir():
         raise CliError(f"--out {opts.out} exists and is not a directory")
     if (opts.out / "index.json").exists() and not opts.overwrite:
@@ -111,5 +119,37 @@ def run(opts: IndexOptions) -> None:
     out.print(f"  size        {human_bytes(size)}")
     out.print(f"  config      {written}")
     out.print(f"Next: gradtrace score {opts.store} QUERIES --index {opts.out} --rerank 1000 --out SCORES_DIR")
+    if opts.progress:
+        console(stderr=True).print(phases.table())
+
+
+def _add_norms(opts: IndexOptions) -> None:
+    """``--add-norms``: compute the row norms of the index saved in ``--out`` from STORE and write them there
+    (``row_norms.npy``, then ``index.json``, each atomically); the FAISS data is not touched."""
+    from ..score.index import FaissMissing, Index, IndexMismatch
+    from ..store import GradientStore
+
+    if not (opts.out / "index.json").exists():
+        raise CliError(f"--add-norms adds row norms to the index saved in --out; {opts.out} holds none: build one "
+                       f"with gradtrace index {opts.store} --out {opts.out}")
+    try:
+        index = Index.load(opts.out, row_norms=False)  # saved norms unread: damaged ones are rewritten
+    except FaissMissing as err:
+        raise CliError(str(err)) from None
+    out = console()
+    try:
+        if index.saved_row_norms() is not None:
+            out.print(f"Index {opts.out} already records the norms of its {len(index):,} rows; nothing to do")
+            return
+    except IndexMismatch:
+        pass  # its norms file is missing or damaged: written again below
+    phases = Phases()
+    with phases("row norms"):
+        norms = index.attach_row_norms(GradientStore.open(opts.store), block_rows=opts.build_options.block_rows,
+                                       progress=opts.progress)
+    out.print(f"Added the L2 norms of {len(norms):,} rows of {opts.store} to {opts.out} "
+              f"(row_norms.npy, {human_bytes(4 * len(norms))})")
+    out.print(f"Next: gradtrace score {opts.store} QUERIES --index {opts.out} --norm-rows {max(1, len(norms) // 100)} "
+              "--out SCORES_DIR")
     if opts.progress:
         console(stderr=True).print(phases.table())

@@ -84,6 +84,9 @@ class ScoringOptions(Group):
         metavar="INDEX"))
     rerank: int | None = field(default=None, metadata=cli(
         "With --index: rows shortlisted per query and re-scored exactly (default: 10 x --topk).", min=1))
+    norm_rows: int = field(default=0, metadata=cli(
+        "With --index: the N rows of largest norm join every query's shortlist, top and bottom (scored once for all "
+        "queries; they hold most of the bottom-k). 0: none. Needs an index with row norms (--add-norms).", min=0))
     modules: bool = field(default=False, metadata=cli(
         "Also split the score of every top-k and bottom-k pair by parameter block (saved with the scores; "
         "Scores.modules(query, train_id) and the HTML report show them)."))
@@ -432,11 +435,12 @@ def _check_match(store: Any, queries: Any, model_dir: Path) -> None:
 def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
     """The ``--index`` of the store, checked against it and the options (None without ``--index``)."""
     if sc.index is None:
-        if sc.rerank is not None:
-            raise CliError("--rerank sets the shortlist of --index; pass --index INDEX (written by gradtrace index)")
+        for flag, given in (("--rerank", sc.rerank is not None), ("--norm-rows", sc.norm_rows > 0)):
+            if given:
+                raise CliError(f"{flag} sets the shortlist of --index; pass --index INDEX (written by gradtrace index)")
         return None
     from ..score.index import FaissMissing, Index
-    from ..score.shortlist import index_normalization
+    from ..score.shortlist import check_norm_rows, index_normalization
 
     if world > 1:
         raise CliError("--index scores in one process; run it without torchrun")
@@ -456,6 +460,7 @@ def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
         raise CliError(f"--index {sc.index} holds {'normalized' if index.normalized else 'raw'} rows; --method "
                        f"{sc.method} needs an index {'built with' if not index.normalized else 'without'} --normalize")
     index.check_store(store)
+    check_norm_rows(index, sc.norm_rows)
     return index
 
 
@@ -464,6 +469,7 @@ def _index_scorer(index: Any, sc: ScoringOptions) -> Any:
     from ..score.shortlist import score_with_index
 
     def score(attributor: Any, queries: Any, *, topk: int | None, matrix: Any, progress: bool) -> Any:
-        return score_with_index(attributor, queries, index, rerank=sc.rerank, topk=topk or 0)
+        return score_with_index(attributor, queries, index, rerank=sc.rerank, topk=topk or 0,
+                                norm_rows=sc.norm_rows)
 
     return score

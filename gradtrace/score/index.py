@@ -22,6 +22,11 @@ One index serves every method whose training side is the raw stored row (``grad_
 ``grad_cos`` needs an index of normalized rows (``normalize=True``). The index records the store's
 fingerprint (:func:`store_fingerprint`) and refuses a store that changed or another store.
 
+The index also keeps every row's L2 norm (``Index.row_norms``, ``row_norms.npy``: 4 bytes per row, computed in
+the pass that adds the rows; :meth:`Index.attach_row_norms` adds them to an index built before they were
+recorded): ``score_with_index(..., norm_rows=N)`` scores the ``N`` rows of largest norm for every query
+(:mod:`gradtrace.score.row_norms` says why).
+
 FAISS is an optional dependency: ``pip install 'gradtrace[index]'``.
 """
 
@@ -42,6 +47,7 @@ from torch import Tensor
 
 from ..store.artifact import atomic_write_json
 from ..store.layout import StoreError
+from .row_norms import NORMS_FILE, block_norms, read_row_norms, store_row_norms, write_row_norms
 
 __all__ = [
     "INDEX_FORMAT",
@@ -180,16 +186,21 @@ class Index:
 
     Row ``j`` of the index is row ``j`` of the store (the store's global numbering). Attributes:
     ``params`` (:class:`IndexParams`), ``fingerprint`` (of the store it was built from), ``meta`` (store
-    path, build time, ...), ``path`` (where it was saved or loaded from, else None).
+    path, build time, ...), ``path`` (where it was saved or loaded from, else None), ``row_norms`` (float32
+    ``[rows]`` L2 norms of the raw stored rows, or None for an index saved before they were recorded).
     """
 
     def __init__(self, faiss_index: Any, params: IndexParams, fingerprint: dict[str, Any],
-                 meta: dict[str, Any] | None = None, path: Path | None = None) -> None:
+                 meta: dict[str, Any] | None = None, path: Path | None = None,
+                 row_norms: Tensor | None = None) -> None:
         self.faiss_index = faiss_index
         self.params = params
         self.fingerprint = fingerprint
         self.meta = dict(meta or {})
         self.path = path
+        if row_norms is not None and len(row_norms) != len(self):
+            raise ValueError(f"row_norms has {len(row_norms)} entries for an index of {len(self)} rows")
+        self.row_norms = row_norms
 
     def __len__(self) -> int:
         return int(self.faiss_index.ntotal)
@@ -214,6 +225,23 @@ class Index:
                 else f"{where} was built from another store ({built_from}), not {store.root}")
         raise IndexMismatch(f"{what}: {_fingerprint_difference(self.fingerprint, current)}. Rebuild it: "
                             f"gradtrace index {store.root} --out INDEX")
+
+    def attach_row_norms(self, store: Any, *, block_rows: int = 65536, progress: bool = False) -> Tensor:
+        """Compute every row's L2 norm from ``store`` (one streaming pass) for an index built without them.
+
+        The store is checked first (:meth:`check_store`: an index of another store, or of a store that changed,
+        is refused before anything is read). An index that was saved or loaded (``path`` set) gets the norms
+        written there: ``row_norms.npy``, then ``index.json`` updated, each atomically (``index.faiss`` is not
+        rewritten). Returns the norms (also ``self.row_norms``).
+        """
+        self.check_store(store)
+        norms = store_row_norms(store, block_rows, progress)
+        self.row_norms = norms
+        if self.path is not None:
+            info = json.loads((self.path / _META).read_text())
+            info["row_norms"] = write_row_norms(self.path, norms)
+            atomic_write_json(self.path / _META, info)
+        return norms
 
     def search(self, query_vectors: Tensor, r: int, *, nprobe: int | None = None) -> tuple[Tensor, Tensor]:
         """The ``r`` rows of highest approximate inner product with each query.
@@ -250,8 +278,9 @@ class Index:
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Write ``path/index.faiss`` then ``path/index.json`` (each atomically; the JSON last, so a directory
-        with ``index.json`` always holds a whole index). An existing index is replaced only with ``overwrite``."""
+        """Write ``path/index.faiss``, ``path/row_norms.npy`` (when the index has norms) then ``path/index.json``
+        (each atomically; the JSON last, so a directory with ``index.json`` always holds a whole index). An
+        existing index is replaced only with ``overwrite``."""
         faiss = _faiss()
         path = Path(path)
         if path.exists() and not path.is_dir():
@@ -269,13 +298,19 @@ class Index:
             tmp.unlink(missing_ok=True)
         info = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "params": asdict(self.params), "rows": len(self),
                 "dim": self.dim, "metric": "inner_product", "fingerprint": self.fingerprint, "meta": self.meta}
+        if self.row_norms is not None:
+            info["row_norms"] = write_row_norms(path, self.row_norms)
         atomic_write_json(path / _META, info)
+        if self.row_norms is None:
+            (path / NORMS_FILE).unlink(missing_ok=True)  # a replaced index's norms, no longer recorded
         self.path = path
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> Index:
-        """Open an index saved by :meth:`save` (:class:`IndexMismatch` when it is not one or is damaged)."""
+    def load(cls, path: str | Path, *, row_norms: bool = True) -> Index:
+        """Open an index saved by :meth:`save` (:class:`IndexMismatch` when it is not one or is damaged, its row
+        norms included; an index saved before norms were recorded loads with ``row_norms=None``).
+        ``row_norms=False`` leaves the saved norms unread (``row_norms=None``): to rewrite damaged ones."""
         path = Path(path)
         meta_path = path / _META
         if not meta_path.is_file():
@@ -304,7 +339,23 @@ class Index:
                 or faiss_index.ntotal != fingerprint.get("rows"):
             raise IndexMismatch(f"index {path}: {_DATA} holds {faiss_index.ntotal} x {faiss_index.d} rows, "
                                 f"{_META} says {info.get('rows')} x {info.get('dim')}; rebuild it")
-        return cls(faiss_index, params, fingerprint, info.get("meta"), path)
+        index = cls(faiss_index, params, fingerprint, info.get("meta"), path)
+        if row_norms:
+            index.row_norms = index.saved_row_norms()
+        return index
+
+    def saved_row_norms(self) -> Tensor | None:
+        """The row norms recorded in ``path/index.json`` (None when it records none), read and checked
+        (:class:`IndexMismatch` when the file is missing, damaged or of another size)."""
+        if self.path is None:
+            return None
+        record = json.loads((self.path / _META).read_text()).get("row_norms")
+        if record is None:
+            return None
+        try:
+            return read_row_norms(self.path, record, len(self), str(self.meta.get("store", "STORE")))
+        except StoreError as err:
+            raise IndexMismatch(str(err)) from None
 
     def __repr__(self) -> str:
         where = f", path={str(self.path)!r}" if self.path else ""
@@ -347,7 +398,8 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
         kind: ``"flat"`` (exact; float32 copy of all rows in memory) or ``"ivfpq"`` (see the module doc).
         normalize: index unit-norm rows: the index for ``grad_cos`` (and only for it).
         nlist, m, nbits, nprobe, train_rows, seed, fast_scan: see :class:`IndexParams`.
-        block_rows: rows read and added per block (bounds memory while adding).
+        block_rows: rows read and added per block (bounds memory while adding); the same pass records every
+            row's L2 norm (``Index.row_norms``, of the raw rows also when ``normalize``).
         progress: show a progress bar over blocks.
     """
     from ..store import GradientStore
@@ -381,7 +433,9 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
 
         blocks = tqdm(blocks, total=math.ceil(len(store) / block_rows), desc="index", unit="block")
     added = time.perf_counter()
+    norms = torch.empty(len(store), dtype=torch.float32)
     for offset, block in blocks:
+        norms[offset:offset + len(block)] = block_norms(block)  # of the raw rows, before any normalization
         faiss_index.add(_checked(block, offset, store, params.normalize))
     timings["add_s"] = time.perf_counter() - added
     from ..version import __version__
@@ -389,6 +443,6 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
     meta = {"store": str(Path(str(store.root)).resolve()), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_s": time.perf_counter() - start, **timings, "gradtrace": __version__,
             "factory": params.factory()}
-    index = Index(faiss_index, params, fingerprint, meta)
+    index = Index(faiss_index, params, fingerprint, meta, row_norms=norms)
     index._set_nprobe(params.nprobe)
     return index

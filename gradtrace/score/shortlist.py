@@ -10,7 +10,12 @@
    again with more cells (:func:`search_enough`; counted in ``meta["index"]["widened"]``);
 3. the candidate rows are read from the store (:meth:`GradientStore.rows`, in row order, into a reused buffer)
    and scored exactly (``prepared_query @ prepare_train(rows)^T``, :func:`rerank_exact`), and the top-k of the
-   exact scores is kept.
+   exact scores is kept;
+4. with ``norm_rows=N``, the ``N`` rows of largest norm (``Index.row_norms``) join every query's candidates, for
+   the top and the bottom: they are scored once against all queries (one ``[Q, N]`` product,
+   :func:`score_norm_rows`) and merged with each query's re-scored candidates (a row in both counts once). Large
+   rows reach the extreme scores in both directions, and the bottom-k's are scattered over cells that a search
+   with the negated query does not visit (see :mod:`gradtrace.score.row_norms`).
 
 Every reported score is therefore exact; only the membership of the top-k is approximate (recall@k of the
 index path). With ``R >= rows`` and a flat index the result equals exact streaming scoring.
@@ -32,9 +37,25 @@ from ..gradients import as_source
 from ..methods import Method
 from .engine import _block_buffer, rows_product
 from .index import Index, IndexMismatch
+from .row_norms import largest_norm_rows
 from .scores import Scores
 
-__all__ = ["index_normalization", "rerank_exact", "score_with_index", "search_enough"]
+__all__ = ["NormRows", "check_norm_rows", "index_normalization", "rerank_exact", "score_norm_rows", "score_with_index",
+           "search_enough"]
+
+
+class NormRows:
+    """The rows every query shares (the ``N`` of largest norm) and their best exact scores per query.
+
+    Attributes: ``member`` (bool ``[rows]``: whether a store row is one of them), and per side (``"top"``,
+    ``"bottom"``) ``(values [Q, k'], rows [Q, k'])``: each query's ``k' = min(k, N)`` highest or lowest exact
+    scores among them. The top-k of a query's candidates together with these rows is the top-k of its
+    candidates outside them merged with these ``k'``: any other shared row has ``k'`` shared rows above it.
+    """
+
+    def __init__(self, member: Tensor, extremes: dict[str, tuple[Tensor, Tensor]]) -> None:
+        self.member = member
+        self.extremes = extremes
 
 
 def index_normalization(method: Method) -> bool:
@@ -54,8 +75,31 @@ def index_normalization(method: Method) -> bool:
     return False
 
 
+def score_norm_rows(attributor: Any, store: Any, prepared: Tensor, norms: Tensor, n: int, k: int, *,
+                    bottom: bool = True, chunk_rows: int = 8192) -> NormRows:
+    """Exact scores of the ``n`` rows of largest norm against every query, once: one ``[Q, n]`` product.
+
+    The rows are read in row order and decoded ``chunk_rows`` at a time into one reused buffer by
+    :func:`gradtrace.score.engine.rows_product` (the path of :func:`rerank_exact`); each query keeps its
+    ``min(k, n)`` highest (and, with ``bottom``, lowest) scores among them (:class:`NormRows`).
+    """
+    rows = largest_norm_rows(norms, n)  # [n], increasing
+    wanted = rows.numpy()
+    buffer = _block_buffer([store], chunk_rows, prepared.device)
+    scores = rows_product(prepared, store, len(wanted), lambda a, b, out, scales: store.rows(
+        wanted[a:b], out=out, scales=scales), attributor.method, 0, buffer).cpu()  # [Q, n]
+    member = torch.zeros(len(norms), dtype=torch.bool)
+    member[rows] = True
+    extremes = {}
+    for name, largest in (("top", True), ("bottom", False))[:2 if bottom else 1]:
+        values, position = torch.topk(scores, min(k, len(wanted)), dim=1, largest=largest)
+        extremes[name] = (values, rows[position])
+    return NormRows(member, extremes)
+
+
 def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tensor, k: int, *,
-                 largest: bool = True, chunk_rows: int = 8192) -> tuple[Tensor, Tensor]:
+                 largest: bool = True, chunk_rows: int = 8192,
+                 shared: tuple[Tensor, Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     """Exact top-``k`` among each query's candidate rows.
 
     Queries are taken in chunks of about ``chunk_rows / R``: the chunk's candidate rows are gathered from the
@@ -74,6 +118,9 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
         k: rows kept per query (each query needs at least ``k`` candidates).
         largest: keep the highest (True) or lowest scores.
         chunk_rows: candidate rows per chunk of queries (the decode buffer's rows).
+        shared: ``(member [rows] bool, values [Q, s], rows [Q, s])``: rows scored already for every query
+            (:class:`NormRows`: their best ``s`` per query), merged in; candidates that are members are dropped
+            from the candidates first, so that no row is kept twice.
     Returns:
         ``(values [Q, k], rows [Q, k])`` on the CPU, best first.
     """
@@ -96,6 +143,11 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
             store.rows(wanted[a:b], out=out, scales=scales)), attributor.method, 0, buffer).cpu()  # [chunk, unique]
         exact = scores.gather(1, inverse)  # [chunk, R]: query i, its candidates
         exact.masked_fill_(~valid[lo:lo + chunk], fill)
+        if shared is not None:  # drop candidates among the shared rows, then append each query's shared best
+            member, shared_values, shared_rows = shared
+            exact.masked_fill_(member[cand.clamp(min=0)], fill)
+            exact = torch.cat([exact, shared_values[lo:lo + chunk]], dim=1)
+            cand = torch.cat([cand, shared_rows[lo:lo + chunk]], dim=1)
         top, position = torch.topk(exact, k, dim=1, largest=largest)
         values.append(top)
         rows.append(cand.gather(1, position))
@@ -126,7 +178,7 @@ def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | N
 
 def score_with_index(attributor: Any, queries: Any, index: Index | str, *, rerank: int | None = None,
                      topk: int = 100, bottom: bool = True, nprobe: int | None = None,
-                     bottom_nprobe: int | None = None) -> Scores:
+                     bottom_nprobe: int | None = None, norm_rows: int = 0) -> Scores:
     """Top-k scores of ``queries`` from an index shortlist of ``rerank`` rows per query, re-scored exactly.
 
     Args:
@@ -142,9 +194,13 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
             IVF cells gather rows that align with each other, so a query's most negative rows lie thinly in many
             cells (no cell is anti-aligned with the query the way its own clusters align with it); more cells for
             the bottom raise its recall at the cost of its search time (see docs/index.md).
+        norm_rows: the ``N`` rows of largest norm join every query's candidates, for the top and the bottom
+            (default 0: none). They are scored exactly once against all queries (one ``[Q, N]`` product: about
+            ``N / rows`` of an exact pass). The index must record row norms (an older one: ``gradtrace index STORE
+            --out INDEX --add-norms``); refused with a normalized index (``grad_cos``: every row has norm 1).
     Returns:
         :class:`Scores` with ``top``/``bottom`` (no matrix), in the store's row numbering; ``meta["index"]``
-        records the index and shortlist size.
+        records the index, shortlist size and ``norm_rows`` (the rows shared, at most the store's).
     """
     from ..store import GradientStore
 
@@ -164,6 +220,7 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
         raise IndexMismatch(f"{where} holds {built}; {method.name} needs an index of {need}")
     if topk < 1:
         raise ValueError(f"topk must be positive, got {topk}")
+    check_norm_rows(index, norm_rows)
     attributor.ready()
     index.check_store(store)
     start = time.perf_counter()
@@ -185,13 +242,19 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
     profile = {"prepare_queries_s": time.perf_counter() - start}
     kept: dict[str, tuple[Tensor, Tensor]] = {}
     widened: dict[str, int] = {}
+    shared = None
+    if norm_rows:
+        scored = time.perf_counter()
+        shared = score_norm_rows(attributor, store, prepared, index.row_norms, norm_rows, k, bottom=bottom)
+        profile["norm_rows_s"] = time.perf_counter() - scored
     for name, sign, largest in (("top", 1.0, True), ("bottom", -1.0, False))[:2 if bottom else 1]:
         searched = time.perf_counter()
         probe = (bottom_nprobe or nprobe) if name == "bottom" else nprobe
         candidates, widened[name] = search_enough(index, prepared.cpu() * sign, shortlist, k, probe)
         profile[f"search_{name}_s"] = time.perf_counter() - searched
         reranked = time.perf_counter()
-        kept[name] = rerank_exact(attributor, store, prepared, candidates, k, largest=largest)
+        kept[name] = rerank_exact(attributor, store, prepared, candidates, k, largest=largest,
+                                  shared=None if shared is None else (shared.member, *shared.extremes[name]))
         profile[f"rerank_{name}_s"] = time.perf_counter() - reranked
     profile["total_s"] = time.perf_counter() - start
     attributor.profile.update(profile)
@@ -202,6 +265,23 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
                   "factory": index.params.factory(), "normalize": index.params.normalize,
                   "nprobe": nprobe or index.params.nprobe, "rerank": shortlist,
                   "bottom_nprobe": (bottom_nprobe or nprobe or index.params.nprobe) if bottom else None,
-                  "widened": widened, "store_digest": index.fingerprint.get("digest")}}
+                  "norm_rows": min(norm_rows, num_train), "widened": widened,
+                  "store_digest": index.fingerprint.get("digest")}}
     return Scores(train_ids=list(store.ids), query_ids=list(query_set.ids), method=method.name, top=kept["top"],
                   bottom=kept.get("bottom"), meta=meta)
+
+
+def check_norm_rows(index: Index, norm_rows: int) -> None:
+    """Refuse a ``norm_rows`` that ``index`` cannot serve: negative, a normalized index, an index without norms."""
+    if isinstance(norm_rows, bool) or not isinstance(norm_rows, int) or norm_rows < 0:
+        raise ValueError(f"norm_rows must be an integer >= 0 (0: no norm shortlist), got {norm_rows!r}")
+    if not norm_rows:
+        return
+    where = index.path or "the index"
+    if index.normalized:
+        raise IndexMismatch(f"{where} holds normalized rows (grad_cos): every row has norm 1, so the rows of largest "
+                            "norm mean nothing there; drop norm_rows (--norm-rows)")
+    if index.row_norms is None:
+        raise IndexMismatch(f"{where} records no row norms (built before they were); add them without a rebuild: "
+                            f"gradtrace index {index.meta.get('store', 'STORE')} --out {index.path or 'INDEX'} "
+                            "--add-norms")
