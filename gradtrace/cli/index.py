@@ -136,6 +136,8 @@ def _add_norms(opts: IndexOptions) -> None:
         index = Index.load(opts.out, row_norms=False)  # saved norms unread: damaged ones are rewritten
     except FaissMissing as err:
         raise CliError(str(err)) from None
+    store = GradientStore.open(opts.store)
+    index.check_store(store)  # another store, or a changed one: refused before anything else
     out = console()
     try:
         if index.saved_row_norms() is not None:
@@ -145,7 +147,7 @@ def _add_norms(opts: IndexOptions) -> None:
         pass  # its norms file is missing or damaged: written again below
     phases = Phases()
     with phases("row norms"):
-        norms = index.attach_row_norms(GradientStore.open(opts.store), block_rows=opts.build_options.block_rows,
+        norms = index.attach_row_norms(store, block_rows=opts.build_options.block_rows,
                                        progress=opts.progress)
     out.print(f"Added the L2 norms of {len(norms):,} rows of {opts.store} to {opts.out} "
               f"(row_norms.npy, {human_bytes(4 * len(norms))})")

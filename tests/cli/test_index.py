@@ -113,3 +113,68 @@ def test_missing_faiss_names_the_extra(ws, runner, store, fresh, monkeypatch):
     line = error_line(invoke(runner, "index", store, "--out", fresh / "i", "--kind", "flat", "--no-progress",
                              code=2))
     assert "pip install 'gradtrace[index]'" in line
+
+
+def _strip_norms(index_dir) -> None:
+    """Make ``index_dir`` look like an index saved before row norms were recorded."""
+    (index_dir / "row_norms.npy").unlink()
+    info = json.loads((index_dir / "index.json").read_text())
+    del info["row_norms"]
+    (index_dir / "index.json").write_text(json.dumps(info))
+
+
+def _changed_copy(store, target):
+    """A copy of ``store`` with one value changed (checksums resealed): another store of the same layout."""
+    other = copy_store(store, target)
+    record = json.loads((other / "shards" / "r00000-000000.json").read_text())
+    data = other / "shards" / record["files"]["data"]["name"]
+    values = np.fromfile(data, dtype=np.float32)
+    values[0] += 1.0
+    values.tofile(data)
+    record["files"]["data"]["blake2b"] = checksum(values.tobytes())
+    reseal_record(other, record)
+    return other
+
+
+def test_add_norms_upgrades_an_old_index_and_norm_rows_scores_through_it(ws, runner, store, scores_dir, fresh):
+    """--add-norms writes the norms of an index saved without them (no rebuild); score --norm-rows covering the
+    store then gives the exact top and bottom from a shortlist of one row, with the exact values."""
+    out = fresh / "idx"
+    invoke(runner, "index", store, "--out", out, "--kind", "flat", "--no-progress")
+    built = gradtrace.score.Index.load(out).row_norms
+    _strip_norms(out)
+    faiss_bytes = (out / "index.faiss").read_bytes()
+    line = error_line(invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", out, "--norm-rows",
+                             24, "--topk", 5, "--out", fresh / "sc", "--no-progress", code=2))
+    assert "records no row norms" in line and f"--out {out} --add-norms" in line
+    assert "Added the L2 norms of 24 rows" in flat(invoke(runner, "index", store, "--out", out, "--add-norms",
+                                                          "--no-progress").stdout)
+    assert (out / "index.faiss").read_bytes() == faiss_bytes
+    loaded = gradtrace.score.Index.load(out)
+    dim = gradtrace.GradientStore.open(store).dim
+    torch.testing.assert_close(loaded.row_norms, built, rtol=(dim + 2) * 2.0**-24, atol=0)
+    assert "nothing to do" in invoke(runner, "index", store, "--out", out, "--add-norms", "--no-progress").stdout
+    invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", out, "--rerank", 5, "--topk", 5,
+           "--norm-rows", 24, "--out", fresh / "sc", "--no-progress")
+    got, exact = gradtrace.Scores.load(fresh / "sc"), gradtrace.Scores.load(scores_dir)
+    assert got.meta["index"]["norm_rows"] == 24
+    assert got.topk(5).ids == exact.topk(5).ids and got.topk(5, largest=False).ids == exact.topk(5, largest=False).ids
+    scale = float(exact.matrix.abs().max())
+    torch.testing.assert_close(got.bottom[0], exact.matrix.gather(1, got.bottom[1]), rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_norm_rows_and_add_norms_errors(ws, runner, store, flat_index, fresh):
+    def error(*args):
+        return error_line(invoke(runner, "score", store, ws.queries, "--model", ws.model, "--out", fresh / "sc",
+                                 "--no-progress", *args, code=2))
+
+    assert "--norm-rows sets the shortlist of --index" in error("--norm-rows", 3)
+    normalized = fresh / "norm"
+    invoke(runner, "index", store, "--out", normalized, "--kind", "flat", "--normalize", "--no-progress")
+    assert "every row has norm 1" in error("--index", normalized, "--method", "grad_cos", "--norm-rows", 3)
+    assert not (fresh / "sc" / "scores.json").exists()
+    other = _changed_copy(store, fresh / "other")
+    line = error_line(invoke(runner, "index", other, "--out", flat_index, "--add-norms", "--no-progress", code=2))
+    assert "was built from another store" in line
+    assert "holds none" in error_line(invoke(runner, "index", store, "--out", fresh / "none", "--add-norms",
+                                             "--no-progress", code=2))
