@@ -86,7 +86,7 @@ class ScoringOptions(Group):
         "With --index: rows shortlisted per query and re-scored exactly (default: 10 x --topk).", min=1))
     norm_rows: int = field(default=0, metadata=cli(
         "With --index: the N rows of largest norm join every query's shortlist, top and bottom (scored once for all "
-        "queries; they hold most of the bottom-k). 0: none. Needs an index with row norms (--add-norms).", min=0))
+        "queries; they hold much of the bottom-k). 0: none. Needs an index with row norms (--add-norms).", min=0))
     modules: bool = field(default=False, metadata=cli(
         "Also split the score of every top-k and bottom-k pair by parameter block (saved with the scores; "
         "Scores.modules(query, train_id) and the HTML report show them)."))

@@ -75,16 +75,21 @@ def test_fast_scan_index_from_the_cli(ws, runner, store, scores_dir, fresh):
     assert "fast-scan PQ codes are 4 bits wide" in line and not (fresh / "fs8" / "index.json").exists()
 
 
-def test_index_of_changed_store_is_refused(ws, runner, store, flat_index, fresh):
-    other = copy_store(store, fresh / "store")
-    record_path = other / "shards" / "r00000-000000.json"
-    record = json.loads(record_path.read_text())
+def _changed_copy(store, target):
+    """A copy of ``store`` with one value changed (checksums resealed): another store of the same layout."""
+    other = copy_store(store, target)
+    record = json.loads((other / "shards" / "r00000-000000.json").read_text())
     data = other / "shards" / record["files"]["data"]["name"]
     values = np.fromfile(data, dtype=np.float32)
     values[0] += 1.0
     values.tofile(data)
     record["files"]["data"]["blake2b"] = checksum(values.tobytes())
     reseal_record(other, record)
+    return other
+
+
+def test_index_of_changed_store_is_refused(ws, runner, store, flat_index, fresh):
+    other = _changed_copy(store, fresh / "store")
     line = error_line(invoke(runner, "score", other, ws.queries, "--model", ws.model, "--index", flat_index,
                              "--out", fresh / "sc", "--no-progress", code=2))
     assert "was built from another store" in line and "shard r00000-000000 differs" in line
@@ -121,19 +126,6 @@ def _strip_norms(index_dir) -> None:
     info = json.loads((index_dir / "index.json").read_text())
     del info["row_norms"]
     (index_dir / "index.json").write_text(json.dumps(info))
-
-
-def _changed_copy(store, target):
-    """A copy of ``store`` with one value changed (checksums resealed): another store of the same layout."""
-    other = copy_store(store, target)
-    record = json.loads((other / "shards" / "r00000-000000.json").read_text())
-    data = other / "shards" / record["files"]["data"]["name"]
-    values = np.fromfile(data, dtype=np.float32)
-    values[0] += 1.0
-    values.tofile(data)
-    record["files"]["data"]["blake2b"] = checksum(values.tobytes())
-    reseal_record(other, record)
-    return other
 
 
 def test_add_norms_upgrades_an_old_index_and_norm_rows_scores_through_it(ws, runner, store, scores_dir, fresh):
