@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .common.units import block_rows_for
 from .projection.logra import LoGra
 from .store.shards import row_bytes
 
@@ -173,7 +174,8 @@ class _TimedPasses:
 
 def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | None = None, loss_fn: Any = None, *,
              method: str = "ekfac", fisher: str = "auto", samples: int = 1, out: str | Path | None = None,
-             max_dense: int = 4096, warmup_batches: int = 2, device: Any = None, block_rows: int = 8192) -> FitPlan:
+             max_dense: int = 4096, warmup_batches: int = 2, device: Any = None,
+             block_rows: int | None = None) -> FitPlan:
     """The plan of fitting ``method``'s curvature for ``store`` (a :class:`gradtrace.GradientStore` or its path).
 
     ``kfac``/``ekfac``/``fisher`` fit on ``data`` with ``model`` (as :func:`gradtrace.curvature.fit_curvature`
@@ -187,7 +189,8 @@ def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | N
     store = store if isinstance(store, GradientStore) else GradientStore.open(store)
     free = None if out is None else free_space(Path(out))
     if method == "logra":
-        return _plan_stored_fisher(store, free, max_dense, block_rows, device)
+        rows = block_rows_for(store.dim) if block_rows is None else block_rows
+        return _plan_stored_fisher(store, free, max_dense, rows, device)
     if method not in ("kfac", "ekfac", "fisher"):
         raise ValueError(f"plan_fit(): method must be kfac, ekfac, fisher or logra, got {method!r}")
     if model is None or data is None:
@@ -314,11 +317,12 @@ class ScorePlan:
 
 
 def plan_score(stores: Any, queries: int, *, topk: int | None = 100, matrix: bool | str = "auto",
-               block_rows: int = 8192, matrix_limit: int = 2**30, device: Any = None) -> ScorePlan:
+               block_rows: int | None = None, matrix_limit: int = 2**30, device: Any = None) -> ScorePlan:
     """The plan of scoring ``queries`` queries against ``stores`` (one :class:`gradtrace.GradientStore` or path,
     or a list: checkpoints or ensemble members, scored block by block together).
 
-    ``topk``, ``matrix``, ``block_rows``: as for :meth:`gradtrace.Attributor.score` (``matrix="auto"`` keeps the
+    ``topk``, ``matrix``: as for :meth:`gradtrace.Attributor.score`; ``block_rows`` as for
+    :class:`gradtrace.Attributor` (default: the rows of a 128 MiB float32 block) (``matrix="auto"`` keeps the
     matrix when it takes at most ``matrix_limit`` bytes, as ``Attributor(matrix_bytes=...)``). The time is that
     of the first block, read and multiplied by ``queries`` random query vectors with its top-k merged, for every
     store: needs no model and no query gradient.
@@ -329,10 +333,11 @@ def plan_score(stores: Any, queries: int, *, topk: int | None = 100, matrix: boo
                for s in (stores if isinstance(stores, (list, tuple)) else [stores])]
     if queries < 1:
         raise ValueError("plan_score(): no queries")
-    if block_rows < 1:
-        raise ValueError("block_rows must be at least 1")
     first = sources[0]
     rows, dim = len(first), first.dim
+    block_rows = block_rows_for(dim) if block_rows is None else block_rows
+    if block_rows < 1:
+        raise ValueError("block_rows must be at least 1")
     if rows == 0:
         raise ValueError(f"plan_score(): store {first.root} is empty")
     k = min(topk or 0, rows)

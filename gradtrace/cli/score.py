@@ -64,7 +64,9 @@ class ScoringOptions(Group):
         "Keep the k highest and k lowest scores of every query (0: none; the full matrix is then needed).", min=0))
     matrix: Literal["auto", "yes", "no"] = field(default="auto", metadata=cli(
         "Keep the full queries x train matrix: yes, no, or auto (when it takes at most 1 GiB)."))
-    block_rows: int = field(default=8192, metadata=cli("Training rows streamed per block (bounds memory).", min=1))
+    block_rows: int | None = field(default=None, metadata=cli(
+        "Training rows streamed per block (bounds memory; default: the rows of a 128 MiB float32 block, 8,192 at "
+        "4,096 dims).", min=1))
     export: Path | None = field(default=None, metadata=cli(
         "Also export the top-k rows of every query to this .csv, .json or .parquet file."))
     overwrite: bool = field(default=False, metadata=cli("Replace scores already saved in --out."))

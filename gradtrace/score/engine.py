@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.units import block_rows_for
 from ..gradients import as_source
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
@@ -56,7 +57,9 @@ class Attributor:
         train: training gradients -- a :class:`gradtrace.GradientStore`, its path, a
             :class:`gradtrace.GradientSet` or captured batches; for multi-checkpoint methods a list with
             one per checkpoint (same examples); for any other method a list makes an :class:`Ensemble`.
-        block_rows: training rows per streamed block.
+        block_rows: training rows per streamed block (default: as many as fit in
+            :data:`gradtrace.common.units.BLOCK_BYTES`, 128 MiB of float32: 8,192 rows of 4,096 dims; the decode
+            buffer and each block's products are bounded by it whatever the store's length).
         device: where the products run (default: CPU; blocks are moved there as they stream).
         matrix_bytes: keep the full ``[Q, N]`` matrix when it takes at most this many bytes.
         **method_options: passed to the method (e.g. ``weights=[...]`` learning rates for TracIn).
@@ -71,14 +74,15 @@ class Attributor:
                     return ensemble(method, train, *args, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, method: str | Method = "grad_dot", train: Any = None, *, block_rows: int = 8192,
+    def __init__(self, method: str | Method = "grad_dot", train: Any = None, *, block_rows: int | None = None,
                  device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:
         self.method = get_method(method, **method_options)
         if train is None:
             raise ValueError("Attributor needs training gradients: train=store, path, GradientSet or batches")
         sources = list(train) if isinstance(train, (list, tuple)) and self.method.multi_checkpoint else [train]
         self.train = [as_source(s) for s in sources]
-        self.block_rows = _positive_int(block_rows, "block_rows", minimum=1)
+        self.block_rows = block_rows_for(self.train[0].spec.dim) if block_rows is None else \
+            _positive_int(block_rows, "block_rows", minimum=1)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.matrix_bytes = _positive_int(matrix_bytes, "matrix_bytes", minimum=0)
         first = self.train[0]

@@ -214,7 +214,7 @@ class Ensemble:
     """
 
     def __init__(self, method: str | Method | Sequence[Method] = "grad_dot", train: Any = None, *,
-                 weights: Sequence[float] | None = None, normalize: bool = True, block_rows: int = 8192,
+                 weights: Sequence[float] | None = None, normalize: bool = True, block_rows: int | None = None,
                  device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:
         if not is_member_list(train):
             raise EnsembleError("an ensemble needs a list of training gradients, one per checkpoint or model: "

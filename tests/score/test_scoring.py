@@ -82,6 +82,31 @@ def test_streaming_topk_equals_dense_topk(tmp_path):
         streamed.topk(5)
 
 
+def test_default_blocks_are_bounded_in_bytes_not_rows(tmp_path, monkeypatch):
+    """Without block_rows a block holds the rows of BLOCK_BYTES of float32 (8,192 of 4,096 dims; 305 of a LoGra
+    rank-64 GPT-2's 109,696 dims): the decode buffer is bounded by bytes whatever the store's length and width.
+    With a budget of 3 rows the store streams in blocks of 3 and scores as with block_rows=3."""
+    from gradtrace.common.units import BLOCK_BYTES, block_rows_for
+    from gradtrace.score import engine
+
+    assert block_rows_for(4096) == 8192 and block_rows_for(109_696) == 305 and block_rows_for(10**9) == 1
+    spec = gradtrace.GradientSpec([("w", 70_000)], None, {"reduction": "sum", "example_loss": "sum"})
+    wide = gradtrace.GradientSet(torch.zeros(2, 70_000), ["a", "b"], spec)
+    assert gradtrace.Attributor("grad_dot", wide).block_rows == BLOCK_BYTES // (4 * 70_000) == 479
+    model = tiny.gpt2()
+    _, batches = _data([5, 8, 3, 7, 6, 4, 9], seed=3)
+    _, qbatches = _data([4, 6], seed=4)
+    store = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4), store=tmp_path / "s", shard_rows=4)
+    queries = gradtrace.collect(model, qbatches, projection=gradtrace.LoGra(rank=4))
+    monkeypatch.setattr(engine, "block_rows_for", lambda dim: block_rows_for(dim, budget=3 * 4 * dim))
+    auto = gradtrace.Attributor("grad_dot", store)
+    assert auto.block_rows == 3
+    got = auto.score(queries, matrix=True)
+    want = gradtrace.Attributor("grad_dot", store, block_rows=3).score(queries, matrix=True)
+    assert torch.equal(got.matrix, want.matrix)  # the same blocks: the same products, bit for bit
+    assert gradtrace.plan_score(store, 2).block_rows == min(len(store), block_rows_for(store.dim))
+
+
 def test_scores_save_load_and_exports(tmp_path):
     model = tiny.gpt2()
     _, batches = _data([5, 8, 3, 7])
