@@ -28,6 +28,7 @@ otherwise, or combine checkpoints, cannot be served by one index and are refused
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from ..gradients import as_source
 from ..methods import Method
 from .engine import _block_buffer, rows_product
 from .index import Index, IndexMismatch
+from .parallel import chunk_workers, map_chunks
 from .row_norms import largest_norm_rows
 from .scores import Scores
 
@@ -110,6 +112,14 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
     large operations (cheap on a shared machine, where every operation's fork-join waits for a busy core), and no
     fresh ``[rows, dim]`` tensor per chunk (its page faults cost more than the decoding).
 
+    On the CPU with ``W = torch.get_num_threads() > 1`` the chunks run on ``W`` worker threads
+    (:func:`gradtrace.score.parallel.map_chunks`), each with one intra-op thread and its own decode buffer of
+    :data:`gradtrace.score.engine.SUB_BLOCK_BYTES` sub-blocks (as the sequential path with one thread): a
+    chunk's small memory-bound operations then run whole on one core instead of forking and joining every
+    thread for each. Each chunk's arithmetic is the same whatever ``W`` (same sub-blocks, same product shapes,
+    one thread), so the result is identical for any ``W``; the caller's thread count is left unchanged, and
+    an error in a chunk is raised unchanged. A CUDA device takes the chunks in order.
+
     Args:
         attributor: supplies the method (``prepare_train``).
         store: the store the candidates index (global row numbers).
@@ -130,28 +140,34 @@ def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tens
         q = int(short[0])
         raise ValueError(f"the index returned {int(valid[q].sum())} candidates for query {q}, fewer than k={k}: "
                          "search more IVF cells (nprobe) or raise rerank")
-    fill = float("-inf") if largest else float("inf")
     num_q, r = candidates.shape
     chunk = max(1, chunk_rows // r)
-    buffer = _block_buffer([store], chunk * r, prepared.device)
-    values, rows = [], []
-    for lo in range(0, num_q, chunk):
-        cand = candidates[lo:lo + chunk]
-        unique, inverse = torch.unique(cand.clamp(min=0), sorted=True, return_inverse=True)
-        wanted = unique.numpy()
-        scores = rows_product(prepared[lo:lo + chunk], store, len(wanted), lambda a, b, out, scales, wanted=wanted: (
-            store.rows(wanted[a:b], out=out, scales=scales)), attributor.method, 0, buffer).cpu()  # [chunk, unique]
-        exact = scores.gather(1, inverse)  # [chunk, R]: query i, its candidates
-        exact.masked_fill_(~valid[lo:lo + chunk], fill)
-        if shared is not None:  # drop candidates among the shared rows, then append each query's shared best
-            member, shared_values, shared_rows = shared
-            exact.masked_fill_(member[cand.clamp(min=0)], fill)
-            exact = torch.cat([exact, shared_values[lo:lo + chunk]], dim=1)
-            cand = torch.cat([cand, shared_rows[lo:lo + chunk]], dim=1)
-        top, position = torch.topk(exact, k, dim=1, largest=largest)
-        values.append(top)
-        rows.append(cand.gather(1, position))
-    return torch.cat(values), torch.cat(rows)
+    work = partial(_rerank_chunk, attributor.method, store, prepared, candidates, valid, k, largest, chunk, shared)
+    scratch = partial(_block_buffer, [store], chunk * r, prepared.device)
+    kept = map_chunks(range(0, num_q, chunk), work, scratch, chunk_workers(prepared.device))
+    return torch.cat([values for values, _ in kept]), torch.cat([rows for _, rows in kept])
+
+
+def _rerank_chunk(method: Method, store: Any, prepared: Tensor, candidates: Tensor, valid: Tensor, k: int,
+                  largest: bool, chunk: int, shared: tuple[Tensor, Tensor, Tensor] | None, lo: int,
+                  buffer: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """``(values [c, k], rows [c, k])``: the exact top-``k`` of queries ``lo:lo + chunk`` among their candidates
+    (:func:`rerank_exact`'s arguments), their deduplicated rows decoded into ``buffer`` (the caller's worker's)."""
+    fill = float("-inf") if largest else float("inf")
+    cand = candidates[lo:lo + chunk]
+    unique, inverse = torch.unique(cand.clamp(min=0), sorted=True, return_inverse=True)
+    wanted = unique.numpy()
+    scores = rows_product(prepared[lo:lo + chunk], store, len(wanted), lambda a, b, out, scales: store.rows(
+        wanted[a:b], out=out, scales=scales), method, 0, buffer).cpu()  # [chunk, unique]
+    exact = scores.gather(1, inverse)  # [chunk, R]: query i, its candidates
+    exact.masked_fill_(~valid[lo:lo + chunk], fill)
+    if shared is not None:  # drop candidates among the shared rows, then append each query's shared best
+        member, shared_values, shared_rows = shared
+        exact.masked_fill_(member[cand.clamp(min=0)], fill)
+        exact = torch.cat([exact, shared_values[lo:lo + chunk]], dim=1)
+        cand = torch.cat([cand, shared_rows[lo:lo + chunk]], dim=1)
+    top, position = torch.topk(exact, k, dim=1, largest=largest)
+    return top, cand.gather(1, position)
 
 
 def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | None = None
