@@ -81,15 +81,17 @@ def score_norm_rows(attributor: Any, store: Any, prepared: Tensor, norms: Tensor
                     bottom: bool = True, chunk_rows: int = 8192) -> NormRows:
     """Exact scores of the ``n`` rows of largest norm against every query, once: one ``[Q, n]`` product.
 
-    The rows are read in row order and decoded ``chunk_rows`` at a time into one reused buffer by
-    :func:`gradtrace.score.engine.rows_product` (the path of :func:`rerank_exact`); each query keeps its
-    ``min(k, n)`` highest (and, with ``bottom``, lowest) scores among them (:class:`NormRows`).
+    The rows are read in row order, ``chunk_rows`` at a time, and decoded into a reused buffer by
+    :func:`gradtrace.score.engine.rows_product` (the path of :func:`rerank_exact`); on the CPU with several torch
+    threads the chunks run on one-thread workers as in :func:`rerank_exact` (same result for any number). Each
+    query keeps its ``min(k, n)`` highest (and, with ``bottom``, lowest) scores among them (:class:`NormRows`).
     """
     rows = largest_norm_rows(norms, n)  # [n], increasing
     wanted = rows.numpy()
-    buffer = _block_buffer([store], chunk_rows, prepared.device)
-    scores = rows_product(prepared, store, len(wanted), lambda a, b, out, scales: store.rows(
-        wanted[a:b], out=out, scales=scales), attributor.method, 0, buffer).cpu()  # [Q, n]
+    work = partial(_norm_rows_part, attributor.method, store, prepared, wanted, chunk_rows)
+    scratch = partial(_block_buffer, [store], chunk_rows, prepared.device)
+    parts = map_chunks(range(0, len(wanted), chunk_rows), work, scratch, chunk_workers(prepared.device))
+    scores = torch.cat(parts, dim=1)  # [Q, n]
     member = torch.zeros(len(norms), dtype=torch.bool)
     member[rows] = True
     extremes = {}
@@ -97,6 +99,15 @@ def score_norm_rows(attributor: Any, store: Any, prepared: Tensor, norms: Tensor
         values, position = torch.topk(scores, min(k, len(wanted)), dim=1, largest=largest)
         extremes[name] = (values, rows[position])
     return NormRows(member, extremes)
+
+
+def _norm_rows_part(method: Method, store: Any, prepared: Tensor, wanted: Any, chunk_rows: int, lo: int,
+                    buffer: tuple[Tensor, Tensor]) -> Tensor:
+    """``[Q, c]`` exact scores of the shared rows ``wanted[lo:lo + chunk_rows]`` against every query (on the CPU),
+    decoded into ``buffer`` (the caller's worker's)."""
+    part = wanted[lo:lo + chunk_rows]
+    return rows_product(prepared, store, len(part), lambda a, b, out, scales: store.rows(
+        part[a:b], out=out, scales=scales), method, 0, buffer).cpu()
 
 
 def rerank_exact(attributor: Any, store: Any, prepared: Tensor, candidates: Tensor, k: int, *,

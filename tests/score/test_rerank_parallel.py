@@ -132,3 +132,23 @@ def test_an_error_in_a_worker_is_raised_unchanged(store, inputs):
             _with_threads(workers, lambda: rerank_exact(attr, store, prepared, bad, 5, chunk_rows=CHUNK_ROWS))
         messages.append(str(caught.value))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.parametrize("sub_rows", [7, None])
+def test_the_norm_rows_product_is_the_same_for_every_worker_count(store, inputs, sub_rows, monkeypatch):
+    """score_norm_rows in chunks of 16 rows on W = 1, 2, 3 workers: torch.equal extremes (top and bottom), each value
+    exact streaming's score at its row within twice the float32 bound."""
+    attr, prepared, _, exact = inputs
+    if sub_rows is not None:
+        monkeypatch.setattr(engine, "SUB_BLOCK_BYTES", sub_rows * 4 * DIM)
+    norms = store.read(0, ROWS).norm(dim=1)
+    results = [_with_threads(w, lambda: score_norm_rows(attr, store, prepared, norms, 90, 5, chunk_rows=16))
+               for w in (1, 2, 3)]
+    bound = float32_bound(prepared, store.read(0, ROWS))
+    for side in ("top", "bottom"):
+        values, rows = results[0].extremes[side]
+        for other in results[1:]:
+            assert torch.equal(other.extremes[side][0], values) and torch.equal(other.extremes[side][1], rows)
+        assert bool(((values.double() - exact.gather(1, rows).double()).abs() <= 2 * bound.gather(1, rows)).all())
+        assert set(rows.flatten().tolist()) <= set(norms.topk(90).indices.tolist())
+    assert torch.equal(results[0].member, results[1].member) and int(results[0].member.sum()) == 90
