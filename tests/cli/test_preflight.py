@@ -80,6 +80,9 @@ def test_self_influence_command(ws, store, runner, tmp_path):
     raw = gradtrace.Attributor("grad_dot", train).self_scores()
     counts = torch.tensor([r["num_targets"] for r in rows], dtype=torch.float32)
     by_id = dict(zip(train.ids, raw.tolist()))
+    # the same raw self-scores divided by an exact integer square on each side: one float32 rounding each, so the
+    # two agree to 2 eps (2.4e-7) relative on any CPU, thread count or BLAS; 1e-6 leaves room for a last-bit
+    # difference in the raw sums should their blocks be summed in another order
     torch.testing.assert_close(torch.tensor([r["self_influence"] for r in rows]),
                                torch.tensor([by_id[r["id"]] for r in rows]) / counts**2, rtol=1e-6, atol=0)
     text = flat(result.output)

@@ -28,6 +28,7 @@ def test_length_normalized_self_scores_equal_brute_force(tmp_path, to_store):
     attr = gradtrace.Attributor("grad_dot", train)
     # |g / n|^2 = |g|^2 / n^2: two float32 summation orders of a few thousand terms, relative error well under 1e-4
     torch.testing.assert_close(attr.self_scores(normalize="length"), mean_grads.pow(2).sum(1), rtol=1e-4, atol=0)
+    # the same raw sums divided by an exact integer square: one float32 rounding on each side (<= 2 eps = 2.4e-7)
     torch.testing.assert_close(attr.self_scores(normalize="length"),
                                attr.self_scores() / torch.tensor(targets, dtype=torch.float32) ** 2, rtol=1e-6, atol=0)
     # cosine is scale-free: 1 either way (a few sqrt(D) eps of float32 round-off)
