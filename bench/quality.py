@@ -34,6 +34,12 @@ fitted at its own weights; scores are combined with equal weights after dividing
 its mean absolute value (``gradtrace.Ensemble``'s default). The ground truth is the unchanged one (retraining
 from the task's recipe, seed 0). Each ensemble row is followed by its paired difference to the single model.
 
+Variant ``late_checkpoints`` (``--ensembles late_checkpoints``; not in the default kinds), added after the
+``checkpoints`` rows missed the issue's target on tinylm and fixed before any of its results: the same run's
+``MEMBERS`` checkpoints evenly spaced over its second half (``Task.checkpoints(6, after=0.5)``: digits_mlp after
+epochs 58, 67, 75, 83, 92, 100; tinylm 12, 13, 15, 17, 18, 20), everything else as ``checkpoints``. It tests the
+reading that the first checkpoints, far from the attributed model, dilute the equal-weight average.
+
     python bench/quality.py                       # every task, all methods (builds the cache the first time)
     python bench/quality.py --tasks digits --methods grad_dot,kfac,random --subsets 50
     python bench/quality.py --tasks digits_mlp,tinylm --methods grad_dot,logra,kfac,ekfac --ensembles checkpoints,seeds
@@ -95,7 +101,9 @@ class _EagerTask:
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
 ENSEMBLE_METHODS = ("grad_dot", "logra", "trak", "kfac", "ekfac")
-ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run", "seeds": f"{MEMBERS} models, seeds 0-5"}
+ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run",
+                   "late_checkpoints": f"{MEMBERS} checkpoints of the second half of one run",
+                   "seeds": f"{MEMBERS} models, seeds 0-5"}
 
 
 def _cpu() -> str:

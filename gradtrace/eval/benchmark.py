@@ -10,8 +10,9 @@ trained on all the data, with the task's per-example loss, and shared by all met
 (:class:`gradtrace.Ensemble`, each member's scores divided by their mean absolute value, equal weights) over
 ``C`` models: the task's training run saved at ``C`` evenly spaced epochs, the last being the task's model
 (:meth:`Task.checkpoints`), or ``C`` models trained on all the data with seeds ``seed, seed + 1, ...`` (the first
-being the task's model). Each member's gradients are collected and its method fitted at its own weights; the
-ground truth is unchanged.
+being the task's model); ``ensemble="late_checkpoints"`` takes the ``C`` checkpoints evenly spaced over the second
+half of the run instead (``Task.checkpoints(C, after=0.5)``). Each member's gradients are collected and its method
+fitted at its own weights; the ground truth is unchanged.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ RANDOM = "random"
 
 INHERIT = "inherit"
 
-ENSEMBLES = ("checkpoints", "seeds")
+ENSEMBLES = ("checkpoints", "late_checkpoints", "seeds")
 """The ensembles a :class:`MethodSpec` can ask for (see the module docstring)."""
 
 
@@ -167,6 +168,8 @@ def ensemble_models(task: Task, kind: str, count: int) -> list[torch.nn.Module]:
     """The ``count`` models of an ensemble of ``kind`` (:data:`ENSEMBLES`; see the module docstring)."""
     if kind == "checkpoints":
         return task.checkpoints(count)
+    if kind == "late_checkpoints":
+        return task.checkpoints(count, after=0.5)
     if kind == "seeds":
         everything = torch.arange(task.num_train)
         return [task.model] + [task.train(everything, task.settings.seed + s) for s in range(1, count)]

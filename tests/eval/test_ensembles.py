@@ -31,6 +31,26 @@ def test_checkpoints_follow_the_tasks_own_run_and_end_at_its_model():
         DigitsTask(num_train=30, num_queries=5, steps=2).checkpoints(2)
 
 
+def test_late_checkpoints_span_the_second_half_of_the_same_run():
+    task = DigitsMLPTask(num_train=60, num_queries=5, width=16, epochs=6, batch_size=16)
+    seen = []
+
+    def remember(epoch, model):
+        seen.append((epoch, _outputs(model, task).detach().clone()))
+
+    task.train(torch.arange(task.num_train), 0, on_epoch=remember)
+    late = ensemble_models(task, "late_checkpoints", 2)  # after epoch 3: epochs 3 + round(1.5) = 5 and 6
+    with torch.no_grad():
+        assert [torch.equal(_outputs(m, task), seen[4][1]) for m in late] == [True, False]
+        assert torch.equal(_outputs(late[1], task), seen[5][1])
+        assert torch.equal(_outputs(late[1], task), _outputs(task.model, task))
+    assert len(task.checkpoints(3, after=0.5)) == 3  # epochs 4, 5, 6
+    with pytest.raises(ValueError, match=r"count must be an integer in 1\.\.3 .*after epoch 3"):
+        task.checkpoints(4, after=0.5)
+    with pytest.raises(ValueError, match=r"after must be a fraction of the run in \[0, 1\)"):
+        task.checkpoints(2, after=1.0)
+
+
 def test_seed_ensembles_start_with_the_tasks_model():
     task = DigitsMLPTask(num_train=40, num_queries=5, width=8, epochs=2)
     models = ensemble_models(task, "seeds", 3)

@@ -129,16 +129,22 @@ class Task(abc.ABC):
             self._model = self.train(torch.arange(self.num_train), self.settings.seed)
         return self._model
 
-    def checkpoints(self, count: int) -> list[nn.Module]:
+    def checkpoints(self, count: int, after: float = 0.0) -> list[nn.Module]:
         """The training run of :attr:`model` (all the training examples, seed ``settings.seed``) saved at ``count``
         evenly spaced points of its schedule, the last at its end (``model``'s weights): after epochs
-        ``round(k * epochs / count)``, ``k = 1..count``. For tasks whose ``train`` takes ``on_epoch``."""
+        ``round(k * epochs / count)``, ``k = 1..count``; with ``after`` (a fraction of the run in [0, 1)), evenly
+        spaced over the rest of the run: after epochs ``start + round(k * (epochs - start) / count)``,
+        ``start = round(after * epochs)``. For tasks whose ``train`` takes ``on_epoch``."""
         epochs = getattr(self.settings, "epochs", None)
         if epochs is None:
             raise ValueError(f"task {self.name!r} has no epoch schedule to save checkpoints along")
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= epochs:
-            raise ValueError(f"count must be an integer in 1..{epochs} (the epochs of {self.name}), got {count!r}")
-        at = {round(k * epochs / count) for k in range(1, count + 1)}
+        if isinstance(after, bool) or not isinstance(after, (int, float)) or not 0.0 <= after < 1.0:
+            raise ValueError(f"after must be a fraction of the run in [0, 1), got {after!r}")
+        start = round(after * epochs)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= epochs - start:
+            raise ValueError(f"count must be an integer in 1..{epochs - start} (the epochs of {self.name} after "
+                             f"epoch {start}), got {count!r}")
+        at = {start + round(k * (epochs - start) / count) for k in range(1, count + 1)}
         saved: list[nn.Module] = []
 
         def keep(epoch: int, model: nn.Module) -> None:
