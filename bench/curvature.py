@@ -11,8 +11,14 @@ The whole-model methods (``arnoldi``, ``cg``, ``ggn_full``) run with their defau
 matrix from products with the model; ``arnoldi`` rank 128 with 256 iterations), the others with the empirical
 Fisher; ``trak``'s fit includes the forward pass for the 1 - p weights. ``--sizes`` picks (width, N) settings.
 
+``trackstar`` needs Adam's second moment: one Adam step per batch over the data is taken before collecting
+(not timed), and its ``fit`` reads that state. ``trackstar`` alone runs on exact gradients without
+preconditioning; ``trackstar+autocorrelation`` on LoGra rank 32 gradients with TrackStar's own ``R`` (the paper's
+setting); ``trackstar+ekfac`` on exact gradients with an EK-FAC fitted inside (empirical Fisher, as ``ekfac``).
+
     python bench/curvature.py
     python bench/curvature.py --methods arnoldi cg trak --sizes 64x1024,128x1024,256x256,256x1024
+    python bench/curvature.py --methods trackstar trackstar+autocorrelation trackstar+ekfac
 """
 
 from __future__ import annotations
@@ -42,18 +48,36 @@ def _setup(width: int, n: int, seed: int = 0):
     return model, data, queries
 
 
+def _adam(model: nn.Module, data) -> torch.optim.Adam:
+    """An Adam optimizer after one step per batch of ``data`` (its second moment is what trackstar reads)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for x, y in data:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return optimizer
+
+
 def _measure(method: str, width: int, n: int) -> tuple[float, float, int]:
     model, data, queries = _setup(width, n)
-    projection = gradtrace.LoGra(rank=32) if method in ("logra", "trak") else None
+    name, _, precondition = method.partition("+")
+    fit_options = {"optimizer": _adam(model, data)} if name == "trackstar" else {}
+    projected = name in ("logra", "trak") or precondition == "autocorrelation"
+    projection = gradtrace.LoGra(rank=32) if projected else None
     train = gradtrace.collect(model, data, classification_loss, projection=projection)
     q = gradtrace.collect(model, queries, classification_loss, projection=projection)
-    options = {} if method in (*WHOLE_MODEL, "trak") else {"fisher": "empirical"}
-    attr = gradtrace.Attributor(method, train, **options)
+    if name == "trackstar":
+        options = {"precondition": precondition or None}
+        if precondition not in ("", "autocorrelation"):
+            options["precondition_options"] = {"fisher": "empirical"}
+    else:
+        options = {} if name in (*WHOLE_MODEL, "trak") else {"fisher": "empirical"}
+    attr = gradtrace.Attributor(name, train, **options)
     start = time.perf_counter()
-    if method == "logra":
+    if name == "logra":
         attr.fit()
     else:
-        attr.fit(model, data, classification_loss)
+        attr.fit(model, data, classification_loss, **fit_options)
     fit = time.perf_counter() - start
     start = time.perf_counter()
     attr.score(q, topk=10)
@@ -69,13 +93,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} threads; MLP "
           "width->width->width->10, batch 64, 64 queries, fp32")
-    print(f"{'method':<7}{'width':>7}{'N':>7}{'dim':>10}{'fit s':>9}{'score s':>9}{'fit us/example':>16}")
+    print(f"{'method':<26}{'width':>7}{'N':>7}{'dim':>10}{'fit s':>9}{'score s':>9}{'fit us/example':>16}")
     for method in args.methods:
         sizes = ([tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",")] if args.sizes
                  else SIZES)
         for width, n in sizes:
             fit, score, dim = _measure(method, width, n)
-            print(f"{method:<7}{width:>7}{n:>7}{dim:>10,}{fit:>9.2f}{score:>9.2f}{fit / n * 1e6:>16.0f}", flush=True)
+            print(f"{method:<26}{width:>7}{n:>7}{dim:>10,}{fit:>9.2f}{score:>9.2f}{fit / n * 1e6:>16.0f}", flush=True)
 
 
 if __name__ == "__main__":

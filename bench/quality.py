@@ -18,7 +18,12 @@ and ``trak`` on LoGra-projected ones, ``--rank``), plus a ``random`` baseline; t
 trains the task's model once more with ``torch.optim.Adam`` / ``AdamW`` recorded, checks that the weights are
 bit-identical to the task's model (else the row is skipped with the reason) and fits with that optimizer's
 ``state_dict()``; it is scored on exact gradients (the normalisation is then TrackStar's exactly) and on LoGra
-rank ``--rank`` ones (the second moment mapped into the projection; the paper's setting is projected).
+rank ``--rank`` ones (the second moment mapped into the projection; the paper's setting is projected). Its
+preconditioned variants follow (``TRACKSTAR_PRECONDITIONED``, with the method's default damping, fixed before any
+of their results): ``precondition="autocorrelation"`` (TrackStar's own ``R``, the second moment of the normalised
+training gradients) on exact gradients -- refused by the method beyond 32,768 dimensions (tinylm), which the
+table's notes then say -- and on LoGra rank ``--rank`` ones (the paper's setting), and ``precondition="ekfac"``
+on exact gradients.
 On tinylm, ``arnoldi`` and ``cg`` (whose Gauss-Newton products need a forward-mode derivative, which the GPT-2's
 CPU scaled-dot-product attention lacks) run on ``TinyLMTask.eager_model()``: the trained weights in an
 eager-attention copy (training with eager attention would end at other weights than the ground truth's recipe).
@@ -39,6 +44,7 @@ Variant ``late_checkpoints`` (``--ensembles late_checkpoints``; not in the defau
 ``MEMBERS`` checkpoints evenly spaced over its second half (``Task.checkpoints(6, after=0.5)``: digits_mlp after
 epochs 58, 67, 75, 83, 92, 100; tinylm 12, 13, 15, 17, 18, 20), everything else as ``checkpoints``. It tests the
 reading that the first checkpoints, far from the attributed model, dilute the equal-weight average.
+``--members-alone`` also prints the LDS of each member's model alone (the members are trained once more).
 
     python bench/quality.py                       # every task, all methods (builds the cache the first time)
     python bench/quality.py --tasks digits --methods grad_dot,kfac,random --subsets 50
@@ -69,7 +75,7 @@ from gradtrace.eval import (
     get_task,
     unsupported,
 )
-from gradtrace.eval.benchmark import ENSEMBLES
+from gradtrace.eval.benchmark import ENSEMBLES, ensemble_models
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
 PROJECTED = {"logra", "trak"}  # methods that score LoGra-projected gradients
@@ -87,16 +93,20 @@ SKIP = {  # (task, method): why the harness does not run it there
 FORWARD_MODE = {"arnoldi", "cg"}
 
 
-class _EagerTask:
-    """``task`` with :attr:`model` replaced by its eager-attention copy (everything else is the task's)."""
+class _WithModel:
+    """``task`` with :attr:`model` replaced (everything else is the task's)."""
 
-    def __init__(self, task) -> None:
+    def __init__(self, task, model: torch.nn.Module) -> None:
         self._task = task
-        self.model = task.eager_model()
+        self.model = model
 
     def __getattr__(self, name: str):
         return getattr(self._task, name)
 
+
+# TrackStar's preconditioned variants, (precondition, on LoGra-projected gradients?), each a row after the plain
+# ones; added after the plain rows were published and fixed before any of their results (module docstring)
+TRACKSTAR_PRECONDITIONED = (("autocorrelation", False), ("autocorrelation", True), ("ekfac", False))
 
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
@@ -180,6 +190,12 @@ def _specs(task: str, names: list[str], rank: int, optimizer: tuple[dict | None,
         if name in ADAM:  # also on projected gradients, the paper's setting
             specs.append(MethodSpec(name, projection=gradtrace.LoGra(rank=rank), fit_options=fit_options,
                                     label=f"{name} (LoGra rank {rank}, second moment mapped into it)"))
+        if name == "trackstar":  # the preconditioned variants (TRACKSTAR_PRECONDITIONED)
+            for precondition, projected in TRACKSTAR_PRECONDITIONED:
+                where = f"LoGra rank {rank}, " if projected else ""
+                specs.append(MethodSpec(name, options={"precondition": precondition}, fit_options=fit_options,
+                                        projection=gradtrace.LoGra(rank=rank) if projected else None,
+                                        label=f"{name} ({where}precondition={precondition})"))
     return specs, notes
 
 
@@ -211,6 +227,25 @@ def _paired(rows: list[Row], pairs: list[tuple[str, str]]) -> list[str]:
     return lines
 
 
+def _members_alone(task, names: list[str], args: argparse.Namespace, truth: GroundTruth) -> list[str]:
+    """A markdown table per ensemble kind: the LDS of each member's model alone, for each ensemble method."""
+    lines = []
+    for kind in args.ensemble_kinds:
+        specs = [MethodSpec(spec.name, projection=spec.projection, label=single)
+                 for spec, single in _ensemble_specs(task.name, names, args.rank, [kind])]
+        if not specs:
+            continue
+        attributed = 1 if kind == "seeds" else MEMBERS
+        lines += [f"\neach member of the {ENSEMBLE_LABELS[kind]} alone (LDS ± SE; member {attributed} is the "
+                  "attributed model):\n",
+                  "| member | " + " | ".join(f"`{spec.title}`" for spec in specs) + " |",
+                  "|---|" + "---|" * len(specs)]
+        for k, model in enumerate(ensemble_models(task, kind, MEMBERS), start=1):
+            rows = evaluate(_WithModel(task, model), specs, truth, batch_size=args.batch_size)
+            lines.append(f"| {k} | " + " | ".join(f"{row.lds_mean:.3f} ± {row.lds_se:.3f}" for row in rows) + " |")
+    return lines
+
+
 def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int) -> dict:
     task = get_task(name)
     began = time.perf_counter()
@@ -238,7 +273,7 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
     # are trained and their gradients collected once), one at a time if that fails
     groups = [[spec] for spec in specs] + [[spec for spec, _ in ensembles if spec.ensemble == kind]
                                            for kind in args.ensemble_kinds]
-    eager = _EagerTask(task) if hasattr(task, "eager_model") else task
+    eager = _WithModel(task, task.eager_model()) if hasattr(task, "eager_model") else task
     for group in (g for g in groups if g):
         on = eager if all(spec.name in FORWARD_MODE for spec in group) else task
         try:
@@ -258,6 +293,9 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
     print(format_table(rows))
     for line in _paired(rows, [(spec.title, single) for spec, single in ensembles]):
         print(f"- {line}")
+    if args.members_alone:
+        for line in _members_alone(task, names, args, truth):
+            print(line)
     for kind in args.ensemble_kinds:
         done = [row for row in rows if row.method.endswith(ENSEMBLE_LABELS[kind]) and row.members_seconds]
         if done:
@@ -294,6 +332,8 @@ def main() -> None:
     parser.add_argument("--ensembles", default="checkpoints,seeds",
                         help=f"ensemble rows on {', '.join(ENSEMBLE_TASKS)} for {', '.join(ENSEMBLE_METHODS)}: "
                              f"comma-separated kinds of {ENSEMBLES}, or 'none'")
+    parser.add_argument("--members-alone", action="store_true",
+                        help="also the LDS of each ensemble member's model alone (its members trained again)")
     args = parser.parse_args()
     args.ensemble_kinds = [] if args.ensembles == "none" else [k for k in args.ensembles.split(",") if k]
     unknown = [k for k in args.ensemble_kinds if k not in ENSEMBLES]
