@@ -108,6 +108,7 @@ class Report:
     self_influence: SelfInfluence | None
     version: str
     notes: list[str] = field(default_factory=list)
+    harmful_kept: bool = True  # False: the scores kept the top-k only (an index search with bottom=False)
 
 
 # -- validation ----------------------------------------------------------------------------------------------
@@ -287,29 +288,34 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
         if kept is not None:
             check_finite(kept[0], f"the kept {name}-k scores", scores.query_ids, scores.train_ids, kept[1])
     try:
-        helpful, harmful = scores.topk(k, largest=True), scores.topk(k, largest=False)
+        helpful = scores.topk(k, largest=True)
+        harmful = scores.topk(k, largest=False) if scores.has_bottom else None  # None: an index's top-k only
     except ValueError as err:
         raise ReportError(f"{err} (or report fewer with k=/--k)") from None
     check_ids(scores.query_ids, queries, "query", query_source)
-    shown = [t for row in helpful.ids + harmful.ids for t in row]
+    shown = [t for row in helpful.ids + (harmful.ids if harmful is not None else []) for t in row]
     self_view = None
     if self_scores is not None:
         self_view = _self_influence(scores, self_scores, self_method or scores.method, texts, self_k, max_chars,
                                     text_source)
     check_ids(shown, texts, "training", text_source)
     views = _query_views(scores, helpful, harmful, texts, queries, max_chars, per_page)
+    sides = "top/bottom" if harmful is not None else "top"
     kept = ("full score matrix" if scores.matrix is not None else
-            f"top/bottom {scores.top[0].shape[1] if scores.top is not None else 0} per query only (no matrix): "
+            f"{sides} {scores.top[0].shape[1] if scores.top is not None else 0} per query only (no matrix): "
             "score distributions are not shown; score with the full matrix (gradtrace score --matrix yes) to see "
             "them")
+    if harmful is None:
+        kept += ("; the most harmful examples were not kept (scored through an index with --no-bottom / "
+                 "bottom=False)")
     return Report(title=title or f"GradTrace report: {scores.method}", header=_header(scores),
                   sign=SIGN_CONVENTION + "; negative = it hurts the query (a step on it raises the query's loss)",
                   units=_units(scores.method), num_queries=len(scores.query_ids), num_train=num_train, k=k,
-                  kept_note=kept, queries=views,
+                  kept_note=kept, queries=views, harmful_kept=harmful is not None,
                   pages=max(1, math.ceil(len(views) / per_page)), self_influence=self_view, version=__version__)
 
 
-def _query_views(scores: Any, helpful: Any, harmful: Any, texts: Mapping[str, str], queries: Mapping[str, str],
+def _query_views(scores: Any, helpful: Any, harmful: Any | None, texts: Mapping[str, str], queries: Mapping[str, str],
                  max_chars: int, per_page: int) -> list[QueryView]:
     """One :class:`QueryView` per query: its text, ranked rows, and (with the full matrix) its distribution."""
     tokens, modules = pair_attributions(scores.meta)
@@ -321,12 +327,14 @@ def _query_views(scores: Any, helpful: Any, harmful: Any, texts: Mapping[str, st
             matrix.std(dim=1).tolist()
     views = []
     for q, qid in enumerate(scores.query_ids):
-        top_values, low_values = helpful.values[q].tolist(), harmful.values[q].tolist()
+        top_values = helpful.values[q].tolist()
+        low_values = harmful.values[q].tolist() if harmful is not None else []
         scale = max(abs(v) for v in top_values + low_values)
         text, cut = _clip(queries[qid], max_chars)
         view = QueryView(q, qid, f"q{q}", text, cut, answers.get(qid), [], [], None, q // per_page + 1)
         view.helpful = _rows(qid, helpful.ids[q], top_values, scale, texts, max_chars, tokens, modules)
-        view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
+        if harmful is not None:
+            view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
         if matrix is not None:
             view.histogram = histogram_svg(counts[q], float(lows[q]), float(highs[q]), top_values, low_values)
             if len(scores.train_ids) > 1:  # how far the top example stands out

@@ -41,14 +41,15 @@ class PairRows:
 
 
 def pair_rows(scores: Scores, k: int | None = None) -> PairRows:
-    """The top and bottom ``k`` pairs of every query of ``scores`` (``k=None``: as many as were kept)."""
+    """The top and bottom ``k`` pairs of every query of ``scores`` (``k=None``: as many as were kept; the top
+    ``k`` alone when the scores kept no bottom-k)."""
     if k is None:
         if scores.top is None:
             raise ValueError("these scores kept no top-k: pass k (the number of pairs per query to decompose)")
         k = int(scores.top[0].shape[1])
-    top, bottom = scores.topk(k, largest=True), scores.topk(k, largest=False)
+    sides = [scores.topk(k, largest=True)] + ([scores.topk(k, largest=False)] if scores.has_bottom else [])
     num_q = len(scores.query_ids)
-    train = torch.cat([top.indices, bottom.indices], dim=1)  # [Q, 2k]
+    train = torch.cat([side.indices for side in sides], dim=1)  # [Q, 2k] (or [Q, k]: no bottom-k kept)
     queries = torch.arange(num_q).unsqueeze(1).expand_as(train)
     keys = torch.unique(queries.reshape(-1) * len(scores.train_ids) + train.reshape(-1))  # each pair once, sorted
     return PairRows(keys // len(scores.train_ids), keys % len(scores.train_ids))
@@ -272,8 +273,9 @@ def kept_scores(scores: Scores, pairs: PairRows) -> Tensor:
     """``[P]`` the pairs' scores as kept in ``scores`` (the matrix, else the top/bottom-k they came from)."""
     if scores.matrix is not None:
         return scores.matrix[pairs.queries, pairs.train]
-    values = torch.cat([scores.top[0], scores.bottom[0]], dim=1)[pairs.queries]  # type: ignore[index]  # [P, 2k]
-    indices = torch.cat([scores.top[1], scores.bottom[1]], dim=1)[pairs.queries]  # type: ignore[index]
+    sides = [kept for kept in (scores.top, scores.bottom) if kept is not None]
+    values = torch.cat([side[0] for side in sides], dim=1)[pairs.queries]  # [P, 2k] ([P, k]: top-k only)
+    indices = torch.cat([side[1] for side in sides], dim=1)[pairs.queries]
     first = (indices == pairs.train.unsqueeze(1)).to(torch.int8).argmax(1, keepdim=True)  # pairs come from them
     return values.gather(1, first).squeeze(1)
 

@@ -114,6 +114,12 @@ class Scores:
     def shape(self) -> tuple[int, int]:
         return (len(self.query_ids), len(self.train_ids))
 
+    @property
+    def has_bottom(self) -> bool:
+        """Whether the most harmful examples can be read: the matrix or a bottom-k was kept (an index search
+        with ``bottom=False`` keeps the top-k only)."""
+        return self.matrix is not None or self.bottom is not None
+
     def topk(self, k: int = 10, largest: bool = True) -> TopK:
         """The ``k`` most helpful (``largest=True``) or most harmful training examples of each query."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
@@ -123,6 +129,9 @@ class Scores:
             values, indices = torch.topk(self.matrix, k, dim=1, largest=largest)
         else:
             kept = self.top if largest else self.bottom
+            if kept is None and not largest and self.top is not None:
+                raise ValueError("the lowest scores were not kept (scored with bottom=False, gradtrace score "
+                                 "--no-bottom): score again without it, or with the full matrix")
             if kept is None or kept[0].shape[1] < k:
                 have = 0 if kept is None else kept[0].shape[1]
                 raise ValueError(f"only the top {have} {'highest' if largest else 'lowest'} scores were kept; "

@@ -51,6 +51,31 @@ def test_score_through_index_equals_exact_topk(ws, runner, store, scores_dir, fl
         relative_path(flat_index, fresh / "sc")
 
 
+def test_no_bottom_keeps_the_top_k_only(ws, runner, store, scores_dir, flat_index, fresh):
+    """--no-bottom: the exact top-k with its values and no bottom-k; --modules splits the top pairs alone; topk
+    --bottom and the report say the bottom-k was not kept; without --index it is refused."""
+    result = invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", flat_index, "--rerank", 5,
+                    "--topk", 5, "--no-bottom", "--modules", "--out", fresh / "sc", "--no-progress")
+    assert "no matrix, top 5" in flat(result.stdout)
+    got, exact = gradtrace.Scores.load(fresh / "sc"), gradtrace.Scores.load(scores_dir)
+    assert got.bottom is None and not got.has_bottom and got.topk(5).ids == exact.topk(5).ids
+    scale = float(exact.matrix.abs().max())
+    torch.testing.assert_close(got.top[0], exact.matrix.gather(1, got.top[1]), rtol=1e-5, atol=1e-5 * scale)
+    assert {(r["query_id"], r["train_id"]) for r in got.meta["modules"]} == \
+        {(q, t) for q, row in zip(got.query_ids, got.topk(5).ids) for t in row}
+    with pytest.raises(ValueError, match=r"lowest scores were not kept .*--no-bottom"):
+        got.topk(5, largest=False)
+    line = error_line(invoke(runner, "topk", fresh / "sc", "--bottom", code=2))
+    assert "lowest scores were not kept" in line
+    invoke(runner, "report", fresh / "sc", "--out", fresh / "r.html", "--k", 3)
+    text = " ".join((fresh / "r.html").read_text(encoding="utf-8").split())
+    assert "top 3 helpful per query" in text and "the most harmful examples were not kept" in text
+    assert text.count("Not kept: these scores hold the top-k only") == len(got.query_ids)
+    line = error_line(invoke(runner, "score", store, ws.queries, "--model", ws.model, "--no-bottom", "--out",
+                             fresh / "sc2", "--no-progress", code=2))
+    assert "--no-bottom applies to the shortlist of --index" in line and not (fresh / "sc2" / "scores.json").exists()
+
+
 def test_ivfpq_index_from_the_cli(ws, runner, store, scores_dir, fresh):
     dim = gradtrace.GradientStore.open(store).dim
     m = next(d for d in (4, 3, 2, 1) if dim % d == 0)
@@ -101,7 +126,7 @@ def test_index_option_errors(ws, runner, store, flat_index, fresh):
         return error_line(invoke(runner, "score", store, ws.queries, "--model", ws.model, "--out", fresh / "sc",
                                  "--no-progress", *args, code=2))
 
-    assert "--rerank sets the shortlist of --index" in error("--rerank", 10)
+    assert "--rerank applies to the shortlist of --index" in error("--rerank", 10)
     assert "--rerank 3 is smaller than --topk 5" in error("--index", flat_index, "--rerank", 3, "--topk", 5)
     assert "needs an index built with --normalize" in error("--index", flat_index, "--method", "grad_cos")
     assert "not the full matrix" in error("--index", flat_index, "--matrix", "yes")
@@ -160,7 +185,7 @@ def test_norm_rows_and_add_norms_errors(ws, runner, store, flat_index, fresh):
         return error_line(invoke(runner, "score", store, ws.queries, "--model", ws.model, "--out", fresh / "sc",
                                  "--no-progress", *args, code=2))
 
-    assert "--norm-rows sets the shortlist of --index" in error("--norm-rows", 3)
+    assert "--norm-rows applies to the shortlist of --index" in error("--norm-rows", 3)
     normalized = fresh / "norm"
     invoke(runner, "index", store, "--out", normalized, "--kind", "flat", "--normalize", "--no-progress")
     assert "every row has norm 1" in error("--index", normalized, "--method", "grad_cos", "--norm-rows", 3)
