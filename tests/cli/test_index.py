@@ -71,6 +71,7 @@ def test_no_bottom_keeps_the_top_k_only(ws, runner, store, scores_dir, flat_inde
     text = " ".join((fresh / "r.html").read_text(encoding="utf-8").split())
     assert "top 3 helpful per query" in text and "the most harmful examples were not kept" in text
     assert text.count("Not kept: these scores hold the top-k only") == len(got.query_ids)
+    assert text.count("only the top scores were kept") == len(got.query_ids)
     line = error_line(invoke(runner, "score", store, ws.queries, "--model", ws.model, "--no-bottom", "--out",
                              fresh / "sc2", "--no-progress", code=2))
     assert "--no-bottom applies to the shortlist of --index" in line and not (fresh / "sc2" / "scores.json").exists()
