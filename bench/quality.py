@@ -29,8 +29,9 @@ CPU scaled-dot-product attention lacks) run on ``TinyLMTask.eager_model()``: the
 eager-attention copy (training with eager attention would end at other weights than the ground truth's recipe).
 Prints one markdown table per task (LDS mean ± standard error over queries, and fit + score seconds).
 
-Ensembles (``--ensembles``, on ``digits_mlp`` and ``tinylm``, for ``grad_dot``, ``logra``, ``trak``, ``kfac`` and
-``ekfac``; ``trak`` added after the others' rows were published, with the same members and normalisation):
+Ensembles (``--ensembles``, on ``digits_mlp`` and ``tinylm``, for ``grad_dot``, ``logra``, ``trak``, ``kfac``,
+``ekfac`` and ``trackstar``; ``trak`` and then ``trackstar`` added after the others' rows were published, with the
+same members and normalisation):
 the same method as an ensemble of ``MEMBERS = 6`` models -- ``checkpoints``: the task's own training run (all the
 data, seed 0) saved after epochs ``round(k * epochs / 6)``, k = 1..6 (digits_mlp 17, 33, 50, 67, 83, 100;
 tinylm 3, 7, 10, 13, 17, 20), the last being the attributed model; ``seeds``: 6 models trained on all the data
@@ -38,6 +39,9 @@ with seeds 0..5, the first being the attributed model. Each member's gradients a
 fitted at its own weights; scores are combined with equal weights after dividing each member's score matrix by
 its mean absolute value (``gradtrace.Ensemble``'s default). The ground truth is the unchanged one (retraining
 from the task's recipe, seed 0). Each ensemble row is followed by its paired difference to the single model.
+``trackstar``'s members each take the Adam state of their own training at their weights (``member_options``),
+from a replay of the members' training with the optimizer recorded, checked bit-identical to the members (else
+the rows are skipped with the reason); exact gradients, no preconditioning, as its single-model row.
 
 Variant ``late_checkpoints`` (``--ensembles late_checkpoints``; not in the default kinds), added after the
 ``checkpoints`` rows missed the issue's target on tinylm and fixed before any of its results: the same run's
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import platform
@@ -110,7 +115,7 @@ TRACKSTAR_PRECONDITIONED = (("autocorrelation", False), ("autocorrelation", True
 
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
-ENSEMBLE_METHODS = ("grad_dot", "logra", "trak", "kfac", "ekfac")
+ENSEMBLE_METHODS = ("grad_dot", "logra", "trak", "kfac", "ekfac", "trackstar")
 ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run",
                    "late_checkpoints": f"{MEMBERS} checkpoints of the second half of one run",
                    "seeds": f"{MEMBERS} models, seeds 0-5"}
@@ -173,6 +178,41 @@ def adam_state(task) -> tuple[dict | None, str]:
     return made[0].state_dict(), ""
 
 
+def member_adam_states(task, kind: str, count: int) -> tuple[list[dict] | None, str]:
+    """``(states, "")``: per member of the ensemble ``kind``, the ``state_dict`` of the Adam optimizer that trained
+    it, at its weights, from a replay of the members' training checked bit-identical to the members;
+    ``(None, why)`` when it cannot be had."""
+    everything, states, replayed = torch.arange(task.num_train), [], []
+    if kind in ("checkpoints", "late_checkpoints"):
+        at = set(task.checkpoint_epochs(count, after=0.5 if kind == "late_checkpoints" else 0.0))
+        with _recording_adam() as made:
+            def keep(epoch: int, model: torch.nn.Module) -> None:
+                if epoch in at:
+                    replayed.append({k: v.clone() for k, v in model.state_dict().items()})
+                    states.append(copy.deepcopy(made[-1].state_dict()))
+
+            task.train(everything, task.settings.seed, on_epoch=keep)
+        built = [len(made)]
+    else:
+        built = []
+        for offset in range(count):
+            with _recording_adam() as made:
+                replayed.append(task.train(everything, task.settings.seed + offset).state_dict())
+            states.append(made[-1].state_dict() if made else None)
+            built.append(len(made))
+    wrong = [n for n in built if n != 1]
+    if wrong:
+        return None, f"a member's training built {wrong[0]} Adam optimizers (one expected)"
+    members = ensemble_models(task, kind, count)
+    if len(replayed) != len(members):
+        return None, f"the replay saved {len(replayed)} members, the ensemble has {len(members)}"
+    for c, (replay, member) in enumerate(zip(replayed, members)):
+        kept = member.state_dict()
+        if replay.keys() != kept.keys() or not all(torch.equal(replay[k], kept[k]) for k in kept):
+            return None, f"a replay of member {c}'s training did not reproduce its weights bit for bit"
+    return states, ""
+
+
 def _specs(task: str, names: list[str], rank: int, optimizer: tuple[dict | None, str] | None = None
            ) -> tuple[list[MethodSpec], list[str]]:
     specs, notes = [], []
@@ -199,18 +239,29 @@ def _specs(task: str, names: list[str], rank: int, optimizer: tuple[dict | None,
     return specs, notes
 
 
-def _ensemble_specs(task: str, names: list[str], rank: int, kinds: list[str]) -> list[tuple[MethodSpec, str]]:
-    """The ensemble rows of ``task``: ``(spec, title of the single-model row it is compared with)``."""
-    if task not in ENSEMBLE_TASKS:
+def _ensemble_specs(task, names: list[str], rank: int, kinds: list[str], notes: list[str] | None = None
+                    ) -> list[tuple[MethodSpec, str]]:
+    """The ensemble rows of ``task``: ``(spec, title of the single-model row it is compared with)``; the Adam
+    methods' members carry their own optimizer states (a kind without them is skipped, the reason in ``notes``)."""
+    if task.name not in ENSEMBLE_TASKS:
         return []
     out = []
     for kind in kinds:
+        states: tuple[list[dict] | None, str] | None = None
         for name in (n for n in names if n in ENSEMBLE_METHODS):
-            single, _ = _specs(task, [name], rank)
+            single, _ = _specs(task.name, [name], rank)
+            member_options = None
+            if name in ADAM:
+                states = states or member_adam_states(task, kind, MEMBERS)
+                if states[0] is None:
+                    if notes is not None:
+                        notes.append(f"`{name}`, ensemble of {ENSEMBLE_LABELS[kind]} skipped: {states[1]}")
+                    continue
+                member_options = [{"optimizer": state} for state in states[0]]
             projection = single[0].projection
             label = f"{single[0].title}, ensemble of {ENSEMBLE_LABELS[kind]}"
-            out.append((MethodSpec(name, projection=projection, label=label, ensemble=kind, members=MEMBERS),
-                        single[0].title))
+            out.append((MethodSpec(name, projection=projection, label=label, ensemble=kind, members=MEMBERS,
+                                   member_options=member_options), single[0].title))
     return out
 
 
@@ -231,16 +282,18 @@ def _members_alone(task, names: list[str], args: argparse.Namespace, truth: Grou
     """A markdown table per ensemble kind: the LDS of each member's model alone, for each ensemble method."""
     lines = []
     for kind in args.ensemble_kinds:
-        specs = [MethodSpec(spec.name, projection=spec.projection, label=single)
-                 for spec, single in _ensemble_specs(task.name, names, args.rank, [kind])]
-        if not specs:
+        ensembles = _ensemble_specs(task, names, args.rank, [kind])
+        if not ensembles:
             continue
         attributed = 1 if kind == "seeds" else MEMBERS
         lines += [f"\neach member of the {ENSEMBLE_LABELS[kind]} alone (LDS ± SE; member {attributed} is the "
                   "attributed model):\n",
-                  "| member | " + " | ".join(f"`{spec.title}`" for spec in specs) + " |",
-                  "|---|" + "---|" * len(specs)]
+                  "| member | " + " | ".join(f"`{single}`" for _, single in ensembles) + " |",
+                  "|---|" + "---|" * len(ensembles)]
         for k, model in enumerate(ensemble_models(task, kind, MEMBERS), start=1):
+            specs = [MethodSpec(spec.name, projection=spec.projection, label=single,
+                                fit_options=spec.member_options[k - 1] if spec.member_options else {})
+                     for spec, single in ensembles]
             rows = evaluate(_WithModel(task, model), specs, truth, batch_size=args.batch_size)
             lines.append(f"| {k} | " + " | ".join(f"{row.lds_mean:.3f} ± {row.lds_se:.3f}" for row in rows) + " |")
     return lines
@@ -267,7 +320,7 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
           f"{cache}); first training on all the data: {model_seconds:.1f} s")
     optimizer = adam_state(task) if ADAM & set(names) else None
     specs, notes = _specs(name, names, args.rank, optimizer)
-    ensembles = _ensemble_specs(name, names, args.rank, args.ensemble_kinds)
+    ensembles = _ensemble_specs(task, names, args.rank, args.ensemble_kinds, notes)
     rows: list[Row] = []
     # one method at a time (one failing method hides no other); an ensemble kind's methods together (its members
     # are trained and their gradients collected once), one at a time if that fails

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .collect import check_finite_parameters, check_resumable, collect
-from .common.checkpoints import load_into, read_state_dict, restored_weights
+from .common.checkpoints import checkpoint_path, load_into, read_state_dict, restored_weights
 from .common.errors import UsageError
 from .common.model_dir import load_causal_lm
 from .gradients import GradientSet
@@ -56,10 +56,9 @@ class Checkpoint:
 
 def _path_of(item: Any) -> Path:
     """The path of a checkpoint given as a path or as an entry of ``gradtrace.integrations.checkpoints``."""
-    if isinstance(item, Mapping) and isinstance(item.get("path"), (str, os.PathLike)):
-        return Path(item["path"])
-    if isinstance(item, (str, os.PathLike)):
-        return Path(item)
+    path = checkpoint_path(item)
+    if path is not None:
+        return path
     raise UsageError(f"{WHAT}: a checkpoint is a model directory, a state-dict file or an entry of "
                      f"gradtrace.integrations.checkpoints(store) (a dict with a 'path'), got {type(item).__name__}")
 

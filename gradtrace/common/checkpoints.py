@@ -1,13 +1,18 @@
 """Checkpoints as state dicts: reading one safely, loading it into a model with clear errors, and restoring the
 model's own weights afterwards.
 
-Shared by :meth:`gradtrace.Ensemble.fit` (``checkpoints=``) and :func:`gradtrace.collect_checkpoints`. Files are
-read tensors-only (``.safetensors``, or ``torch.load(weights_only=True)``): no pickled code runs.
+Shared by :meth:`gradtrace.Ensemble.fit` (``checkpoints=``) and :func:`gradtrace.collect_checkpoints`. A checkpoint
+is a state dict, a module, a weights file, a checkpoint directory (a Hugging Face ``save_pretrained`` / Trainer
+``checkpoint-N`` directory: its ``model.safetensors``, sharded ``model.safetensors.index.json`` or
+``pytorch_model.bin``) or an entry of :func:`gradtrace.integrations.checkpoints` (its ``path``). Files are read
+tensors-only (``.safetensors``, or ``torch.load(weights_only=True)``): no pickled code runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -17,24 +22,67 @@ from torch import Tensor, nn
 
 from .errors import UsageError
 
-__all__ = ["load_into", "read_state_dict", "restored_weights"]
+__all__ = ["WEIGHT_FILES", "checkpoint_path", "load_into", "read_state_dict", "restored_weights"]
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+"""The weights of a checkpoint directory, in the order they are looked for (``save_pretrained``'s names)."""
+
+
+def checkpoint_path(checkpoint: Any) -> Path | None:
+    """The path of a checkpoint given as a path or as an entry of :func:`gradtrace.integrations.checkpoints` (a
+    dict whose ``path`` is a string, where a state dict maps names to tensors); None for a state dict or module."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        return Path(checkpoint)
+    if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get("path"), (str, os.PathLike)):
+        return Path(checkpoint["path"])
+    return None
 
 
 def read_state_dict(checkpoint: Any) -> Mapping[str, Tensor]:
-    """A checkpoint as a state dict: given as one (or a module's), or read from a ``.safetensors`` file or a
-    ``torch.save``-d state dict (``weights_only=True``: no pickled code runs)."""
-    if isinstance(checkpoint, Mapping):
-        return checkpoint
-    if isinstance(checkpoint, nn.Module):
-        return checkpoint.state_dict()
-    path = Path(checkpoint)
+    """A checkpoint as a state dict: given as one (or a module's), or read from a ``.safetensors`` file, a
+    ``torch.save``-d state dict (``weights_only=True``: no pickled code runs) or a checkpoint directory
+    (:data:`WEIGHT_FILES`)."""
+    path = checkpoint_path(checkpoint)
+    if path is None:
+        if isinstance(checkpoint, nn.Module):
+            return checkpoint.state_dict()
+        if isinstance(checkpoint, Mapping):
+            return checkpoint
+        raise UsageError(f"a checkpoint is a state dict, a weights file, a checkpoint directory or an entry of "
+                         f"gradtrace.integrations.checkpoints(store), got {type(checkpoint).__name__}")
     if not path.exists():
         raise UsageError(f"checkpoint {path} does not exist")
+    if path.is_dir():
+        return _read_directory(path)
+    return _read_file(path)
+
+
+def _read_file(path: Path) -> Mapping[str, Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _read_directory(path: Path) -> Mapping[str, Tensor]:
+    """The weights of a ``save_pretrained`` / Trainer checkpoint directory: one file, or the shards its
+    ``model.safetensors.index.json`` lists."""
+    name = next((n for n in WEIGHT_FILES if (path / n).is_file()), None)
+    if name is None:
+        raise UsageError(f"checkpoint directory {path} holds no model weights (none of {', '.join(WEIGHT_FILES)}); "
+                         "give the directory save_pretrained() or the Trainer wrote, or a weights file")
+    if not name.endswith(".index.json"):
+        return _read_file(path / name)
+    shards = sorted(set(json.loads((path / name).read_text()).get("weight_map", {}).values()))
+    missing = [s for s in shards if not (path / s).is_file()]
+    if not shards or missing:
+        raise UsageError(f"checkpoint directory {path}: {name} lists "
+                         f"{'no shards' if not shards else f'shard {missing[0]}, which is missing'}")
+    state: dict[str, Tensor] = {}
+    for shard in shards:
+        state.update(_read_file(path / shard))
+    return state
 
 
 def _tied_aliases(model: nn.Module) -> dict[str, set[str]]:

@@ -55,7 +55,8 @@ class MethodSpec:
     scoring; None = when the method defines ``fit``. projection: the gradients this method scores
     (``gradtrace.LoGra(...)``, or None for exact ones); default: the projection given to :func:`evaluate`.
     label: the row's name (default: the name, with options). ensemble: None (the task's model), or one of
-    :data:`ENSEMBLES` over ``members`` models (see the module docstring).
+    :data:`ENSEMBLES` over ``members`` models (see the module docstring). member_options: for an ensemble, one dict
+    of fit options per member (:meth:`gradtrace.Ensemble.fit`'s ``member_options``, e.g. each member's Adam state).
     """
 
     name: str
@@ -66,6 +67,7 @@ class MethodSpec:
     label: str | None = None
     ensemble: str | None = None
     members: int = 6
+    member_options: list[dict[str, Any]] | None = None
 
     @classmethod
     def parse(cls, item: str | tuple[str, dict[str, Any]] | MethodSpec) -> MethodSpec:
@@ -211,7 +213,7 @@ def _score_ensemble(spec: MethodSpec, task: Task, models: list[torch.nn.Module],
     fit = getattr(ensemble.method, "fit", None)
     if spec.fit if spec.fit is not None else callable(fit):
         ensemble.fit(None, task.train_batches(batch_size), task.loss_fn, models=models,
-                     **_fit_kwargs(fit, projection, spec.fit_options))
+                     member_options=spec.member_options, **_fit_kwargs(fit, projection, spec.fit_options))
     return ensemble.score(queries, topk=None, matrix=True).matrix
 
 

@@ -68,12 +68,16 @@ class Method:
         needs: stages required before scoring, e.g. ``("curvature",)``; each one's absence is
             reported by :meth:`check_ready` with the call that provides it.
         multi_checkpoint: the method combines gradients taken at several checkpoints.
+        per_member_options: options of :meth:`fit` that hold state of one model's weights (trackstar's
+            ``optimizer``), each also accepting a checkpoint directory: in an ensemble every member needs its
+            own (:meth:`gradtrace.Ensemble.fit` refuses one shared by several members).
         description: one line for ``--help`` and reports.
     """
 
     name: ClassVar[str] = ""
     needs: ClassVar[tuple[str, ...]] = ()
     multi_checkpoint: ClassVar[bool] = False
+    per_member_options: ClassVar[tuple[str, ...]] = ()
     description: ClassVar[str] = ""
 
     def __init__(self, **options: Any) -> None:

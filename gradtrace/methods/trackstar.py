@@ -118,6 +118,7 @@ class TrackStar(Method):
 
     name = "trackstar"
     needs = ("second_moment",)
+    per_member_options = ("optimizer",)  # the Adam state at one model's weights
     description = "TrackStar: Adam second-moment normalisation, optional curvature, unit-normalised (cosine)"
 
     def __init__(self, eps: float | None = None, precondition: str | Method | None = None, damping: float = 0.1,

@@ -32,13 +32,13 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ..common.checkpoints import load_into, read_state_dict, restored_weights
+from ..common.checkpoints import checkpoint_path, load_into, read_state_dict, restored_weights
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet, as_source
 from ..methods import Method, get_method
@@ -251,7 +251,7 @@ class Ensemble:
 
     def fit(self, model: nn.Module | None = None, data: Any = None, loss_fn: Any = None, *,
             models: Sequence[nn.Module] | None = None, checkpoints: Sequence[Any] | None = None,
-            **options: Any) -> Ensemble:
+            member_options: Sequence[Mapping[str, Any]] | None = None, **options: Any) -> Ensemble:
         """Fit every member's method at that member's weights (a no-op for methods that need nothing).
 
         Args:
@@ -259,8 +259,15 @@ class Ensemble:
                 afterwards); alone, refused for more than one member (its weights are one member's).
             data, loss_fn: the training data and per-example loss, shared by all members.
             models: one model per member (independently trained models, or checkpoints already loaded).
-            checkpoints: one checkpoint per member: a state dict or a path (``.safetensors``, or a
-                ``torch.save``-d state dict, loaded with ``weights_only=True``).
+            checkpoints: one checkpoint per member: a state dict, a weights file (``.safetensors``, or a
+                ``torch.save``-d state dict, loaded with ``weights_only=True``), a checkpoint directory
+                (``save_pretrained`` / Trainer ``checkpoint-N``) or an entry of
+                :func:`gradtrace.integrations.checkpoints`.
+            member_options: one dict of fit options per member, for options that differ between members (e.g.
+                trackstar's ``optimizer=``: the Adam state at that member's weights); merged with ``options``
+                (an option given in both is refused). A method's :attr:`~gradtrace.methods.Method.per_member_options`
+                not given per member are taken from each checkpoint directory (a Trainer ``checkpoint-N`` holds
+                its ``optimizer.pt``); one value shared by several members is refused.
             **options: passed to every member's fit.
         """
         if models is not None and checkpoints is not None:
@@ -268,26 +275,57 @@ class Ensemble:
         if data is not None and iter(data) is data:
             data = list(data)  # every member reads it
         count = len(self.members)
+        each = self._member_options(options, member_options, checkpoints)
         if checkpoints is not None:
-            self._fit_checkpoints(model, checkpoints, data, loss_fn, options)
+            self._fit_checkpoints(model, checkpoints, data, loss_fn, options, each)
         elif models is not None:
             if model is not None:
                 raise EnsembleError("pass models=[...] (one per member) or model= with checkpoints=[...], not both")
             if len(models) != count:
                 raise EnsembleError(f"{len(models)} models for {count} members: pass one model per member, at the "
                                     "weights its gradients were collected at")
-            for member, member_model in zip(self.members, models):
-                member.fit(member_model, data, loss_fn, **options)
+            for member, member_model, own in zip(self.members, models, each):
+                member.fit(member_model, data, loss_fn, **options, **own)
         elif model is not None and count > 1:
             raise EnsembleError(f"one model for {count} members: fit each member at its own weights with "
                                 "models=[...] or checkpoints=[...]")
         else:
-            for member in self.members:
-                member.fit(model, data, loss_fn, **options)
+            for member, own in zip(self.members, each):
+                member.fit(model, data, loss_fn, **options, **own)
         return self
 
+    def _member_options(self, shared: dict[str, Any], given: Sequence[Mapping[str, Any]] | None,
+                        checkpoints: Sequence[Any] | None) -> list[dict[str, Any]]:
+        """Each member's own fit options: ``given`` (checked), completed by the method's per-member options read
+        from checkpoint directories; a per-member option shared by several members is refused."""
+        count, method = len(self.members), self.method
+        if given is None:
+            each: list[dict[str, Any]] = [{} for _ in range(count)]
+        elif isinstance(given, Mapping) or not all(isinstance(o, Mapping) for o in given):
+            raise EnsembleError("member_options is a list of dicts, one per member: member_options=[{...}, ...]")
+        elif len(given) != count:
+            raise EnsembleError(f"{len(given)} member_options for {count} members: pass one dict per member")
+        else:
+            each = [dict(o) for o in given]
+        both = sorted({k for o in each for k in o} & shared.keys())
+        if both:
+            raise EnsembleError(f"{both[0]}= is given for every member and in member_options: give it once")
+        for name in method.per_member_options:
+            if name in shared and count > 1:
+                raise EnsembleError(
+                    f"{method.name}: {name}= holds the state of one model's weights, so one value cannot serve "
+                    f"{count} members: give each member its own, member_options=[{{'{name}': ...}}, ...] in the "
+                    "members' order, or pass checkpoints=[...] as checkpoint directories holding it")
+            if name in shared or checkpoints is None:
+                continue
+            for own, checkpoint in zip(each, checkpoints):
+                path = checkpoint_path(checkpoint)
+                if name not in own and path is not None and path.is_dir():
+                    own[name] = path  # a Trainer checkpoint-N directory holds the state of its weights
+        return each
+
     def _fit_checkpoints(self, model: nn.Module | None, checkpoints: Sequence[Any], data: Any, loss_fn: Any,
-                         options: dict[str, Any]) -> None:
+                         options: dict[str, Any], each: list[dict[str, Any]]) -> None:
         """Load each checkpoint into ``model``, fit its member there, and restore the model's weights."""
         if model is None:
             raise EnsembleError("checkpoints=[...] are loaded into a model: pass fit(model, data, loss_fn, "
@@ -296,9 +334,9 @@ class Ensemble:
             raise EnsembleError(f"{len(checkpoints)} checkpoints for {len(self.members)} members: pass one "
                                 "checkpoint per member, in the order of the training gradients")
         with restored_weights(model):
-            for c, (member, checkpoint) in enumerate(zip(self.members, checkpoints)):
+            for c, (member, checkpoint, own) in enumerate(zip(self.members, checkpoints, each)):
                 load_into(model, read_state_dict(checkpoint), f"checkpoint {c}")
-                member.fit(model, data, loss_fn, **options)
+                member.fit(model, data, loss_fn, **options, **own)
 
     def score(self, queries: Sequence[Any], *, topk: int | None = 100, matrix: bool | str = "auto",
               progress: bool = False) -> Scores:

@@ -5,6 +5,7 @@ import torch
 
 from gradtrace.eval import DigitsMLPTask, DigitsTask, MethodSpec, TinyLMTask, build_lds_ground_truth, evaluate
 from gradtrace.eval.benchmark import ensemble_models
+from gradtrace.score.ensemble import EnsembleError
 
 
 def _outputs(model, task):
@@ -71,3 +72,35 @@ def test_evaluate_scores_ensembles_on_tinylm():
     assert all(row.lds.per_query.shape == (3,) and row.members_seconds > 0 for row in rows)
     with pytest.raises(ValueError, match="as an ensemble 'bagging'"):
         evaluate(task, [MethodSpec("kfac", ensemble="bagging")], truth)
+
+
+def _quality_harness():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "quality.py"
+    spec = importlib.util.spec_from_file_location("bench_quality", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["checkpoints", "late_checkpoints", "seeds"])
+def test_the_harness_gives_each_trackstar_member_its_own_adam_state(kind):
+    harness = _quality_harness()
+    task = DigitsMLPTask(num_train=40, num_queries=4, width=8, epochs=4, batch_size=16)  # 3 Adam steps per epoch
+    assert task.checkpoint_epochs(2) == [2, 4] and task.checkpoint_epochs(2, after=0.5) == [3, 4]
+    states, why = harness.member_adam_states(task, kind, 2)
+    assert why == "" and len(states) == 2
+    epochs = {"checkpoints": [2, 4], "late_checkpoints": [3, 4], "seeds": [4, 4]}[kind]
+    for state, epoch in zip(states, epochs):  # each state is the optimizer's after its member's last step
+        assert {int(s["step"]) for s in state["state"].values()} == {3 * epoch}
+    first = states[0]["state"][0]["exp_avg_sq"]
+    assert not torch.equal(first, states[1]["state"][0]["exp_avg_sq"])
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=6, config=task.config)
+    spec = MethodSpec("trackstar", ensemble=kind, members=2, member_options=[{"optimizer": s} for s in states])
+    (row,) = evaluate(task, [spec], truth, batch_size=16)
+    assert row.lds.per_query.shape == (4,) and bool(torch.isfinite(row.lds.per_query).all())
+    with pytest.raises(EnsembleError, match="optimizer= holds the state of one model's weights"):
+        evaluate(task, [MethodSpec("trackstar", ensemble=kind, members=2, fit_options={"optimizer": states[0]})],
+                 truth, batch_size=16)

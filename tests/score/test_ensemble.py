@@ -1,6 +1,8 @@
 """Ensembles over checkpoints / models: equal to the normalised weighted sum of the members' own scores, the same
 top-k, members matched by id, each member fitted at its own weights, and bad input refused with the fix named."""
 
+import copy
+import json
 import math
 import warnings
 
@@ -99,7 +101,8 @@ def _gemm_bound(single, train, query, order):
 
 CASES = [("grad_dot", None, None), ("grad_cos", None, None), ("kfac", None, None), ("ekfac", None, None),
          ("ggn", None, None), ("logra", gradtrace.LoGra(rank=2, seed=1), None),
-         ("trak", gradtrace.LoGra(rank=2, seed=1), None), ("kfac", None, {"damping": 0.01})]
+         ("trak", gradtrace.LoGra(rank=2, seed=1), None), ("kfac", None, {"damping": 0.01}),
+         ("arnoldi", None, {"rank": 20}), ("cg", None, None), ("ggn_full", None, None)]
 
 
 @pytest.mark.parametrize(("method", "projection", "options"), CASES,
@@ -214,3 +217,99 @@ def test_bad_input_is_refused_with_the_fix():
     zero = gradtrace.GradientSet(torch.zeros_like(trains[2].vectors), list(trains[2].ids), trains[2].spec)
     with pytest.raises(EnsembleError, match="member 2's scores are all zero"):
         gradtrace.Ensemble("grad_dot", [trains[0], trains[1], zero]).score(qsets)
+
+
+def _adam_run(count=3):
+    """Checkpoints of one Adam run (3 steps apart) with the optimizer's state at each: models, state dicts."""
+    batches, _ = _data()
+    x, y = torch.cat([b["inputs"] for b in batches]), torch.cat([b["labels"] for b in batches])
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05, betas=(0.8, 0.95))
+    models, states = [], []
+    for _ in range(count):
+        for _ in range(3):
+            optimizer.zero_grad()
+            classification_loss(model, {"inputs": x, "labels": y}).mean().backward()
+            optimizer.step()
+        models.append(copy.deepcopy(model))
+        states.append(copy.deepcopy(optimizer.state_dict()))
+    return models, states
+
+
+def test_trackstar_ensemble_takes_each_members_adam_state(tmp_path):
+    from safetensors.torch import save_file
+
+    models, states = _adam_run()
+    batches, queries = _data()
+    trains = [gradtrace.collect(m, _reversed(batches) if c == 1 else batches, classification_loss)
+              for c, m in enumerate(models)]
+    qsets = [gradtrace.collect(m, queries, classification_loss) for m in models]
+    singles = [gradtrace.Attributor("trackstar", t, block_rows=4).fit(m, optimizer=s)
+               for t, m, s in zip(trains, models, states)]
+    # each member's state differs: scoring member 2 with member 0's state gives other scores
+    assert not torch.allclose(gradtrace.Attributor("trackstar", trains[2]).fit(models[2], optimizer=states[0])
+                              .score(qsets[2], matrix=True).matrix, singles[2].score(qsets[2], matrix=True).matrix)
+    want, bound = _hand(singles, trains, qsets, [1, 1, 1])
+    ensemble = gradtrace.Ensemble("trackstar", trains, block_rows=4)
+    ensemble.fit(models=models, member_options=[{"optimizer": s} for s in states])
+    got = ensemble.score(qsets, topk=None, matrix=True).matrix.double()
+    assert bool(((got - want).abs() <= bound).all())
+    # Trainer checkpoint directories (model.safetensors + optimizer.pt; one as an integrations entry): each
+    # member reads its own directory's optimizer state, the same numbers bit for bit
+    dirs = []
+    for c, (model, state) in enumerate(zip(models, states)):
+        folder = tmp_path / f"checkpoint-{3 * (c + 1)}"
+        folder.mkdir()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+        torch.save(state, folder / "optimizer.pt")
+        dirs.append(folder)
+    target = Net()
+    from_dirs = gradtrace.Ensemble("trackstar", trains, block_rows=4).fit(
+        target, checkpoints=[dirs[0], {"path": str(dirs[1]), "step": 6}, str(dirs[2])])
+    torch.testing.assert_close(from_dirs.score(qsets, topk=None, matrix=True).matrix.double(), got, rtol=0, atol=0)
+    # one optimizer for several members is refused, with the fix
+    with pytest.raises(EnsembleError, match=r"trackstar: optimizer= holds the state of one model's weights, so one "
+                                            r"value cannot serve 3 members: .*member_options=\[\{'optimizer'"):
+        gradtrace.Ensemble("trackstar", trains).fit(models=models, optimizer=states[0])
+    with pytest.raises(EnsembleError, match="2 member_options for 3 members"):
+        gradtrace.Ensemble("trackstar", trains).fit(models=models,
+                                                    member_options=[{"optimizer": s} for s in states[:2]])
+    with pytest.raises(EnsembleError, match="a list of dicts, one per member"):
+        gradtrace.Ensemble("trackstar", trains).fit(models=models, member_options={"optimizer": states[0]})
+    with pytest.raises(EnsembleError, match="eps= is given for every member and in member_options"):
+        gradtrace.Ensemble("grad_dot", trains).fit(models=models, eps=1e-8, member_options=[{"eps": 1e-8}] * 3)
+    (dirs[1] / "optimizer.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"no optimizer state at .*checkpoint-6/optimizer\.pt"):
+        gradtrace.Ensemble("trackstar", trains).fit(target, checkpoints=dirs)
+
+
+def test_checkpoint_directories_and_their_bad_forms(tmp_path):
+    from safetensors.torch import save_file
+
+    from gradtrace.common.checkpoints import read_state_dict
+    from gradtrace.common.errors import UsageError
+
+    state = {k: v.clone() for k, v in Net().state_dict().items()}
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[:2], "model-00002-of-00002.safetensors": names[2:]}
+    for file, keys in halves.items():
+        save_file({k: state[k] for k in keys}, sharded / file)
+    index = {"weight_map": {k: file for file, keys in halves.items() for k in keys}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    got = read_state_dict(sharded)
+    assert sorted(got) == names and all(torch.equal(got[k], state[k]) for k in names)
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    torch.save(state, binary / "pytorch_model.bin")
+    assert all(torch.equal(read_state_dict({"path": str(binary)})[k], state[k]) for k in names)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UsageError, match=r"empty holds no model weights .*model\.safetensors"):
+        read_state_dict(tmp_path / "empty")
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(UsageError, match=r"lists shard model-00002-of-00002\.safetensors, which is missing"):
+        read_state_dict(sharded)
+    with pytest.raises(UsageError, match=r"a checkpoint is a state dict, .* got int"):
+        read_state_dict(3)

@@ -129,12 +129,10 @@ class Task(abc.ABC):
             self._model = self.train(torch.arange(self.num_train), self.settings.seed)
         return self._model
 
-    def checkpoints(self, count: int, after: float = 0.0) -> list[nn.Module]:
-        """The training run of :attr:`model` (all the training examples, seed ``settings.seed``) saved at ``count``
-        evenly spaced points of its schedule, the last at its end (``model``'s weights): after epochs
-        ``round(k * epochs / count)``, ``k = 1..count``; with ``after`` (a fraction of the run in [0, 1)), evenly
-        spaced over the rest of the run: after epochs ``start + round(k * (epochs - start) / count)``,
-        ``start = round(after * epochs)``. For tasks whose ``train`` takes ``on_epoch``."""
+    def checkpoint_epochs(self, count: int, after: float = 0.0) -> list[int]:
+        """The epochs :meth:`checkpoints` saves after, ascending: ``round(k * epochs / count)``, ``k = 1..count``;
+        with ``after`` (a fraction of the run in [0, 1)), ``start + round(k * (epochs - start) / count)``,
+        ``start = round(after * epochs)``."""
         epochs = getattr(self.settings, "epochs", None)
         if epochs is None:
             raise ValueError(f"task {self.name!r} has no epoch schedule to save checkpoints along")
@@ -144,7 +142,13 @@ class Task(abc.ABC):
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= epochs - start:
             raise ValueError(f"count must be an integer in 1..{epochs - start} (the epochs of {self.name} after "
                              f"epoch {start}), got {count!r}")
-        at = {start + round(k * (epochs - start) / count) for k in range(1, count + 1)}
+        return sorted({start + round(k * (epochs - start) / count) for k in range(1, count + 1)})
+
+    def checkpoints(self, count: int, after: float = 0.0) -> list[nn.Module]:
+        """The training run of :attr:`model` (all the training examples, seed ``settings.seed``) saved at ``count``
+        evenly spaced points of its schedule, the last at its end (``model``'s weights): after the epochs of
+        :meth:`checkpoint_epochs`. For tasks whose ``train`` takes ``on_epoch``."""
+        at = set(self.checkpoint_epochs(count, after))
         saved: list[nn.Module] = []
 
         def keep(epoch: int, model: nn.Module) -> None:
