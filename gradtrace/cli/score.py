@@ -35,7 +35,8 @@ __all__ = ["OPTIONS", "ScoreOptions", "run"]
 
 CLI_METHODS = ("grad_dot", "grad_cos", "tracin", "kfac", "ekfac", "ggn", "logra")
 """The methods the command line runs end to end (their stages: none, learning rates, or ``gradtrace fit``). The
-others (``less``, ``dvemb``, ``trak``, ``arnoldi``, ``cg``, ``ggn_full``) fit from a model and data in Python."""
+others (``less``, ``dvemb``, ``trak``, ``trackstar``, ``arnoldi``, ``cg``, ``ggn_full``) fit from a model and data
+in Python."""
 MethodName = Literal[tuple(m for m in CLI_METHODS if m in available_methods())]  # type: ignore[valid-type]
 EXPORT_SUFFIXES = (".csv", ".json", ".parquet")
 
@@ -48,8 +49,9 @@ def _method_help() -> str:
         except Exception:  # a method that needs options to be built: list its name only
             description = ""
         parts.append(f"{name} ({description})" if description else name)
-    return ("Attribution method: " + "; ".join(parts) + ". Others (less, dvemb, trak, arnoldi, cg, ggn_full) are "
-            "fitted from a model and data with the Python API (gradtrace.Attributor).")
+    others = ", ".join(m for m in available_methods() if m not in CLI_METHODS)
+    return (f"Attribution method: {'; '.join(parts)}. Others ({others}) are fitted from a model and data with the "
+            "Python API (gradtrace.Attributor).")
 
 
 @dataclass(kw_only=True)
