@@ -46,6 +46,9 @@ def read_state_dict(checkpoint: Any) -> Mapping[str, Tensor]:
     if path is None:
         if isinstance(checkpoint, nn.Module):
             return checkpoint.state_dict()
+        if isinstance(checkpoint, Mapping) and "path" in checkpoint and not isinstance(checkpoint["path"], Tensor):
+            raise UsageError(f"checkpoint entry {dict(checkpoint)!r} has no path to its weights; give entries of "
+                             "gradtrace.integrations.checkpoints(store) whose checkpoint was saved, or a path")
         if isinstance(checkpoint, Mapping):
             return checkpoint
         raise UsageError(f"a checkpoint is a state dict, a weights file, a checkpoint directory or an entry of "

@@ -313,3 +313,5 @@ def test_checkpoint_directories_and_their_bad_forms(tmp_path):
         read_state_dict(sharded)
     with pytest.raises(UsageError, match=r"a checkpoint is a state dict, .* got int"):
         read_state_dict(3)
+    with pytest.raises(UsageError, match=r"checkpoint entry \{'step': 5, 'path': None\} has no path"):
+        read_state_dict({"step": 5, "path": None})
