@@ -107,6 +107,11 @@ def _state_dict_params(model: nn.Module, state_dict: dict[str, Any],
         return {i: strip_wrappers(n) for i, n in zip(indices, param_names)}, "param_names"
     if all("param_names" in g for g in groups):  # optimizers built from model.named_parameters()
         return {i: strip_wrappers(n) for g in groups for i, n in zip(g["params"], g["param_names"])}, "names"
+    if len(groups) > 1:  # grouped (e.g. the Trainer's weight-decay groups): its order is not the model's
+        raise ValueError(f"the optimizer state has {len(groups)} parameter groups and records no parameter names, so "
+                         "its order need not be the model's: pass param_names= (the names of its parameters in its "
+                         "order; a GradtraceCallback store records them as config['trainer']"
+                         "['optimizer_parameters']) or the optimizer itself")
     named = list(_named_params(model).items())
     trainable = [(n, p) for n, p in named if p.requires_grad]
     for order, what in ((named, "all parameters"), (trainable, "trainable parameters")):

@@ -157,3 +157,29 @@ def test_trackstar_refuses_a_missing_adam_state(tmp_path):
     from_dir = gradtrace.Attributor("trackstar", train).fit(model, optimizer=tmp_path).score(query).matrix
     direct = gradtrace.Attributor("trackstar", train).fit(model, optimizer=optimizer).score(query).matrix
     torch.testing.assert_close(from_dir, direct, rtol=0, atol=1e-6)
+
+
+def test_a_grouped_optimizer_state_is_matched_by_names_never_by_position():
+    """A state dict of several parameter groups (the Trainer's weight-decay groups) lists parameters in group order,
+    not the model's: without recorded names it is refused, with param_names= it equals the optimizer itself."""
+    torch.manual_seed(5)
+    model = Net()
+    x, y = torch.randn(30, 5) * 2, torch.randint(0, 3, (30,))
+    weights = [model.fc2.weight, model.fc1.weight]  # another order than the model's, as weight decay groups make
+    biases = [model.fc2.bias, model.fc1.bias]
+    optimizer = torch.optim.Adam([{"params": weights, "weight_decay": 0.01}, {"params": biases, "weight_decay": 0.0}],
+                                 lr=0.05)
+    for _ in range(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    batches = [{"inputs": x[i:i + 8], "labels": y[i:i + 8]} for i in range(0, 30, 8)]
+    train = gradtrace.collect(model, batches, classification_loss)
+    query = gradtrace.collect(model, [{"inputs": x[:4], "labels": y[:4]}], classification_loss)
+    state = optimizer.state_dict()
+    with pytest.raises(ValueError, match=r"2 parameter groups and records no parameter names.*param_names="):
+        gradtrace.Attributor("trackstar", train).fit(model, optimizer=state)
+    names = ["fc2.weight", "fc1.weight", "fc2.bias", "fc1.bias"]
+    named = gradtrace.Attributor("trackstar", train).fit(model, optimizer=state, param_names=names)
+    direct = gradtrace.Attributor("trackstar", train).fit(model, optimizer=optimizer)
+    torch.testing.assert_close(named.score(query).matrix, direct.score(query).matrix, rtol=0, atol=0)
