@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,12 @@ def _read_file(path: Path) -> Mapping[str, Tensor]:
         from safetensors.torch import load_file
 
         return load_file(path)
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise UsageError(f"refusing to load {path}: it holds pickled Python objects besides tensors (they could run "
+                         "code when loaded) and gradtrace loads weights only; save a state dict of tensors, or "
+                         "safetensors") from None
 
 
 def _read_directory(path: Path) -> Mapping[str, Tensor]:

@@ -315,3 +315,6 @@ def test_checkpoint_directories_and_their_bad_forms(tmp_path):
         read_state_dict(3)
     with pytest.raises(UsageError, match=r"checkpoint entry \{'step': 5, 'path': None\} has no path"):
         read_state_dict({"step": 5, "path": None})
+    torch.save({"weights": state, "note": object.__new__(Net)}, binary / "pytorch_model.bin")  # not tensors only
+    with pytest.raises(UsageError, match=r"refusing to load .*pytorch_model\.bin: it holds pickled Python objects"):
+        read_state_dict(binary)
