@@ -12,7 +12,9 @@ state dict, read tensors-only and loaded into ``model=``, whose own weights are 
 of :func:`gradtrace.integrations.checkpoints` (its ``path``). Every store records the checkpoint it was collected
 at (``config["checkpoint"]``: path, kind, name, weights fingerprint) and, for a model directory,
 ``config["model"]``: the model ``gradtrace score`` then takes the query gradients with, so the stores make a
-command-line ensemble with no ``--model`` per store.
+command-line ensemble with no ``--model`` per store. An entry of a Trainer run also gives the names of the
+optimizer's parameters (``config["checkpoint"]["optimizer_parameters"]``), which map the checkpoint's
+``optimizer.pt`` to the model for ``trackstar``.
 """
 
 from __future__ import annotations
@@ -42,16 +44,21 @@ WHAT = "collect_checkpoints()"
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One checkpoint to collect at: its path, ``kind`` (``"model_dir"`` or ``"state_dict"``) and store name."""
+    """One checkpoint to collect at: its path, ``kind`` (``"model_dir"`` or ``"state_dict"``), store name, and the
+    names of its optimizer's parameters in their order when its entry carries them (a Trainer run's)."""
 
     path: Path
     kind: str
     name: str
+    optimizer_parameters: tuple[str, ...] | None = None
 
     def record(self, model: nn.Module) -> dict[str, Any]:
         """What a store collected here records of it (``config["checkpoint"]``)."""
-        return {"path": str(self.path.absolute()), "kind": self.kind, "name": self.name,
-                "weights": model_fingerprint(model)}
+        record = {"path": str(self.path.absolute()), "kind": self.kind, "name": self.name,
+                  "weights": model_fingerprint(model)}
+        if self.optimizer_parameters is not None:
+            record["optimizer_parameters"] = list(self.optimizer_parameters)
+        return record
 
 
 def _path_of(item: Any) -> Path:
@@ -103,7 +110,14 @@ def resolve_checkpoints(checkpoints: Sequence[Any], names: Sequence[str] | None 
         raise UsageError(f"{WHAT}: {not_models[0]} is a directory without config.json, not a Hugging Face model "
                          "directory; give the directory save_pretrained() wrote, or its state-dict file")
     chosen = checkpoint_names(paths, names)
-    return [Checkpoint(p, "model_dir" if p.is_dir() else "state_dict", n) for p, n in zip(paths, chosen)]
+    return [Checkpoint(p, "model_dir" if p.is_dir() else "state_dict", n, _parameter_names(item))
+            for p, n, item in zip(paths, chosen, checkpoints)]
+
+
+def _parameter_names(item: Any) -> tuple[str, ...] | None:
+    """The optimizer parameter names an entry of ``gradtrace.integrations.checkpoints`` carries (else None)."""
+    names = item.get("optimizer_parameters") if isinstance(item, Mapping) else None
+    return tuple(str(n) for n in names) if names else None
 
 
 def finished_store(target: Path, model: nn.Module, projection: Any, dtype: str) -> GradientStore | None:

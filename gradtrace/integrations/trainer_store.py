@@ -88,10 +88,14 @@ def checkpoints(store: Any) -> list[dict]:
     next update from the checkpoint's weights, ``mean_lr`` the mean rate of the ``updates`` optimizer steps
     since the previous checkpoint (LESS weights each checkpoint by it; TracIn by the rate of its interval).
     The store's ``config["trainer"]["optimizer_parameters"]`` names the optimizer's parameters in its order,
-    which maps a checkpoint's ``optimizer.pt`` to the model (``less_features(..., param_names=...)``).
+    which maps a checkpoint's ``optimizer.pt`` to the model (``less_features(..., param_names=...)``); each entry
+    carries it too (``"optimizer_parameters"``, when recorded), so that :func:`gradtrace.collect_checkpoints`
+    records it in each checkpoint's store, where ``trackstar`` finds it.
     """
     root, trainer = _trainer_config(store)
-    return [{**c, "path": str(resolve_path(c["path"], root))} if c.get("path") else dict(c)
+    names = trainer.get("optimizer_parameters")
+    named = {"optimizer_parameters": list(names)} if names else {}
+    return [{**c, **named, "path": str(resolve_path(c["path"], root))} if c.get("path") else {**c, **named}
             for c in trainer.get("checkpoints") or []]
 
 

@@ -42,11 +42,23 @@ from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, get_method, register_method
 from .less import AdamState, adam_states
 
-__all__ = ["TrackStar", "load_optimizer_state", "second_moment_denominator"]
+__all__ = ["TrackStar", "load_optimizer_state", "recorded_parameter_names", "second_moment_denominator"]
 
 RECORD_HINT = ("pass attr.fit(model, optimizer=...) with the torch.optim.Adam/AdamW optimizer at the attributed "
                "weights, its state_dict(), or a Trainer checkpoint directory holding optimizer.pt "
                "(gradtrace.integrations.checkpoints(store) lists those a GradtraceCallback run saved)")
+
+
+def recorded_parameter_names(manifest: dict[str, Any]) -> list[str] | None:
+    """The names of the optimizer's parameters in its order, as a store records them: a ``GradtraceCallback``
+    store in ``config["trainer"]``, a :func:`gradtrace.collect_checkpoints` store of a Trainer run's checkpoint in
+    ``config["checkpoint"]`` (None when neither does)."""
+    config = manifest.get("config") or {}
+    for key in ("trainer", "checkpoint"):
+        names = (config.get(key) or {}).get("optimizer_parameters")
+        if names:
+            return list(names)
+    return None
 
 
 def load_optimizer_state(optimizer: Any) -> Any:
@@ -138,7 +150,7 @@ class TrackStar(Method):
             optimizer: Any = None, param_names: Any = None, **options: Any) -> None:
         """Read Adam's second moment of the stored parameters from ``optimizer`` (an Adam/AdamW optimizer, its
         ``state_dict()`` or a checkpoint directory / ``optimizer.pt``; ``param_names``: the names of its parameters
-        in order, default the store's ``config["trainer"]["optimizer_parameters"]``), then fit the curvature of
+        in order, default the ones the store records, :func:`recorded_parameter_names`), then fit the curvature of
         ``precondition`` (``options`` go to that method's fit)."""
         if optimizer is None:
             raise MissingStage(f"trackstar needs Adam's second moment (exp_avg_sq): {RECORD_HINT}")
@@ -147,8 +159,7 @@ class TrackStar(Method):
                                "parameters to the stored ones")
         spec = attributor.spec
         if param_names is None:
-            manifest = getattr(attributor.train[0], "manifest", None) or {}
-            param_names = ((manifest.get("config") or {}).get("trainer") or {}).get("optimizer_parameters")
+            param_names = recorded_parameter_names(getattr(attributor.train[0], "manifest", None) or {})
         states = adam_states(model, load_optimizer_state(optimizer), [n for n, _ in spec.params],
                              param_names=param_names)
         eps = self.eps if self.eps is not None else next(iter(states.values())).eps

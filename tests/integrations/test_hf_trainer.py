@@ -174,6 +174,32 @@ def test_checkpoints_are_recorded_in_the_store(tmp_path):
                              projection=DenseProjection(8), param_names=names, layers=["transformer.h.0.mlp.*"])
     assert features.read(0, 4).shape == (4, 8)
 
+    # TrackStar over the saved checkpoints, an ensemble: each member reads its own checkpoint's optimizer.pt (the
+    # Trainer's weight-decay groups: matched to the model by the names each entry carries into its store)
+    assert all(c["optimizer_parameters"] == names for c in saved) and len(state["param_groups"]) == 2
+    layers = ["transformer.h.*.mlp.*"]
+    stores = gradtrace.collect_checkpoints(saved, [batch], out=tmp_path / "members", layers=layers)
+    assert all(s.manifest["config"]["checkpoint"]["optimizer_parameters"] == names for s in stores)
+    queries = gradtrace.collect_checkpoints(saved, [{**batch, "id": ["q0", "q1", "q2", "q3"]}], layers=layers)
+    ensemble = gradtrace.Ensemble("trackstar", stores).fit(GPT2LMHeadModel.from_pretrained(saved[0]["path"]),
+                                                           checkpoints=saved)
+    got = ensemble.score(queries, matrix=True).matrix.double()
+    want, bound = 0, 0
+    eps, dim = torch.finfo(torch.float32).eps, stores[0].spec.dim
+    for c, store, query in zip(saved, stores, queries):  # each member alone, its optimizer state given by hand
+        at = GPT2LMHeadModel.from_pretrained(c["path"])
+        single = gradtrace.Attributor("trackstar", store).fit(at, optimizer=torch.load(
+            f"{c['path']}/optimizer.pt", weights_only=True), param_names=names).score(query, matrix=True).matrix
+        factor = 1 / (3 * float(single.double().abs().mean()))
+        want = want + factor * single.double()
+        bound = bound + factor * (dim * eps + 3 * eps * single.double().abs())  # cosines of unit rows, then the sum
+    assert bool(((got - want).abs() <= 2 * bound).all())
+    # a store that does not record the names cannot map a grouped optimizer state: refused, not guessed
+    bare = gradtrace.collect_checkpoints([c["path"] for c in saved[:1]], [batch], out=tmp_path / "bare", layers=layers)
+    with pytest.raises(ValueError, match="2 parameter groups and records no parameter names"):
+        gradtrace.Attributor("trackstar", bare[0]).fit(GPT2LMHeadModel.from_pretrained(saved[0]["path"]),
+                                                       optimizer=saved[0]["path"])
+
 
 def test_custom_compute_loss_is_refused(tmp_path):
     class Doubled(Trainer):
