@@ -247,9 +247,11 @@ def test_trackstar_ensemble_takes_each_members_adam_state(tmp_path):
     qsets = [gradtrace.collect(m, queries, classification_loss) for m in models]
     singles = [gradtrace.Attributor("trackstar", t, block_rows=4).fit(m, optimizer=s)
                for t, m, s in zip(trains, models, states)]
-    # each member's state differs: scoring member 2 with member 0's state gives other scores
-    assert not torch.allclose(gradtrace.Attributor("trackstar", trains[2]).fit(models[2], optimizer=states[0])
-                              .score(qsets[2], matrix=True).matrix, singles[2].score(qsets[2], matrix=True).matrix)
+    # each member's state differs: scoring member 2 with member 0's state gives other scores -- by far more than
+    # round-off, which is at most dim * eps per cosine of unit rows on either side (here 6.8e-6; the gap is ~0.5)
+    other = gradtrace.Attributor("trackstar", trains[2]).fit(models[2], optimizer=states[0])
+    gap = (other.score(qsets[2], matrix=True).matrix - singles[2].score(qsets[2], matrix=True).matrix).abs().max()
+    assert float(gap) > 100 * 2 * trains[2].dim * EPS
     want, bound = _hand(singles, trains, qsets, [1, 1, 1])
     ensemble = gradtrace.Ensemble("trackstar", trains, block_rows=4)
     ensemble.fit(models=models, member_options=[{"optimizer": s} for s in states])
