@@ -80,7 +80,7 @@ from gradtrace.eval import (
     get_task,
     unsupported,
 )
-from gradtrace.eval.benchmark import ENSEMBLES, ensemble_models
+from gradtrace.eval.benchmark import CHECKPOINTS_AFTER, ENSEMBLES, ensemble_models
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
 PROJECTED = {"logra", "trak"}  # methods that score LoGra-projected gradients
@@ -183,8 +183,8 @@ def member_adam_states(task, kind: str, count: int) -> tuple[list[dict] | None, 
     it, at its weights, from a replay of the members' training checked bit-identical to the members;
     ``(None, why)`` when it cannot be had."""
     everything, states, replayed = torch.arange(task.num_train), [], []
-    if kind in ("checkpoints", "late_checkpoints"):
-        at = set(task.checkpoint_epochs(count, after=0.5 if kind == "late_checkpoints" else 0.0))
+    if kind in CHECKPOINTS_AFTER:
+        at = set(task.checkpoint_epochs(count, after=CHECKPOINTS_AFTER[kind]))
         with _recording_adam() as made:
             def keep(epoch: int, model: torch.nn.Module) -> None:
                 if epoch in at:
@@ -278,11 +278,13 @@ def _paired(rows: list[Row], pairs: list[tuple[str, str]]) -> list[str]:
     return lines
 
 
-def _members_alone(task, names: list[str], args: argparse.Namespace, truth: GroundTruth) -> list[str]:
-    """A markdown table per ensemble kind: the LDS of each member's model alone, for each ensemble method."""
+def _members_alone(task, all_ensembles: list[tuple[MethodSpec, str]], args: argparse.Namespace,
+                   truth: GroundTruth) -> list[str]:
+    """A markdown table per ensemble kind: the LDS of each member's model alone, for each ensemble method
+    (``all_ensembles``: :func:`_ensemble_specs`' rows, whose Adam states the members reuse)."""
     lines = []
     for kind in args.ensemble_kinds:
-        ensembles = _ensemble_specs(task, names, args.rank, [kind])
+        ensembles = [(spec, single) for spec, single in all_ensembles if spec.ensemble == kind]
         if not ensembles:
             continue
         attributed = 1 if kind == "seeds" else MEMBERS
@@ -347,7 +349,7 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
     for line in _paired(rows, [(spec.title, single) for spec, single in ensembles]):
         print(f"- {line}")
     if args.members_alone:
-        for line in _members_alone(task, names, args, truth):
+        for line in _members_alone(task, ensembles, args, truth):
             print(line)
     for kind in args.ensemble_kinds:
         done = [row for row in rows if row.method.endswith(ENSEMBLE_LABELS[kind]) and row.members_seconds]

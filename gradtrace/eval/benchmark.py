@@ -34,8 +34,8 @@ from .groundtruth import GroundTruth
 from .metrics import QueryMetric, lds
 from .tasks.base import Task
 
-__all__ = ["ENSEMBLES", "INHERIT", "RANDOM", "MethodSpec", "Row", "ensemble_models", "evaluate", "format_table",
-           "unsupported"]
+__all__ = ["CHECKPOINTS_AFTER", "ENSEMBLES", "INHERIT", "RANDOM", "MethodSpec", "Row", "ensemble_models", "evaluate",
+           "format_table", "unsupported"]
 
 RANDOM = "random"
 
@@ -44,6 +44,8 @@ INHERIT = "inherit"
 
 ENSEMBLES = ("checkpoints", "late_checkpoints", "seeds")
 """The ensembles a :class:`MethodSpec` can ask for (see the module docstring)."""
+CHECKPOINTS_AFTER = {"checkpoints": 0.0, "late_checkpoints": 0.5}
+"""The checkpoint ensembles: where in the run their checkpoints start (``Task.checkpoints``' ``after``)."""
 
 
 @dataclass(frozen=True)
@@ -168,10 +170,8 @@ class _Gradients:
 
 def ensemble_models(task: Task, kind: str, count: int) -> list[torch.nn.Module]:
     """The ``count`` models of an ensemble of ``kind`` (:data:`ENSEMBLES`; see the module docstring)."""
-    if kind == "checkpoints":
-        return task.checkpoints(count)
-    if kind == "late_checkpoints":
-        return task.checkpoints(count, after=0.5)
+    if kind in CHECKPOINTS_AFTER:
+        return task.checkpoints(count, after=CHECKPOINTS_AFTER[kind])
     if kind == "seeds":
         everything = torch.arange(task.num_train)
         return [task.model] + [task.train(everything, task.settings.seed + s) for s in range(1, count)]
