@@ -50,6 +50,15 @@ epochs 58, 67, 75, 83, 92, 100; tinylm 12, 13, 15, 17, 18, 20), everything else 
 reading that the first checkpoints, far from the attributed model, dilute the equal-weight average.
 ``--members-alone`` also prints the LDS of each member's model alone (the members are trained once more).
 
+Variant ``unrolled`` (``--ensembles unrolled``; not in the default kinds), for ``kfac`` and ``ekfac``, added after
+the ``checkpoints`` and ``late_checkpoints`` rows missed the issue's target on tinylm, and fixed (here, before any of
+its results) as the method defines it with no setting chosen by the harness: the ``checkpoints`` members (the same
+six checkpoints, gradients and curvature fits) combined by ``gradtrace.Unrolled`` -- segment ``c`` is the
+``(epoch_c - epoch_{c-1}) x ceil(N / batch_size)`` optimizer steps up to checkpoint ``c`` at the task's constant
+learning rate, each checkpoint's step scale is read from the Adam state of its own training (the replay checked
+bit-identical, as for ``trackstar``), the damping is the method's default, and the query gradients are the
+attributed model's. No per-member normalisation or weight.
+
     python bench/quality.py                       # every task, all methods (builds the cache the first time)
     python bench/quality.py --tasks digits --methods grad_dot,kfac,random --subsets 50
     python bench/quality.py --tasks digits_mlp,tinylm --methods grad_dot,logra,kfac,ekfac --ensembles checkpoints,seeds
@@ -61,6 +70,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import os
 import platform
 import time
@@ -116,7 +126,11 @@ TRACKSTAR_PRECONDITIONED = (("autocorrelation", False), ("autocorrelation", True
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
 ENSEMBLE_METHODS = ("grad_dot", "logra", "trak", "kfac", "ekfac", "trackstar")
+UNROLLED = "unrolled"  # the checkpoints' members combined by gradtrace.Unrolled (module docstring)
+UNROLLED_METHODS = ("kfac", "ekfac")
+KINDS = (*ENSEMBLES, UNROLLED)  # what --ensembles takes
 ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run",
+                   UNROLLED: f"{MEMBERS} checkpoints of one run, unrolled",
                    "late_checkpoints": f"{MEMBERS} checkpoints of the second half of one run",
                    "seeds": f"{MEMBERS} models, seeds 0-5"}
 
@@ -247,6 +261,9 @@ def _ensemble_specs(task, names: list[str], rank: int, kinds: list[str], notes: 
         return []
     out = []
     for kind in kinds:
+        if kind == UNROLLED:
+            out += _unrolled_specs(task, names, rank, notes)
+            continue
         states: tuple[list[dict] | None, str] | None = None
         for name in (n for n in names if n in ENSEMBLE_METHODS):
             single, _ = _specs(task.name, [name], rank)
@@ -262,6 +279,35 @@ def _ensemble_specs(task, names: list[str], rank: int, kinds: list[str], notes: 
             label = f"{single[0].title}, ensemble of {ENSEMBLE_LABELS[kind]}"
             out.append((MethodSpec(name, projection=projection, label=label, ensemble=kind, members=MEMBERS,
                                    member_options=member_options), single[0].title))
+    return out
+
+
+def _kind(spec: MethodSpec) -> str:
+    """The ensemble kind a row belongs to (its ``--ensembles`` name)."""
+    return UNROLLED if spec.unrolled is not None else spec.ensemble
+
+
+def _unrolled_specs(task, names: list[str], rank: int, notes: list[str] | None) -> list[tuple[MethodSpec, str]]:
+    """The ``unrolled`` rows (module docstring): the ``checkpoints`` members, each segment's steps at the task's
+    learning rate, each checkpoint's own Adam state."""
+    chosen = [n for n in names if n in UNROLLED_METHODS]
+    if not chosen:
+        return []
+    states, why = member_adam_states(task, "checkpoints", MEMBERS)
+    if states is None:
+        if notes is not None:
+            notes.append(f"the {ENSEMBLE_LABELS[UNROLLED]} rows skipped: {why}")
+        return []
+    epochs = task.checkpoint_epochs(MEMBERS)
+    per_epoch = math.ceil(task.num_train / task.settings.batch_size)
+    steps = [(end - start) * per_epoch for start, end in zip([0, *epochs[:-1]], epochs)]
+    settings = {"steps": steps, "lr": task.settings.lr, "optimizers": states}
+    out = []
+    for name in chosen:
+        single, _ = _specs(task.name, [name], rank)
+        label = f"{single[0].title}, {ENSEMBLE_LABELS[UNROLLED]}"
+        out.append((MethodSpec(name, projection=single[0].projection, label=label, ensemble="checkpoints",
+                               members=MEMBERS, unrolled=settings), single[0].title))
     return out
 
 
@@ -284,7 +330,9 @@ def _members_alone(task, all_ensembles: list[tuple[MethodSpec, str]], args: argp
     (``all_ensembles``: :func:`_ensemble_specs`' rows, whose Adam states the members reuse)."""
     lines = []
     for kind in args.ensemble_kinds:
-        ensembles = [(spec, single) for spec, single in all_ensembles if spec.ensemble == kind]
+        if kind == UNROLLED:  # its members are the checkpoints' (that kind's table)
+            continue
+        ensembles = [(spec, single) for spec, single in all_ensembles if _kind(spec) == kind]
         if not ensembles:
             continue
         attributed = 1 if kind == "seeds" else MEMBERS
@@ -326,7 +374,7 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
     rows: list[Row] = []
     # one method at a time (one failing method hides no other); an ensemble kind's methods together (its members
     # are trained and their gradients collected once), one at a time if that fails
-    groups = [[spec] for spec in specs] + [[spec for spec, _ in ensembles if spec.ensemble == kind]
+    groups = [[spec] for spec in specs] + [[spec for spec, _ in ensembles if _kind(spec) == kind]
                                            for kind in args.ensemble_kinds]
     eager = _WithModel(task, task.eager_model()) if hasattr(task, "eager_model") else task
     for group in (g for g in groups if g):
@@ -386,14 +434,15 @@ def main() -> None:
     parser.add_argument("--progress", action="store_true", help="progress bar while building ground truth")
     parser.add_argument("--ensembles", default="checkpoints,seeds",
                         help=f"ensemble rows on {', '.join(ENSEMBLE_TASKS)} for {', '.join(ENSEMBLE_METHODS)}: "
-                             f"comma-separated kinds of {ENSEMBLES}, or 'none'")
+                             f"comma-separated kinds of {KINDS} ({UNROLLED}: "
+                             f"{', '.join(UNROLLED_METHODS)} only), or 'none'")
     parser.add_argument("--members-alone", action="store_true",
                         help="also the LDS of each ensemble member's model alone (its members trained again)")
     args = parser.parse_args()
     args.ensemble_kinds = [] if args.ensembles == "none" else [k for k in args.ensembles.split(",") if k]
-    unknown = [k for k in args.ensemble_kinds if k not in ENSEMBLES]
+    unknown = [k for k in args.ensemble_kinds if k not in KINDS]
     if unknown:
-        parser.error(f"--ensembles: unknown kinds {unknown}; use {', '.join(ENSEMBLES)} or 'none'")
+        parser.error(f"--ensembles: unknown kinds {unknown}; use {', '.join(KINDS)} or 'none'")
     torch.set_num_threads(args.threads)
     tasks = [t for t in args.tasks.split(",") if t]
     known = gradtrace.available_methods()

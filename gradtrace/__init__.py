@@ -19,7 +19,7 @@ from .methods.less import less_features, less_query_features
 from .per_checkpoint import collect_checkpoints
 from .plan import FitPlan, Plan, ScorePlan, plan, plan_fit, plan_score
 from .projection import LoGra
-from .score import Attributor, Ensemble, Scores
+from .score import Attributor, Ensemble, Scores, Unrolled
 from .sink import StoreWriter
 from .store import GradientSpec, GradientStore
 from .train import TrajectoryWriter
@@ -34,5 +34,5 @@ __all__ = [
     "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
     "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
     "plan", "Plan", "plan_fit", "FitPlan", "plan_score", "ScorePlan", "__version__", "GradBatch", "ParamGrad",
-    "Ensemble", "collect_checkpoints",
+    "Ensemble", "Unrolled", "collect_checkpoints",
 ]

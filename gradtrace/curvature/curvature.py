@@ -14,6 +14,7 @@ computed in float64 and kept in float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -140,30 +141,36 @@ class Curvature:
                 raise CurvatureError(f"curvature of {name} is singular and damping is {lam:g}; use damping > 0 or "
                                      "damping_mode='relative'")
 
-    # -- the inverse -------------------------------------------------------------------------------
+    # -- the inverse, and other functions of the curvature ------------------------------------------------
     def apply_inverse(self, vectors: Tensor) -> Tensor:
         """``(G + lambda I)^-1 v`` for every row of ``vectors`` ``[Q, D]`` laid out as :attr:`spec`."""
+        return self.apply_function(vectors, lambda name, values: 1.0 / (values + self.block_damping(name)))
+
+    def apply_function(self, vectors: Tensor, fn: Callable[[str, Tensor], Tensor]) -> Tensor:
+        """``f(G) v`` for every row of ``vectors`` ``[Q, D]`` laid out as :attr:`spec`: each block's coordinates
+        in its eigenbasis are multiplied by ``fn(block name, eigenvalues)`` (a tensor shaped like the
+        eigenvalues, e.g. ``1 / (values + damping)`` for the damped inverse, :meth:`apply_inverse`)."""
         self.check()
         offsets = self.spec.offsets()
         if vectors.shape[1] != self.spec.dim:
             raise ValueError(f"vectors of dim {vectors.shape[1]}, the curvature covers {self.spec.dim}")
         out = vectors.clone().to(torch.float32)
         for name, eig in self.blocks.items():
-            lam = self.block_damping(name)
+            factor = fn(name, eig.eigenvalues)
             if isinstance(eig, KronEigen):
-                self._kron_inverse(out, vectors, eig, offsets, lam)
+                self._kron_apply(out, vectors, eig, offsets, factor)
             else:
                 start, stop = offsets[name]
                 part = vectors[:, start:stop].to(torch.float32)
-                denom = eig.eigenvalues.to(part.device) + lam
+                factor = factor.to(part.device)
                 if eig.q is None:
-                    out[:, start:stop] = part / denom
+                    out[:, start:stop] = part * factor
                 else:
                     q = eig.q.to(part.device)
-                    out[:, start:stop] = ((part @ q) / denom) @ q.t()
+                    out[:, start:stop] = ((part @ q) * factor) @ q.t()
         return out
 
-    def _kron_inverse(self, out: Tensor, vectors: Tensor, eig: KronEigen, offsets: dict, lam: float) -> None:
+    def _kron_apply(self, out: Tensor, vectors: Tensor, eig: KronEigen, offsets: dict, factor: Tensor) -> None:
         block = eig.block
         count = vectors.shape[0]
         w0, w1 = offsets[block.name]
@@ -181,7 +188,7 @@ class Curvature:
             rotated = q_rows.t() @ rotated
         if q_cols is not None:
             rotated = rotated @ q_cols
-        rotated = rotated / (eig.eigenvalues.to(device) + lam)
+        rotated = rotated * factor.to(device)
         if q_rows is not None:
             rotated = q_rows @ rotated
         if q_cols is not None:

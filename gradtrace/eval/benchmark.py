@@ -12,7 +12,10 @@ trained on all the data, with the task's per-example loss, and shared by all met
 (:meth:`Task.checkpoints`), or ``C`` models trained on all the data with seeds ``seed, seed + 1, ...`` (the first
 being the task's model); ``ensemble="late_checkpoints"`` takes the ``C`` checkpoints evenly spaced over the second
 half of the run instead (``Task.checkpoints(C, after=0.5)``). Each member's gradients are collected and its method
-fitted at its own weights; the ground truth is unchanged.
+fitted at its own weights; the ground truth is unchanged. With ``unrolled={"steps": [...], "lr": ..., "optimizers":
+...}`` a checkpoint ensemble of a curvature method is combined by the training dynamics instead
+(:class:`gradtrace.Unrolled`: each segment's steps and learning rate, each checkpoint's optimizer state or
+``"sgd"``), scoring the query gradients of the last member (the task's model).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch import Tensor
 from ..collect import collect
 from ..methods import available_methods, get_method
 from ..projection.logra import LoGra
-from ..score import Attributor, Ensemble
+from ..score import Attributor, Ensemble, Unrolled
 from .groundtruth import GroundTruth
 from .metrics import QueryMetric, lds
 from .tasks.base import Task
@@ -59,6 +62,8 @@ class MethodSpec:
     label: the row's name (default: the name, with options). ensemble: None (the task's model), or one of
     :data:`ENSEMBLES` over ``members`` models (see the module docstring). member_options: for an ensemble, one dict
     of fit options per member (:meth:`gradtrace.Ensemble.fit`'s ``member_options``, e.g. each member's Adam state).
+    unrolled: for a checkpoint ensemble, combine it with :class:`gradtrace.Unrolled`: ``{"steps": [...], "lr": ...,
+    "optimizers": ...}`` (see the module docstring).
     """
 
     name: str
@@ -70,6 +75,7 @@ class MethodSpec:
     ensemble: str | None = None
     members: int = 6
     member_options: list[dict[str, Any]] | None = None
+    unrolled: dict[str, Any] | None = None
 
     @classmethod
     def parse(cls, item: str | tuple[str, dict[str, Any]] | MethodSpec) -> MethodSpec:
@@ -217,6 +223,18 @@ def _score_ensemble(spec: MethodSpec, task: Task, models: list[torch.nn.Module],
     return ensemble.score(queries, topk=None, matrix=True).matrix
 
 
+def _score_unrolled(spec: MethodSpec, task: Task, models: list[torch.nn.Module], trains: list[Any],
+                    queries: list[Any], projection: LoGra | None, batch_size: int) -> Tensor:
+    """The ``[Q, N]`` scores of the checkpoints combined by :class:`gradtrace.Unrolled`, fitted at each member."""
+    settings = dict(spec.unrolled)
+    optimizers = settings.pop("optimizers")
+    unrolled = Unrolled(spec.name, trains, **settings, **spec.options)
+    fit_options = _fit_kwargs(unrolled.method.fit, projection, spec.fit_options)
+    unrolled.fit(None, task.train_batches(batch_size), task.loss_fn, models=models, optimizers=optimizers,
+                 **fit_options)
+    return unrolled.score(queries[-1], topk=None, matrix=True).matrix
+
+
 def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | MethodSpec],
              ground_truth: GroundTruth, projection: LoGra | None = None, *, batch_size: int = 64,
              seed: int = 0, progress: bool = False) -> list[Row]:
@@ -245,6 +263,9 @@ def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | Me
         if spec.ensemble is not None and (spec.ensemble not in ENSEMBLES or spec.name == RANDOM):
             raise ValueError(f"cannot evaluate {spec.title!r} as an ensemble {spec.ensemble!r}: ensembles are "
                              f"{ENSEMBLES} of a registered method")
+        if spec.unrolled is not None and spec.ensemble not in CHECKPOINTS_AFTER:
+            raise ValueError(f"cannot evaluate {spec.title!r} unrolled: it combines the checkpoints of one run, "
+                             f"ensemble= one of {sorted(CHECKPOINTS_AFTER)}")
     _check_ground_truth(task, ground_truth)
     gradients = _Gradients(task, batch_size, progress)
     members = _Members(task, batch_size, progress)
@@ -259,7 +280,8 @@ def evaluate(task: Task, methods: Sequence[str | tuple[str, dict[str, Any]] | Me
         else:
             models, trains, queries, collect_seconds, members_seconds = members.get(spec.ensemble, spec.members, chosen)
             began, train = time.perf_counter(), trains[0]
-            matrix = _score_ensemble(spec, task, models, trains, queries, chosen, batch_size)
+            score = _score_unrolled if spec.unrolled is not None else _score_ensemble
+            matrix = score(spec, task, models, trains, queries, chosen, batch_size)
         seconds = time.perf_counter() - began
         result = lds(matrix, ground_truth.masks, ground_truth.outcomes)
         rows.append(Row(spec.title, result.mean, result.se, seconds, collect_seconds, result, dict(spec.options),

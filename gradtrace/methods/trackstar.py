@@ -42,7 +42,8 @@ from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, get_method, register_method
 from .less import AdamState, adam_states
 
-__all__ = ["TrackStar", "load_optimizer_state", "recorded_parameter_names", "second_moment_denominator"]
+__all__ = ["TrackStar", "bias_corrected", "load_optimizer_state", "recorded_parameter_names",
+           "second_moment_denominator"]
 
 RECORD_HINT = ("pass attr.fit(model, optimizer=...) with the torch.optim.Adam/AdamW optimizer at the attributed "
                "weights, its state_dict(), or a Trainer checkpoint directory holding optimizer.pt "
@@ -74,7 +75,7 @@ def load_optimizer_state(optimizer: Any) -> Any:
     return optimizer
 
 
-def _bias_corrected(state: AdamState) -> Tensor:
+def bias_corrected(state: AdamState) -> Tensor:
     """Adam's ``v_hat`` (float32, the parameter's shape): ``max_exp_avg_sq`` under amsgrad, else ``exp_avg_sq``."""
     second = state.max_exp_avg_sq if state.max_exp_avg_sq is not None else state.exp_avg_sq
     correction = 1.0 - state.beta2 ** max(state.step, 1.0)
@@ -102,7 +103,7 @@ def second_moment_denominator(spec: GradientSpec, states: dict[str, AdamState], 
         projection = LoGra.from_dict(spec.projection)
     parts = []
     for name, dim in spec.params:
-        moment = _bias_corrected(states[name])
+        moment = bias_corrected(states[name])
         if projection is not None:
             moment = _projected_moment(projection, name, moment)
         moment = moment.reshape(-1)

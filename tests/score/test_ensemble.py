@@ -237,8 +237,21 @@ def _adam_run(count=3):
     return models, states
 
 
-def test_trackstar_ensemble_takes_each_members_adam_state(tmp_path):
+def _trainer_directories(root, models, states):
+    """Trainer-style ``checkpoint-N`` directories (``model.safetensors`` + ``optimizer.pt``), 3 steps apart."""
     from safetensors.torch import save_file
+
+    dirs = []
+    for c, (model, state) in enumerate(zip(models, states)):
+        folder = root / f"checkpoint-{3 * (c + 1)}"
+        folder.mkdir()
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
+        torch.save(state, folder / "optimizer.pt")
+        dirs.append(folder)
+    return dirs
+
+
+def test_trackstar_ensemble_takes_each_members_adam_state(tmp_path):
 
     models, states = _adam_run()
     batches, queries = _data()
@@ -259,13 +272,7 @@ def test_trackstar_ensemble_takes_each_members_adam_state(tmp_path):
     assert bool(((got - want).abs() <= bound).all())
     # Trainer checkpoint directories (model.safetensors + optimizer.pt; one as an integrations entry): each
     # member reads its own directory's optimizer state, the same numbers bit for bit
-    dirs = []
-    for c, (model, state) in enumerate(zip(models, states)):
-        folder = tmp_path / f"checkpoint-{3 * (c + 1)}"
-        folder.mkdir()
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, folder / "model.safetensors")
-        torch.save(state, folder / "optimizer.pt")
-        dirs.append(folder)
+    dirs = _trainer_directories(tmp_path, models, states)
     target = Net()
     from_dirs = gradtrace.Ensemble("trackstar", trains, block_rows=4).fit(
         target, checkpoints=[dirs[0], {"path": str(dirs[1]), "step": 6}, str(dirs[2])])

@@ -1,0 +1,264 @@
+"""Unrolled influence over checkpoints of one run: the training trajectory's linear response, segment by segment.
+
+An influence function asks how the *optimum* moves when an example is down-weighted; a model stopped before
+convergence, or trained in stages, is not at that optimum. Unrolling asks how the *trajectory* moves instead. Split
+training at ``C`` checkpoints into segments ``c = 1..C`` (segment ``c``: the ``K_c`` optimizer steps up to
+checkpoint ``c``, mean learning rate ``eta_c``; the last checkpoint is the attributed model) and take, within each
+segment, the curvature ``G_c`` (fitted at checkpoint ``c``, with its damping ``lambda_c``) and the training
+gradients ``g_i^(c)`` (collected at checkpoint ``c``) as constant. Down-weighting example ``i`` by ``eps`` in a step
+of size ``eta s`` (``s`` the optimizer's per-coordinate step scale: 1 for SGD) changes the parameters by
+``eps eta s g_i / N`` and every later step contracts that change by ``I - eta s H``; summed over a segment (a
+geometric series, written as its continuous-time limit) and carried through the later segments:
+
+    d theta_T / d eps = 1/N sum_c  E_C ... E_{c+1} F_c g_i^(c)
+    F_c = (I - exp(-t_c (G_c + lambda_c))) (G_c + lambda_c)^-1,    E_c = exp(-t_c (G_c + lambda_c)),
+    t_c = eta_c K_c s_c,
+
+and the score of training example ``i`` for query ``q`` (its gradient ``g_q`` at the attributed model) is
+
+    tau(q, i) = sum_c (F_c u_c)^T g_i^(c),    u_C = g_q,   u_c = E_{c+1} u_{c+1}.
+
+Each ``F_c`` and ``E_c`` is a function of one member's curvature, applied in its eigenbasis
+(:meth:`gradtrace.curvature.Curvature.apply_function`), so the cost is the ensemble's: one fit and one store per
+checkpoint; the query side is ``2 C - 1`` eigenbasis transforms of the query gradients, the training side ``C``
+streamed products. There is no per-member normalisation and no weight to choose: the dynamics weigh the members.
+High-curvature directions are learned (and forgotten) within a segment, so there the last checkpoint's
+``(G + lambda)^-1`` dominates; flat directions keep a memory of every segment, weighted by its ``eta K``.
+
+Limits (each a test): one segment with ``t -> inf`` is the member's own damped influence ``(G + lambda)^-1``;
+``t -> 0`` is TracIn's ``eta K g_q^T g_i``; on a quadratic, with exact curvature, the scores equal the derivative of
+gradient descent's final loss through the unrolled steps (up to the geometric series' continuous-time limit).
+
+**The optimizer.** SGD: ``s = 1``. Adam / AdamW: a step is ``eta m_hat / (sqrt(v_hat) + eps)``, a diagonal
+preconditioner ``P = diag(1 / (sqrt(v_hat) + eps))`` read from the optimizer state at each checkpoint (bias-corrected
+as Adam's update). ``P`` does not commute with the curvature's eigenbasis, so each curvature block takes one scalar,
+the mean of ``P`` over the block's coordinates (``s_{c,b}``): each layer moves at Adam's mean step size for it.
+Adam's momentum leaves the response of directions slower than its horizon unchanged and is not modelled, nor is
+weight decay (``lambda_c`` stands in for it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..common.checkpoints import checkpoint_path
+from ..gradients import as_source
+from ..methods import Method, MissingStage
+from ..methods.less import adam_states
+from ..methods.trackstar import bias_corrected, load_optimizer_state, recorded_parameter_names
+from .engine import _check_prepared
+from .ensemble import Ensemble, EnsembleError, is_member_list
+from .scores import Scores
+
+__all__ = ["Unrolled", "segment_scales"]
+
+SGD = "sgd"
+
+
+def _schedule(values: float | Sequence[float], count: int, what: str, integer: bool = False) -> list[float]:
+    """One positive finite value per segment (a single number: the same for every segment)."""
+    items = [values] * count if isinstance(values, (int, float)) else list(values)
+    if len(items) != count:
+        raise EnsembleError(f"{len(items)} values of {what} for {count} checkpoints: give one per segment (the "
+                            "steps up to each checkpoint from the one before)")
+    out = []
+    for c, value in enumerate(items):
+        number = float(value)
+        if not math.isfinite(number) or number <= 0 or (integer and number != int(number)):
+            kind = "a positive integer" if integer else "positive and finite"
+            raise EnsembleError(f"{what} of segment {c} must be {kind}, got {value!r}")
+        out.append(number)
+    return out
+
+
+def segment_scales(curvature_blocks: Sequence[Any], states: dict[str, Any] | None) -> dict[str, float]:
+    """``{block name: s}``: the optimizer's mean per-coordinate step scale over each curvature block's parameters --
+    ``mean(1 / (sqrt(v_hat) + eps))`` from Adam states (:func:`gradtrace.methods.less.adam_states`), 1 for SGD
+    (``states=None``)."""
+    scales = {}
+    for eig in curvature_blocks:
+        if states is None:
+            scales[eig.block.name] = 1.0
+            continue
+        total, count = 0.0, 0
+        for name in eig.block.params:
+            state = states[name]
+            step = 1.0 / (bias_corrected(state).clamp(min=0).sqrt() + state.eps)
+            total += float(step.sum(dtype=torch.float64))
+            count += step.numel()
+        scales[eig.block.name] = total / count
+    return scales
+
+
+def _filters(curvature: Any, horizon: dict[str, float]) -> tuple[Any, Any]:
+    """The functions of one segment's damped eigenvalues ``x`` (float64) for
+    :meth:`~gradtrace.curvature.Curvature.apply_function`: the response ``(1 - exp(-t x)) / x`` (``expm1``: exact
+    for small ``t x``) and the decay ``exp(-t x)``, ``t`` the block's horizon."""
+
+    def damped(name: str, values: Tensor) -> Tensor:
+        return values.to(torch.float64) + curvature.block_damping(name)
+
+    def response(name: str, values: Tensor) -> Tensor:
+        shifted = damped(name, values)
+        return (-torch.expm1(-horizon[name] * shifted) / shifted).to(torch.float32)
+
+    def decay(name: str, values: Tensor) -> Tensor:
+        return torch.exp(-horizon[name] * damped(name, values)).to(torch.float32)
+
+    return response, decay
+
+
+class Unrolled(Ensemble):
+    """Unrolled influence over the checkpoints of one training run (see the module docstring).
+
+    Args:
+        method: a curvature method (``"ekfac"`` (default), ``"kfac"``, ``"ggn"``, ``"logra"`` with a model-pass mode)
+            fitted at every checkpoint; its damping is ``lambda_c``.
+        train: one training-gradient source per checkpoint, in training order; the last is the attributed model.
+        steps: the optimizer steps of each segment (up to its checkpoint from the one before; the first from the
+            start of training), one per checkpoint.
+        lr: each segment's mean learning rate (one number: constant).
+        block_rows, device, matrix_bytes, **method_options: as for :class:`~gradtrace.Ensemble`.
+    """
+
+    def __init__(self, method: str | Method | Sequence[Method] = "ekfac", train: Any = None, *,
+                 steps: Sequence[int], lr: float | Sequence[float], block_rows: int | None = None,
+                 device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:
+        super().__init__(method, train, normalize=False, block_rows=block_rows, device=device,
+                         matrix_bytes=matrix_bytes, **method_options)
+        if not hasattr(self.method, "active"):
+            raise EnsembleError(f"unrolled influence needs a curvature method (ekfac, kfac, ggn, logra), got "
+                                f"{self.method.name!r}")
+        count = len(self.members)
+        self.steps = _schedule(steps, count, "steps", integer=True)
+        self.lr = _schedule(lr, count, "lr")
+        self.scales: list[dict[str, float]] | None = None
+        self.optimizer_kind: str | None = None
+
+    def fit(self, model: nn.Module | None = None, data: Any = None, loss_fn: Any = None, *,
+            models: Sequence[nn.Module] | None = None, checkpoints: Sequence[Any] | None = None,
+            optimizers: str | Sequence[Any] | None = None, param_names: Sequence[Sequence[str] | None] | None = None,
+            **options: Any) -> Unrolled:
+        """Fit the curvature at every checkpoint (as :meth:`Ensemble.fit`: ``models=`` or ``checkpoints=``) and read
+        each segment's step scale.
+
+        Without a model, data or checkpoints, the members keep the curvature they were built with
+        (``Unrolled([gradtrace.methods.EKFAC(curvature=...), ...], ...)``) and only the step scales are read.
+
+        Args:
+            optimizers: ``"sgd"`` (plain SGD: scale 1), or one Adam / AdamW state per checkpoint (the optimizer, its
+                ``state_dict()``, or a path to its ``optimizer.pt`` / the checkpoint directory holding it); default:
+                each checkpoint directory's ``optimizer.pt`` (a Trainer ``checkpoint-N``).
+            param_names: per checkpoint, the names of its optimizer's parameters in order (default: those its
+                store records, as for ``trackstar``).
+            model, data, loss_fn, models, checkpoints, **options: as for :meth:`Ensemble.fit`.
+        """
+        count = len(self.members)
+        states = self._optimizer_states(optimizers, checkpoints, count)
+        names = [None] * count if param_names is None else list(param_names)
+        if len(names) != count:
+            raise EnsembleError(f"{len(names)} param_names lists for {count} checkpoints: give one per checkpoint")
+        if any(given is not None for given in (model, data, models, checkpoints)):
+            super().fit(model, data, loss_fn, models=models, checkpoints=checkpoints, **options)
+        self.combined.check_ready()  # members built with their curvature need no model pass
+        scales = []
+        for c, (member, state) in enumerate(zip(self.members, states)):
+            blocks = list(member.method.active().blocks.values())
+            if state is None:
+                scales.append(segment_scales(blocks, None))
+                continue
+            owner = models[c] if models is not None else model
+            if owner is None:
+                raise MissingStage("unrolled: reading Adam states needs the model (to match the optimizer's "
+                                   "parameters): fit(model, data, loss_fn, checkpoints=[...]) or models=[...]")
+            recorded = names[c] or recorded_parameter_names(getattr(member.train[0], "manifest", None) or {})
+            params = [p for eig in blocks for p in eig.block.params]
+            scales.append(segment_scales(blocks, adam_states(owner, load_optimizer_state(state), params,
+                                                             param_names=recorded)))
+        self.scales = scales
+        self.optimizer_kind = SGD if all(s is None for s in states) else "adam"
+        return self
+
+    @staticmethod
+    def _optimizer_states(optimizers: Any, checkpoints: Sequence[Any] | None, count: int) -> list[Any]:
+        """One optimizer state per checkpoint (None: SGD), from ``optimizers`` or the checkpoint directories."""
+        if isinstance(optimizers, str) and optimizers == SGD:
+            return [None] * count
+        if optimizers is not None:
+            if isinstance(optimizers, (str, Path)) or not isinstance(optimizers, Sequence):
+                raise EnsembleError("optimizers= is 'sgd' or a list of one Adam state per checkpoint (each checkpoint "
+                                    "has its own second moment)")
+            if len(optimizers) != count:
+                raise EnsembleError(f"{len(optimizers)} optimizer states for {count} checkpoints: give one per "
+                                    "checkpoint")
+            return list(optimizers)
+        paths = [checkpoint_path(c) for c in checkpoints] if checkpoints is not None else []
+        if len(paths) == count and all(p is not None and (p / "optimizer.pt").is_file() for p in paths):
+            return paths
+        raise MissingStage("unrolled: how the optimizer stepped is needed: optimizers='sgd' for plain SGD, or "
+                           "optimizers=[...] with the Adam state at each checkpoint (optimizer, state_dict() or "
+                           "optimizer.pt), or checkpoints=[...] as Trainer checkpoint directories holding optimizer.pt")
+
+    def horizons(self) -> list[dict[str, float]]:
+        """``t_{c,b} = eta_c K_c s_{c,b}`` of every segment ``c`` and curvature block ``b``."""
+        if self.scales is None:
+            raise MissingStage("unrolled: run fit(...) first (the curvature and step scale of every checkpoint)")
+        return [{name: lr * steps * s for name, s in scales.items()}
+                for lr, steps, scales in zip(self.lr, self.steps, self.scales)]
+
+    def prepare(self, queries: Tensor) -> list[Tensor]:
+        """``[Q, D]`` query gradients at the attributed model -> ``F_c u_c`` for every checkpoint ``c``."""
+        horizons = self.horizons()
+        prepared: list[Tensor] = [queries] * len(self.members)
+        carried = queries.to(torch.float32)
+        for c in range(len(self.members) - 1, -1, -1):
+            curvature = self.members[c].method.active()
+            response, decay = _filters(curvature, horizons[c])
+            prepared[c] = curvature.apply_function(carried, response)
+            if c > 0:
+                carried = curvature.apply_function(carried, decay)
+        return prepared
+
+    def score(self, queries: Any, *, topk: int | None = 100, matrix: bool | str = "auto",
+              progress: bool = False) -> Scores:
+        """Score query gradients taken at the attributed model (the last checkpoint) against every training example.
+
+        Args:
+            queries: one query-gradient source (store, path, :class:`~gradtrace.GradientSet`, batches).
+            topk, matrix, progress: as for :meth:`gradtrace.Attributor.score`.
+        """
+        if is_member_list(queries):
+            raise EnsembleError("unrolled influence takes one query set, at the attributed model (the last "
+                                "checkpoint): the later segments carry the query back to the earlier ones")
+        source = as_source(queries)
+        started = time.perf_counter()
+        self.combined.check_ready()
+        self.combined.bind(self.spec)
+        last = self.members[-1]
+        last.spec.check_compatible(source.spec, "queries vs training gradients (the last checkpoint)")
+        prepared = self.prepare(source.read(0, len(source), last.device).to(torch.float32))
+        prepared_s = time.perf_counter() - started
+        for c, part in enumerate(prepared):
+            _check_prepared(part, source.ids, f"unrolled {self.method.name}", c)
+        self.combined.factors = [1.0] * len(self.members)
+        self.combined.prepared = prepared
+        try:
+            scores = self.engine.score([source] * len(self.members), topk=topk, matrix=matrix, progress=progress)
+        finally:
+            self.combined.prepared = None
+        self.profile = {**scores.meta["profile"], "prepare_queries_s": prepared_s}
+        scores.meta["profile"] = dict(self.profile)
+        scores.meta["unrolled"] = {"checkpoints": len(self.members), "steps": self.steps, "lr": self.lr,
+                                   "optimizer": self.optimizer_kind, "horizons": self.horizons(),
+                                   "member_options": [m.method.options() for m in self.members]}
+        return scores
+
+    def __repr__(self) -> str:
+        return f"Unrolled({self.method.name!r}, {len(self.members)} checkpoints, steps={self.steps}, lr={self.lr})"

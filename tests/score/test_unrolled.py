@@ -1,0 +1,249 @@
+"""Unrolled influence over checkpoints (``gradtrace.Unrolled``): against the dense formula built from the fitted
+eigendata in float64, its two limits (one long segment = the member's influence; a short one = TracIn's gradient
+products) and the derivative of gradient descent's final query loss through the unrolled steps of a quadratic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradtrace
+from gradtrace.curvature import Curvature
+from gradtrace.curvature.blocks import DenseBlock
+from gradtrace.curvature.curvature import DenseEigen, KronEigen
+from gradtrace.losses import classification_loss
+from gradtrace.methods import MissingStage
+from gradtrace.methods.influence import GGN
+from gradtrace.score.ensemble import EnsembleError
+from tests.score.test_ensemble import _adam_run, _data, _trainer_directories
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def _collect(models, batches, queries):
+    trains = [gradtrace.collect(m, batches, classification_loss) for m in models]
+    return trains, gradtrace.collect(models[-1], queries, classification_loss)
+
+
+def _layout(eig, offsets):
+    """The flat (spec-layout) index of every entry of a block's bias-augmented gradient matrix, row-major."""
+    block = eig.block
+    if isinstance(eig, DenseEigen):
+        start, stop = offsets[block.name]
+        return torch.arange(start, stop)
+    w0, _ = offsets[block.name]
+    rows, cols = block.n_rows, block.n_cols
+    index = torch.arange(w0, w0 + rows * cols).reshape(rows, cols)
+    if block.bias is not None:
+        b0, b1 = offsets[block.bias]
+        bias = torch.arange(b0, b1)
+        index = torch.cat([index, bias[:, None]], 1) if block.act_side == "cols" else torch.cat([index, bias[None]], 0)
+    return index.reshape(-1)
+
+
+def _dense(curvature, horizons):
+    """Float64 ``(G + lambda)`` (``D x D``) and ``T`` (each block's horizon on its coordinates) from the eigendata."""
+    dim = curvature.spec.dim
+    matrix, horizon = torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, dtype=torch.float64)
+    offsets = curvature.spec.offsets()
+    for name, eig in curvature.blocks.items():
+        if isinstance(eig, KronEigen):
+            basis = torch.kron(eig.q_rows.double(), eig.q_cols.double())
+        else:
+            basis = eig.q.double() if eig.q is not None else torch.eye(eig.eigenvalues.numel(), dtype=torch.float64)
+        values = eig.eigenvalues.double().reshape(-1) + curvature.block_damping(name)
+        index = _layout(eig, offsets)
+        matrix[index[:, None], index[None, :]] = basis @ torch.diag(values) @ basis.t()
+        horizon[index] = horizons[name]
+    return matrix, horizon
+
+
+def _reference(unrolled, trains, query):
+    """``sum_c (F_c u_c)^T g_i^(c)`` in float64 with matrix exponentials, and the float32 bound of the method's
+    result: every prepared query passes through at most ``2 C`` eigenbasis rotations and the product sums ``D``
+    terms, each a float32 rounding of relative size ``eps`` per term (Higham's ``gamma_n``), and the filters'
+    sensitivity to the eigenvalues' float32 rounding is at most ``1 + t (lambda + damping)``."""
+    count = len(trains)
+    carried = query.vectors.double()
+    total, bound = 0, 0
+    for c in range(count - 1, -1, -1):
+        curvature = unrolled.members[c].method.active()
+        horizons = unrolled.horizons()[c]
+        matrix, horizon = _dense(curvature, horizons)
+        exponent = torch.linalg.matrix_exp(-horizon[:, None] * matrix)
+        prepared = (torch.eye(len(horizon), dtype=torch.float64) - exponent) @ torch.linalg.inv(matrix)
+        part = (carried @ prepared.t()) @ trains[c].vectors.double().t()
+        total = total + part
+        stiffness = 1 + float((horizon[:, None] * matrix).diagonal().max())
+        size = (carried @ prepared.t()).norm(dim=1)[:, None] * trains[c].vectors.double().norm(dim=1)[None, :]
+        bound = bound + (2 * count + 2) * len(horizon) * EPS * stiffness * size
+        carried = carried @ exponent.t()
+    return total, bound
+
+
+def _mean_step(state, params):
+    """``mean(1 / (sqrt(v_hat) + eps))`` over the given parameter indices of an Adam ``state_dict``."""
+    group = state["param_groups"][0]
+    total, count = 0.0, 0
+    for index in params:
+        entry = state["state"][index]
+        v_hat = entry["exp_avg_sq"].double() / (1 - group["betas"][1] ** float(entry["step"]))
+        step = 1 / (v_hat.sqrt() + group["eps"])
+        total, count = total + float(step.sum()), count + step.numel()
+    return total / count
+
+
+def test_equals_the_dense_formula_with_each_checkpoints_adam_state():
+    batches, queries = _data()
+    models, states = _adam_run(3)
+    trains, query = _collect(models, batches, queries)
+    unrolled = gradtrace.Unrolled("ekfac", trains, steps=[3, 3, 3], lr=0.05, block_rows=4)
+    unrolled.fit(None, batches, classification_loss, models=models, optimizers=states)
+    # each layer's step scale is Adam's mean 1 / (sqrt(v_hat) + eps) over the layer (weight and bias) at its checkpoint
+    for scales, state in zip(unrolled.scales, states):
+        assert scales["fc1.weight"] == pytest.approx(_mean_step(state, [0, 1]), rel=1e-6)
+        assert scales["fc2.weight"] == pytest.approx(_mean_step(state, [2, 3]), rel=1e-6)
+    assert unrolled.scales[0] != unrolled.scales[2]
+    scores = unrolled.score(query, topk=None, matrix=True)
+    want, bound = _reference(unrolled, trains, query)
+    gap = (scores.matrix.double() - want).abs()
+    assert bool((gap <= bound).all()), f"gap {float(gap.max()):.3g}, bound {float(bound.min()):.3g}"
+    assert float(want.abs().max()) > 100 * float(bound.max())  # the check is not vacuous
+    assert scores.meta["unrolled"]["optimizer"] == "adam" and scores.meta["unrolled"]["steps"] == [3, 3, 3]
+    # streamed top-k in blocks of 4 rows: the top-k of the same scores
+    top = unrolled.score(query, topk=3, matrix=False).topk(3, True)
+    values, index = torch.topk(want, 3, dim=1)
+    assert top.ids == [[trains[0].ids[j] for j in row] for row in index.tolist()]
+    assert bool(((top.values.double() - values).abs() <= bound.gather(1, index)).all())
+
+
+def test_a_long_segment_is_influence_and_a_short_one_is_tracin():
+    batches, queries = _data()
+    models, _ = _adam_run(1)
+    trains, query = _collect(models, batches, queries)
+    single = gradtrace.Attributor("ekfac", trains[0]).fit(models[0], batches, classification_loss)
+    influence = single.score(query, topk=None, matrix=True).matrix.double()
+    long = gradtrace.Unrolled("ekfac", trains, steps=[1], lr=1e12).fit(models[0], batches, classification_loss,
+                                                                       optimizers="sgd")
+    got = long.score(query, topk=None, matrix=True).matrix.double()
+    q = single.method.prepare_queries(query.vectors).double()
+    gemm = 2 * trains[0].dim * EPS * q.norm(dim=1)[:, None] * trains[0].vectors.double().norm(dim=1)[None, :]
+    assert bool(((got - influence).abs() <= gemm).all())
+    t = 1e-6
+    short = gradtrace.Unrolled("ekfac", trains, steps=[1], lr=t).fit(models[0], batches, classification_loss,
+                                                                     optimizers="sgd")
+    got = short.score(query, topk=None, matrix=True).matrix.double() / t
+    dots = query.vectors.double() @ trains[0].vectors.double().t()
+    curvature = short.members[0].method.active()
+    largest = max(float(e.eigenvalues.max()) + curvature.block_damping(n) for n, e in curvature.blocks.items())
+    sizes = query.vectors.double().norm(dim=1)[:, None] * trains[0].vectors.double().norm(dim=1)[None, :]
+    # (1 - exp(-t x)) / x = t (1 - t x / 2 + ...): relative deviation at most t * largest / 2, plus float32 round-off
+    assert bool(((got - dots).abs() <= (t * largest + 4 * trains[0].dim * EPS) * sizes).all())
+
+
+class _Linear(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.fc = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, inputs):
+        return self.fc(inputs).squeeze(-1)
+
+
+def _squared(model, batch):
+    return 0.5 * (model(batch["inputs"]) - batch["targets"]).square()
+
+
+def test_gradient_descent_on_a_quadratic_is_unrolled_exactly_to_first_order():
+    """Full-batch GD on least squares (constant Hessian ``H = X^T X / N``), one checkpoint per step (its start): the
+    scores equal ``-N d f_q(theta_T) / d w_i`` (``w_i``: example ``i``'s loss weight) from autograd through the steps,
+    up to the continuous-time limit of each step, ``x = eta lambda <= 0.005``: the response ``(1 - exp(-x)) / lambda``
+    is ``eta`` within a relative ``x / 2``, the decay ``exp(-x)`` is ``1 - x`` within ``x^2 / 2`` per later step; over
+    ``T = 100`` steps the decay reaches ``exp(-0.5)``, so carrying the query back matters (TracIn's undecayed sum is
+    checked to miss)."""
+    torch.manual_seed(0)
+    n, dim, steps, x_max = 40, 4, 100, 0.005
+    x, y = torch.randn(n, dim, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    qx, qy = torch.randn(3, dim, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    hessian = x.t() @ x / n
+    lr = x_max / float(torch.linalg.eigvalsh(hessian).max())
+    weights = torch.ones(n, dtype=torch.float64, requires_grad=True)
+    theta = torch.zeros(dim, dtype=torch.float64, requires_grad=True)
+    path = []
+    for _ in range(steps):
+        path.append(theta.detach().clone())
+        loss = (weights * 0.5 * (x @ theta - y).square()).mean()
+        theta = theta - lr * torch.autograd.grad(loss, theta, create_graph=True)[0]
+    query_loss = 0.5 * (qx @ theta - qy).square()
+    want = torch.stack([-n * torch.autograd.grad(query_loss[k], weights, retain_graph=True)[0] for k in range(3)])
+
+    ids = [f"ex{i}" for i in range(n)]
+    batches = [{"inputs": x[i:i + 16].float(), "targets": y[i:i + 16].float(), "id": ids[i:i + 16]}
+               for i in range(0, n, 16)]
+    models, trains = [], []
+    for point in path:
+        model = _Linear(dim)
+        with torch.no_grad():
+            model.fc.weight.copy_(point[None].float())
+        models.append(model)
+        trains.append(gradtrace.collect(model, batches, _squared))
+    final = _Linear(dim)
+    with torch.no_grad():
+        final.fc.weight.copy_(theta.detach()[None].float())
+    query = gradtrace.collect(final, [{"inputs": qx.float(), "targets": qy.float(), "id": ["q0", "q1", "q2"]}],
+                              _squared)
+    values, vectors = torch.linalg.eigh(hessian)
+    block = DenseEigen(DenseBlock("fc.weight", dim), vectors.float().contiguous(), values.float())
+    exact = [GGN(curvature=Curvature("fisher", train.spec, {"fc.weight": block}, "exact", 0.0, "absolute"))
+             for train in trains]
+    unrolled = gradtrace.Unrolled(exact, trains, steps=[1] * steps, lr=lr)
+    unrolled.fit(optimizers="sgd")
+    got = unrolled.score(query, topk=None, matrix=True).matrix.double()
+    magnitude = sum(lr * query.vectors.double().norm(dim=1)[:, None] * t.vectors.double().norm(dim=1)[None, :]
+                    for t in trains)
+    # twice the first-order deviations, plus float32 gradients and eigendata (D = 4, 100 terms): 1e-5
+    bound = (x_max + steps * x_max ** 2 + 1e-5) * magnitude
+    assert bool(((got - want).abs() <= bound).all()), f"{float(((got - want).abs() / bound).max()):.3g}"
+    assert float(want.abs().max()) > 50 * float(bound.max())
+    tracin = sum(lr * query.vectors.double() @ t.vectors.double().t() for t in trains)
+    assert bool(((tracin - want).abs() > bound).any())
+
+
+def test_bad_input_is_refused_with_the_fix():
+    batches, queries = _data()
+    models, states = _adam_run(2)
+    trains, query = _collect(models, batches, queries)
+    with pytest.raises(EnsembleError, match=r"1 values of steps for 2 checkpoints"):
+        gradtrace.Unrolled("ekfac", trains, steps=[3], lr=0.05)
+    with pytest.raises(EnsembleError, match=r"steps of segment 1 must be a positive integer, got 2.5"):
+        gradtrace.Unrolled("ekfac", trains, steps=[3, 2.5], lr=0.05)
+    with pytest.raises(EnsembleError, match=r"lr of segment 0 must be positive and finite"):
+        gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=[-1.0, 0.1])
+    with pytest.raises(EnsembleError, match=r"needs a curvature method .* got 'grad_dot'"):
+        gradtrace.Unrolled("grad_dot", trains, steps=[3, 3], lr=0.05)
+    unrolled = gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=0.05)
+    with pytest.raises(MissingStage, match=r"optimizers='sgd' for plain SGD"):
+        unrolled.fit(None, batches, classification_loss, models=models)
+    with pytest.raises(EnsembleError, match=r"a list of one Adam state per checkpoint"):
+        unrolled.fit(None, batches, classification_loss, models=models, optimizers=states[0])
+    with pytest.raises(EnsembleError, match=r"1 optimizer states for 2 checkpoints"):
+        unrolled.fit(None, batches, classification_loss, models=models, optimizers=states[:1])
+    with pytest.raises(MissingStage, match=r"ekfac needs curvature: run attr.fit"):
+        unrolled.score(query)
+    unrolled.fit(None, batches, classification_loss, models=models, optimizers=states)
+    with pytest.raises(EnsembleError, match=r"takes one query set, at the attributed model"):
+        unrolled.score([query, query])
+
+
+def test_trainer_style_checkpoint_directories_give_the_same_scores(tmp_path):
+    batches, queries = _data()
+    models, states = _adam_run(2)
+    trains, query = _collect(models, batches, queries)
+    directories = _trainer_directories(tmp_path, models, states)
+    given = gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=0.05)
+    given.fit(None, batches, classification_loss, models=models, optimizers=states)
+    read = gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=0.05)
+    read.fit(models[0], batches, classification_loss, checkpoints=directories)
+    assert read.scales == given.scales
+    assert torch.equal(read.score(query, topk=None).matrix, given.score(query, topk=None).matrix)
