@@ -57,7 +57,12 @@ six checkpoints, gradients and curvature fits) combined by ``gradtrace.Unrolled`
 ``(epoch_c - epoch_{c-1}) x ceil(N / batch_size)`` optimizer steps up to checkpoint ``c`` at the task's constant
 learning rate, each checkpoint's step scale is read from the Adam state of its own training (the replay checked
 bit-identical, as for ``trackstar``), the damping is the method's default, and the query gradients are the
-attributed model's. No per-member normalisation or weight.
+attributed model's. No per-member normalisation or weight. Its first run took each layer's Adam step scale as the
+plain mean of ``1 / (sqrt(v_hat) + eps)``; its results showed that mean decided by coordinates that get no gradient
+(tinylm's position embeddings and attention: horizons of 10^4-10^5), a flaw of the approximation found in the
+horizons, not in the LDS. The method's default became the trace-matched scale (``step_scale="trace"``, see
+``gradtrace.score.unrolled``), fixed before any of its results; ``--ensembles unrolled`` runs it and
+``--ensembles unrolled_mean`` the first definition, both reported.
 
     python bench/quality.py                       # every task, all methods (builds the cache the first time)
     python bench/quality.py --tasks digits --methods grad_dot,kfac,random --subsets 50
@@ -126,11 +131,13 @@ TRACKSTAR_PRECONDITIONED = (("autocorrelation", False), ("autocorrelation", True
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
 ENSEMBLE_METHODS = ("grad_dot", "logra", "trak", "kfac", "ekfac", "trackstar")
-UNROLLED = "unrolled"  # the checkpoints' members combined by gradtrace.Unrolled (module docstring)
+# the checkpoints' members combined by gradtrace.Unrolled, by kind: its step_scale (module docstring)
+UNROLLED = {"unrolled": "trace", "unrolled_mean": "mean"}
 UNROLLED_METHODS = ("kfac", "ekfac")
-KINDS = (*ENSEMBLES, UNROLLED)  # what --ensembles takes
+KINDS = (*ENSEMBLES, *UNROLLED)  # what --ensembles takes
 ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run",
-                   UNROLLED: f"{MEMBERS} checkpoints of one run, unrolled",
+                   "unrolled": f"{MEMBERS} checkpoints of one run, unrolled",
+                   "unrolled_mean": f"{MEMBERS} checkpoints of one run, unrolled (step_scale=mean)",
                    "late_checkpoints": f"{MEMBERS} checkpoints of the second half of one run",
                    "seeds": f"{MEMBERS} models, seeds 0-5"}
 
@@ -261,8 +268,8 @@ def _ensemble_specs(task, names: list[str], rank: int, kinds: list[str], notes: 
         return []
     out = []
     for kind in kinds:
-        if kind == UNROLLED:
-            out += _unrolled_specs(task, names, rank, notes)
+        if kind in UNROLLED:
+            out += _unrolled_specs(task, names, rank, kind, notes)
             continue
         states: tuple[list[dict] | None, str] | None = None
         for name in (n for n in names if n in ENSEMBLE_METHODS):
@@ -284,28 +291,31 @@ def _ensemble_specs(task, names: list[str], rank: int, kinds: list[str], notes: 
 
 def _kind(spec: MethodSpec) -> str:
     """The ensemble kind a row belongs to (its ``--ensembles`` name)."""
-    return UNROLLED if spec.unrolled is not None else spec.ensemble
+    if spec.unrolled is None:
+        return spec.ensemble
+    return next(kind for kind, scale in UNROLLED.items() if scale == spec.unrolled["step_scale"])
 
 
-def _unrolled_specs(task, names: list[str], rank: int, notes: list[str] | None) -> list[tuple[MethodSpec, str]]:
-    """The ``unrolled`` rows (module docstring): the ``checkpoints`` members, each segment's steps at the task's
-    learning rate, each checkpoint's own Adam state."""
+def _unrolled_specs(task, names: list[str], rank: int, kind: str, notes: list[str] | None
+                    ) -> list[tuple[MethodSpec, str]]:
+    """The rows of an unrolled ``kind`` (module docstring): the ``checkpoints`` members, each segment's steps at the
+    task's learning rate, each checkpoint's own Adam state, the kind's step scale."""
     chosen = [n for n in names if n in UNROLLED_METHODS]
     if not chosen:
         return []
     states, why = member_adam_states(task, "checkpoints", MEMBERS)
     if states is None:
         if notes is not None:
-            notes.append(f"the {ENSEMBLE_LABELS[UNROLLED]} rows skipped: {why}")
+            notes.append(f"the {ENSEMBLE_LABELS[kind]} rows skipped: {why}")
         return []
     epochs = task.checkpoint_epochs(MEMBERS)
     per_epoch = math.ceil(task.num_train / task.settings.batch_size)
     steps = [(end - start) * per_epoch for start, end in zip([0, *epochs[:-1]], epochs)]
-    settings = {"steps": steps, "lr": task.settings.lr, "optimizers": states}
+    settings = {"steps": steps, "lr": task.settings.lr, "optimizers": states, "step_scale": UNROLLED[kind]}
     out = []
     for name in chosen:
         single, _ = _specs(task.name, [name], rank)
-        label = f"{single[0].title}, {ENSEMBLE_LABELS[UNROLLED]}"
+        label = f"{single[0].title}, {ENSEMBLE_LABELS[kind]}"
         out.append((MethodSpec(name, projection=single[0].projection, label=label, ensemble="checkpoints",
                                members=MEMBERS, unrolled=settings), single[0].title))
     return out
@@ -330,7 +340,7 @@ def _members_alone(task, all_ensembles: list[tuple[MethodSpec, str]], args: argp
     (``all_ensembles``: :func:`_ensemble_specs`' rows, whose Adam states the members reuse)."""
     lines = []
     for kind in args.ensemble_kinds:
-        if kind == UNROLLED:  # its members are the checkpoints' (that kind's table)
+        if kind in UNROLLED:  # its members are the checkpoints' (that kind's table)
             continue
         ensembles = [(spec, single) for spec, single in all_ensembles if _kind(spec) == kind]
         if not ensembles:
@@ -434,7 +444,7 @@ def main() -> None:
     parser.add_argument("--progress", action="store_true", help="progress bar while building ground truth")
     parser.add_argument("--ensembles", default="checkpoints,seeds",
                         help=f"ensemble rows on {', '.join(ENSEMBLE_TASKS)} for {', '.join(ENSEMBLE_METHODS)}: "
-                             f"comma-separated kinds of {KINDS} ({UNROLLED}: "
+                             f"comma-separated kinds of {KINDS} ({', '.join(UNROLLED)}: "
                              f"{', '.join(UNROLLED_METHODS)} only), or 'none'")
     parser.add_argument("--members-alone", action="store_true",
                         help="also the LDS of each ensemble member's model alone (its members trained again)")

@@ -31,8 +31,18 @@ gradient descent's final loss through the unrolled steps (up to the geometric se
 
 **The optimizer.** SGD: ``s = 1``. Adam / AdamW: a step is ``eta m_hat / (sqrt(v_hat) + eps)``, a diagonal
 preconditioner ``P = diag(1 / (sqrt(v_hat) + eps))`` read from the optimizer state at each checkpoint (bias-corrected
-as Adam's update). ``P`` does not commute with the curvature's eigenbasis, so each curvature block takes one scalar,
-the mean of ``P`` over the block's coordinates (``s_{c,b}``): each layer moves at Adam's mean step size for it.
+as Adam's update). ``P`` does not commute with the curvature's eigenbasis, so each curvature block takes one scalar
+``s_{c,b}``, chosen by ``step_scale``:
+
+* ``"trace"`` (default): ``s = tr(P V) / tr(V) = sum_j v_j / (sqrt(v_j) + eps) / sum_j v_j`` with ``V = diag(v_hat)``,
+  Adam's own estimate of the gradients' second moment (a proxy of the curvature's diagonal): the scalar that keeps
+  the total contraction rate ``tr(P H)`` of the block, and the least-squares fit of ``P`` on the coordinates
+  weighted by how much gradient they carry. A block whose second moment is all zero never moved: ``s = 0``.
+* ``"mean"``: the plain mean of ``P`` over the block's coordinates. Coordinates that receive (almost) no gradient
+  -- position embeddings of unused positions, a vocabulary's unseen tokens -- have ``P ~ 1 / eps`` and decide it
+  (on ``tinylm``, ``t`` of 10^4-10^5 for whole layers, a step size no coordinate that learns takes); kept for
+  comparison: it was the first definition benchmarked (docs/quality.md).
+
 Adam's momentum leaves the response of directions slower than its horizon unchanged and is not modelled, nor is
 weight decay (``lambda_c`` stands in for it).
 """
@@ -57,7 +67,7 @@ from .engine import _check_prepared
 from .ensemble import Ensemble, EnsembleError, is_member_list
 from .scores import Scores
 
-__all__ = ["Unrolled", "segment_scales"]
+__all__ = ["STEP_SCALES", "Unrolled", "segment_scales"]
 
 SGD = "sgd"
 
@@ -78,22 +88,34 @@ def _schedule(values: float | Sequence[float], count: int, what: str, integer: b
     return out
 
 
-def segment_scales(curvature_blocks: Sequence[Any], states: dict[str, Any] | None) -> dict[str, float]:
-    """``{block name: s}``: the optimizer's mean per-coordinate step scale over each curvature block's parameters --
-    ``mean(1 / (sqrt(v_hat) + eps))`` from Adam states (:func:`gradtrace.methods.less.adam_states`), 1 for SGD
-    (``states=None``)."""
+STEP_SCALES = ("trace", "mean")
+
+
+def segment_scales(curvature_blocks: Sequence[Any], states: dict[str, Any] | None, step_scale: str = "trace"
+                   ) -> dict[str, float]:
+    """``{block name: s}``: the optimizer's step scale over each curvature block's parameters (module docstring) --
+    from Adam states (:func:`gradtrace.methods.less.adam_states`) ``tr(P V) / tr(V)`` (``"trace"``) or ``mean(P)``
+    (``"mean"``), ``P = 1 / (sqrt(v_hat) + eps)``, ``V = v_hat``; 1 for SGD (``states=None``)."""
+    if step_scale not in STEP_SCALES:
+        raise ValueError(f"step_scale must be one of {STEP_SCALES}, got {step_scale!r}")
     scales = {}
     for eig in curvature_blocks:
         if states is None:
             scales[eig.block.name] = 1.0
             continue
-        total, count = 0.0, 0
+        weighted, weight, total, count = 0.0, 0.0, 0.0, 0
         for name in eig.block.params:
             state = states[name]
-            step = 1.0 / (bias_corrected(state).clamp(min=0).sqrt() + state.eps)
-            total += float(step.sum(dtype=torch.float64))
+            moment = bias_corrected(state).clamp(min=0).to(torch.float64)
+            step = 1.0 / (moment.sqrt() + state.eps)
+            weighted += float((moment * step).sum())
+            weight += float(moment.sum())
+            total += float(step.sum())
             count += step.numel()
-        scales[eig.block.name] = total / count
+        if step_scale == "mean":
+            scales[eig.block.name] = total / count
+        else:
+            scales[eig.block.name] = weighted / weight if weight > 0 else 0.0
     return scales
 
 
@@ -125,11 +147,14 @@ class Unrolled(Ensemble):
         steps: the optimizer steps of each segment (up to its checkpoint from the one before; the first from the
             start of training), one per checkpoint.
         lr: each segment's mean learning rate (one number: constant).
+        step_scale: how an Adam state becomes one step scale per curvature block, ``"trace"`` (default) or
+            ``"mean"`` (module docstring).
         block_rows, device, matrix_bytes, **method_options: as for :class:`~gradtrace.Ensemble`.
     """
 
     def __init__(self, method: str | Method | Sequence[Method] = "ekfac", train: Any = None, *,
-                 steps: Sequence[int], lr: float | Sequence[float], block_rows: int | None = None,
+                 steps: Sequence[int], lr: float | Sequence[float], step_scale: str = "trace",
+                 block_rows: int | None = None,
                  device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:
         super().__init__(method, train, normalize=False, block_rows=block_rows, device=device,
                          matrix_bytes=matrix_bytes, **method_options)
@@ -139,6 +164,9 @@ class Unrolled(Ensemble):
         count = len(self.members)
         self.steps = _schedule(steps, count, "steps", integer=True)
         self.lr = _schedule(lr, count, "lr")
+        if step_scale not in STEP_SCALES:
+            raise EnsembleError(f"step_scale must be one of {STEP_SCALES}, got {step_scale!r}")
+        self.step_scale = step_scale
         self.scales: list[dict[str, float]] | None = None
         self.optimizer_kind: str | None = None
 
@@ -180,8 +208,8 @@ class Unrolled(Ensemble):
                                    "parameters): fit(model, data, loss_fn, checkpoints=[...]) or models=[...]")
             recorded = names[c] or recorded_parameter_names(getattr(member.train[0], "manifest", None) or {})
             params = [p for eig in blocks for p in eig.block.params]
-            scales.append(segment_scales(blocks, adam_states(owner, load_optimizer_state(state), params,
-                                                             param_names=recorded)))
+            found = adam_states(owner, load_optimizer_state(state), params, param_names=recorded)
+            scales.append(segment_scales(blocks, found, self.step_scale))
         self.scales = scales
         self.optimizer_kind = SGD if all(s is None for s in states) else "adam"
         return self
@@ -256,7 +284,8 @@ class Unrolled(Ensemble):
         self.profile = {**scores.meta["profile"], "prepare_queries_s": prepared_s}
         scores.meta["profile"] = dict(self.profile)
         scores.meta["unrolled"] = {"checkpoints": len(self.members), "steps": self.steps, "lr": self.lr,
-                                   "optimizer": self.optimizer_kind, "horizons": self.horizons(),
+                                   "optimizer": self.optimizer_kind, "step_scale": self.step_scale,
+                                   "horizons": self.horizons(),
                                    "member_options": [m.method.options() for m in self.members]}
         return scores
 

@@ -82,29 +82,32 @@ def _reference(unrolled, trains, query):
     return total, bound
 
 
-def _mean_step(state, params):
-    """``mean(1 / (sqrt(v_hat) + eps))`` over the given parameter indices of an Adam ``state_dict``."""
+def _step_scale(state, params, kind):
+    """Adam's step scale ``P = 1 / (sqrt(v_hat) + eps)`` over the given parameter indices of a ``state_dict``:
+    ``tr(P V) / tr(V)`` (``"trace"``) or ``mean(P)``."""
     group = state["param_groups"][0]
-    total, count = 0.0, 0
-    for index in params:
-        entry = state["state"][index]
-        v_hat = entry["exp_avg_sq"].double() / (1 - group["betas"][1] ** float(entry["step"]))
-        step = 1 / (v_hat.sqrt() + group["eps"])
-        total, count = total + float(step.sum()), count + step.numel()
-    return total / count
+    moments = [state["state"][i]["exp_avg_sq"].double() / (1 - group["betas"][1] ** float(state["state"][i]["step"]))
+               for i in params]
+    v_hat = torch.cat([m.reshape(-1) for m in moments])
+    step = 1 / (v_hat.sqrt() + group["eps"])
+    return float((v_hat * step).sum() / v_hat.sum()) if kind == "trace" else float(step.mean())
 
 
 def test_equals_the_dense_formula_with_each_checkpoints_adam_state():
     batches, queries = _data()
     models, states = _adam_run(3)
     trains, query = _collect(models, batches, queries)
+    # each layer's step scale comes from Adam's 1 / (sqrt(v_hat) + eps) over the layer (weight and bias) at its own
+    # checkpoint (float64 sums of float32 states: rel 1e-6 is ~1000x their round-off)
+    for kind in ("mean", "trace"):
+        fitted = gradtrace.Unrolled("ekfac", trains, steps=[3, 3, 3], lr=0.05, step_scale=kind)
+        fitted.fit(None, batches, classification_loss, models=models, optimizers=states)
+        for scales, state in zip(fitted.scales, states):
+            assert scales["fc1.weight"] == pytest.approx(_step_scale(state, [0, 1], kind), rel=1e-6)
+            assert scales["fc2.weight"] == pytest.approx(_step_scale(state, [2, 3], kind), rel=1e-6)
+        assert fitted.scales[0] != fitted.scales[2]
     unrolled = gradtrace.Unrolled("ekfac", trains, steps=[3, 3, 3], lr=0.05, block_rows=4)
     unrolled.fit(None, batches, classification_loss, models=models, optimizers=states)
-    # each layer's step scale is Adam's mean 1 / (sqrt(v_hat) + eps) over the layer (weight and bias) at its checkpoint
-    for scales, state in zip(unrolled.scales, states):
-        assert scales["fc1.weight"] == pytest.approx(_mean_step(state, [0, 1]), rel=1e-6)
-        assert scales["fc2.weight"] == pytest.approx(_mean_step(state, [2, 3]), rel=1e-6)
-    assert unrolled.scales[0] != unrolled.scales[2]
     scores = unrolled.score(query, topk=None, matrix=True)
     want, bound = _reference(unrolled, trains, query)
     gap = (scores.matrix.double() - want).abs()
@@ -220,6 +223,8 @@ def test_bad_input_is_refused_with_the_fix():
         gradtrace.Unrolled("ekfac", trains, steps=[3, 2.5], lr=0.05)
     with pytest.raises(EnsembleError, match=r"lr of segment 0 must be positive and finite"):
         gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=[-1.0, 0.1])
+    with pytest.raises(EnsembleError, match=r"step_scale must be one of \('trace', 'mean'\), got 'median'"):
+        gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=0.05, step_scale="median")
     with pytest.raises(EnsembleError, match=r"needs a curvature method .* got 'grad_dot'"):
         gradtrace.Unrolled("grad_dot", trains, steps=[3, 3], lr=0.05)
     unrolled = gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=0.05)
@@ -247,3 +252,28 @@ def test_trainer_style_checkpoint_directories_give_the_same_scores(tmp_path):
     read.fit(models[0], batches, classification_loss, checkpoints=directories)
     assert read.scales == given.scales
     assert torch.equal(read.score(query, topk=None).matrix, given.score(query, topk=None).matrix)
+
+
+def test_a_block_without_gradient_has_no_step_and_dead_coordinates_weigh_nothing():
+    """``"trace"`` weighs coordinates by their second moment: one that never got a gradient (``v = 0``, ``P = 1 /
+    eps``) does not change it, where it decides ``"mean"``; a block with no gradient at all never moved (``s = 0``)."""
+    from gradtrace.curvature.blocks import KronBlock
+    from gradtrace.methods.less import AdamState
+    from gradtrace.score.unrolled import segment_scales
+
+    def state(values):
+        moment = torch.tensor(values)
+        return AdamState(torch.zeros_like(moment), moment, 10.0, 0.9, 0.999, 1e-8)
+
+    correction = 1 - 0.999 ** 10
+    live = [4e-4, 1e-4]
+    blocks = [DenseEigen(DenseBlock("a", 3), None, torch.ones(3)), DenseEigen(DenseBlock("b", 2), None, torch.ones(2)),
+              KronEigen(KronBlock("w", 1, 2), None, None, torch.ones(1, 2))]
+    states = {"a": state([*live, 0.0]), "b": state([0.0, 0.0]), "w": state([live])}
+    trace = segment_scales(blocks, states, "trace")
+    v_hat = torch.tensor(live, dtype=torch.float64) / correction
+    want = float((v_hat / (v_hat.sqrt() + 1e-8)).sum() / v_hat.sum())
+    assert trace["a"] == pytest.approx(want, rel=1e-6) and trace["w"] == pytest.approx(want, rel=1e-6)
+    assert trace["b"] == 0.0
+    assert segment_scales(blocks, states, "mean")["a"] > 1e7  # the dead coordinate's 1 / eps decides the mean
+    assert segment_scales(blocks, None) == {"a": 1.0, "b": 1.0, "w": 1.0}
