@@ -62,7 +62,14 @@ plain mean of ``1 / (sqrt(v_hat) + eps)``; its results showed that mean decided 
 (tinylm's position embeddings and attention: horizons of 10^4-10^5), a flaw of the approximation found in the
 horizons, not in the LDS. The method's default became the trace-matched scale (``step_scale="trace"``, see
 ``gradtrace.score.unrolled``), fixed before any of its results; ``--ensembles unrolled`` runs it and
-``--ensembles unrolled_mean`` the first definition, both reported.
+``--ensembles unrolled_mean`` the first definition, both reported. Both stayed below the attributed model's own
+``kfac`` / ``ekfac`` on tinylm; their horizons showed most eigen-directions with ``t x << 1`` -- a layer's single
+step scale cannot give flat directions the large steps Adam gives their coordinates -- so a third definition,
+``step_scale="eigenbasis"`` (the diagonal of Adam's preconditioner in each curvature eigenbasis, one horizon per
+direction), was added and fixed before any of its results: ``--ensembles unrolled_eigenbasis``. All three are
+reported. Because three definitions were tried against one ground truth, each is also scored on a confirmation
+ground truth drawn on other subsets (``--subset-seed 1``: the same recipe, training seeds and size; built after
+the three were fixed), with the single-model and ``checkpoints`` rows next to them.
 
     python bench/quality.py                       # every task, all methods (builds the cache the first time)
     python bench/quality.py --tasks digits --methods grad_dot,kfac,random --subsets 50
@@ -132,12 +139,13 @@ MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
 ENSEMBLE_METHODS = ("grad_dot", "logra", "trak", "kfac", "ekfac", "trackstar")
 # the checkpoints' members combined by gradtrace.Unrolled, by kind: its step_scale (module docstring)
-UNROLLED = {"unrolled": "trace", "unrolled_mean": "mean"}
+UNROLLED = {"unrolled": "trace", "unrolled_mean": "mean", "unrolled_eigenbasis": "eigenbasis"}
 UNROLLED_METHODS = ("kfac", "ekfac")
 KINDS = (*ENSEMBLES, *UNROLLED)  # what --ensembles takes
 ENSEMBLE_LABELS = {"checkpoints": f"{MEMBERS} checkpoints of one run",
                    "unrolled": f"{MEMBERS} checkpoints of one run, unrolled",
                    "unrolled_mean": f"{MEMBERS} checkpoints of one run, unrolled (step_scale=mean)",
+                   "unrolled_eigenbasis": f"{MEMBERS} checkpoints of one run, unrolled (step_scale=eigenbasis)",
                    "late_checkpoints": f"{MEMBERS} checkpoints of the second half of one run",
                    "seeds": f"{MEMBERS} models, seeds 0-5"}
 
@@ -369,10 +377,11 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
         print(f"test accuracy of the model trained on all the data: {task.accuracy(model):.1%}")
     if hasattr(task, "train_loss"):
         print(f"its mean training loss: {task.train_loss(model):.4f}")
-    cache = Path(args.cache) / name
+    cache = Path(args.cache) / (name if args.subset_seed is None else f"{name}-subsets-{args.subset_seed}")
     held = GroundTruth.load(cache).num_subsets if GroundTruth.exists(cache) else 0
     truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=subsets, runs=args.runs,
-                                   cache=cache, config=task.config, progress=args.progress)
+                                   cache=cache, config=task.config, progress=args.progress,
+                                   subset_seed=args.subset_seed)
     meta = truth.meta
     state = "cached" if held >= subsets else f"{subsets - held} subsets trained now"
     print(f"ground truth: {truth.num_subsets} subsets of {meta['subset_size']} examples, {args.runs} training "
@@ -436,6 +445,9 @@ def main() -> None:
     parser.add_argument("--subsets", default=None,
                         help=f"LDS subsets: N for every task or task=N,... (default {DEFAULT_SUBSETS})")
     parser.add_argument("--runs", type=int, default=1, help="training runs averaged per subset")
+    parser.add_argument("--subset-seed", type=int, default=None,
+                        help="draw the ground truth's subsets from this seed (training seeds unchanged; cached "
+                             "apart): a confirmation ground truth on other subsets")
     parser.add_argument("--rank", type=int, default=16, help="LoGra rank of the projected methods")
     parser.add_argument("--batch-size", type=int, default=64, help="examples per batch when collecting and fitting")
     parser.add_argument("--cache", default=".cache/gradtrace-quality", help="ground-truth cache directory")

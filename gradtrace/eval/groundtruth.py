@@ -168,7 +168,8 @@ def _bar(total: int, initial: int, enabled: bool, desc: str):
 def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: int, num_subsets: int = 100,
                            fraction: float = 0.5, seed: int = 0, runs: int = 1, progress: bool = False,
                            cache: str | Path | None = None, config: dict[str, Any] | None = None,
-                           seed_per_subset: bool = False, save_every_s: float = 30.0) -> GroundTruth:
+                           seed_per_subset: bool = False, save_every_s: float = 30.0,
+                           subset_seed: int | None = None) -> GroundTruth:
     """Retrain on random subsets and record the queries' outcomes (the LDS ground truth).
 
     Args:
@@ -187,6 +188,9 @@ def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: 
             recipe), JSON-serialisable; required with ``cache`` -- it is how a stale cache is detected.
         seed_per_subset: give every subset its own training seeds instead of sharing them.
         save_every_s: while building with a cache, save progress at most this often (seconds).
+        subset_seed: draw the subsets from this seed instead of ``seed`` (training seeds unchanged): another
+            ground truth of the same question, on other subsets -- e.g. to confirm on fresh subsets what was
+            chosen looking at the first.
 
     Returns:
         :class:`GroundTruth` with ``masks [S, N]``, ``outcomes [S, Q]`` and ``meta``.
@@ -197,6 +201,9 @@ def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: 
         raise ValueError("a cached ground truth needs config=... (the task's settings) to detect a stale cache")
     settings = {"kind": "lds", "schema": SCHEMA, "config": config, "num_train": num_train, "fraction": fraction,
                 "seed": seed, "runs": runs, "seed_per_subset": seed_per_subset}
+    if subset_seed is not None:  # absent otherwise: ground truths cached before it keep their fingerprint
+        settings["subset_seed"] = subset_seed
+    draws = seed if subset_seed is None else subset_seed
     key = fingerprint(settings)
     done_masks, done_outcomes, spent = None, None, 0.0
     if cache is not None and GroundTruth.exists(cache):
@@ -209,12 +216,12 @@ def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: 
             return held.head(num_subsets)
         done_masks, done_outcomes = held.masks, held.outcomes
         spent = float(held.meta.get("train_seconds", 0.0))
-    masks = subset_masks(num_train, num_subsets, fraction, seed)
+    masks = subset_masks(num_train, num_subsets, fraction, draws)
     start = 0
     if done_masks is not None:
         start = done_masks.shape[0]
         if not torch.equal(masks[:start], done_masks):
-            raise StaleGroundTruth(f"the subsets cached at {cache} are not the ones seed {seed} draws")
+            raise StaleGroundTruth(f"the subsets cached at {cache} are not the ones seed {draws} draws")
     rows = list(done_outcomes) if done_outcomes is not None else []
     num_q = rows[0].shape[0] if rows else None
     meta = {"schema": SCHEMA, "fingerprint": key, "settings": settings, "subset_size": int(masks[0].sum()),

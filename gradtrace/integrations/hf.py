@@ -45,9 +45,9 @@ from ..options import CaptureOptions, StoreOptions, takes_options
 from ..projection.logra import LoGra
 from ..store import GradientStore
 from .trainer_session import Session
-from .trainer_store import checkpoints
+from .trainer_store import checkpoints, segments
 
-__all__ = ["GradtraceCallback", "checkpoints"]
+__all__ = ["GradtraceCallback", "checkpoints", "segments"]
 
 
 class GradtraceCallback(TrainerCallback):

@@ -18,6 +18,8 @@ Trainer saves in the store's manifest (:func:`record_checkpoints`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,8 @@ from ..store.artifact import atomic_write_json
 from ..store.layout import MANIFEST, StoreError, lock_is_stale, read_lock
 from ..train.trajectory import TrajectoryKeys, step_weights
 
-__all__ = ["TrainerRows", "checkpoints", "preflight", "record_checkpoints", "shard_rows_for", "trained_weights"]
+__all__ = ["TrainerRows", "checkpoints", "preflight", "record_checkpoints", "segments", "shard_rows_for",
+           "trained_weights"]
 
 CONFIG_KEY = "trainer"
 SHARD_BYTES = 256 * 2**20  # rows a writer buffers before writing a shard: at most this many bytes (float32)
@@ -97,6 +100,43 @@ def checkpoints(store: Any) -> list[dict]:
     named = {"optimizer_parameters": list(names)} if names else {}
     return [{**c, **named, "path": str(resolve_path(c["path"], root))} if c.get("path") else {**c, **named}
             for c in trainer.get("checkpoints") or []]
+
+
+def segments(run: Any, chosen: Sequence[dict] | None = None) -> tuple[list[int], list[float]]:
+    """``(steps, lr)`` of the training segments that end at each ``chosen`` checkpoint (default: every one), for
+    :class:`gradtrace.Unrolled`: segment ``c`` is the optimizer steps after the previous chosen checkpoint (the first:
+    from the start of training) up to checkpoint ``c``, and its learning rate the mean over those steps (from the
+    ``mean_lr`` and ``updates`` the run recorded at each of its checkpoints in between).
+
+    Args:
+        run: the store a ``GradtraceCallback`` wrote (path or open store), or its :func:`checkpoints` list.
+        chosen: entries of that list (e.g. ``checkpoints(store)[-6:]``), in training order.
+
+    Raises:
+        ValueError: a chosen entry not in the run, chosen entries out of order, or a segment whose recorded
+            learning rates do not cover its steps (the run recorded rates for fewer updates than it stepped).
+    """
+    entries = sorted(run if isinstance(run, list) else checkpoints(run), key=lambda c: int(c["step"]))
+    chosen = entries if chosen is None else list(chosen)
+    known = {int(c["step"]) for c in entries}
+    marks = [int(c["step"]) for c in chosen]
+    missing = [m for m in marks if m not in known]
+    if missing:
+        raise ValueError(f"checkpoints at steps {missing[:3]} are not among the run's (steps {sorted(known)[:6]}...): "
+                         "choose entries of checkpoints(store)")
+    if any(b <= a for a, b in pairwise(marks)):
+        raise ValueError(f"the chosen checkpoints must be in training order, got steps {marks}")
+    steps, rates, start = [], [], 0
+    for mark in marks:
+        inside = [c for c in entries if start < int(c["step"]) <= mark]
+        updates = sum(int(c.get("updates") or 0) for c in inside)
+        if updates != mark - start or any(c.get("mean_lr") is None for c in inside if c.get("updates")):
+            raise ValueError(f"the run recorded learning rates for {updates} updates between steps {start} and "
+                             f"{mark}, which took {mark - start}: give Unrolled its steps= and lr= by hand")
+        steps.append(mark - start)
+        rates.append(sum(float(c["mean_lr"]) * int(c["updates"]) for c in inside if c.get("updates")) / updates)
+        start = mark
+    return steps, rates
 
 
 def _trainer_config(store: Any) -> tuple[Path, dict[str, Any]]:

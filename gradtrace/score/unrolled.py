@@ -38,6 +38,11 @@ as Adam's update). ``P`` does not commute with the curvature's eigenbasis, so ea
   Adam's own estimate of the gradients' second moment (a proxy of the curvature's diagonal): the scalar that keeps
   the total contraction rate ``tr(P H)`` of the block, and the least-squares fit of ``P`` on the coordinates
   weighted by how much gradient they carry. A block whose second moment is all zero never moved: ``s = 0``.
+* ``"eigenbasis"``: one scale per eigen-direction ``k`` of the block instead of one per block: the diagonal of ``P``
+  in the curvature's eigenbasis, ``s_k = q_k^T P q_k`` (for a Kronecker basis ``(Q_R^2)^T P (Q_C^2)``, ``P`` laid out
+  as the block's gradient matrix; on a LoGra store ``P`` from Adam's second moment mapped into the projection, as
+  ``trackstar`` maps it), so ``P H ~ Q diag(s * Lambda) Q^T``. Adam gives flat directions, whose coordinates get
+  small gradients, large steps; a block's single scale cannot.
 * ``"mean"``: the plain mean of ``P`` over the block's coordinates. Coordinates that receive (almost) no gradient
   -- position embeddings of unused positions, a vocabulary's unseen tokens -- have ``P ~ 1 / eps`` and decide it
   (on ``tinylm``, ``t`` of 10^4-10^5 for whole layers, a step size no coordinate that learns takes); kept for
@@ -59,10 +64,16 @@ import torch
 from torch import Tensor, nn
 
 from ..common.checkpoints import checkpoint_path
+from ..curvature.curvature import KronEigen
 from ..gradients import as_source
 from ..methods import Method, MissingStage
 from ..methods.less import adam_states
-from ..methods.trackstar import bias_corrected, load_optimizer_state, recorded_parameter_names
+from ..methods.trackstar import (
+    bias_corrected,
+    load_optimizer_state,
+    recorded_parameter_names,
+    second_moment_denominator,
+)
 from .engine import _check_prepared
 from .ensemble import Ensemble, EnsembleError, is_member_list
 from .scores import Scores
@@ -88,21 +99,28 @@ def _schedule(values: float | Sequence[float], count: int, what: str, integer: b
     return out
 
 
-STEP_SCALES = ("trace", "mean")
+STEP_SCALES = ("trace", "eigenbasis", "mean")
 
 
-def segment_scales(curvature_blocks: Sequence[Any], states: dict[str, Any] | None, step_scale: str = "trace"
-                   ) -> dict[str, float]:
-    """``{block name: s}``: the optimizer's step scale over each curvature block's parameters (module docstring) --
-    from Adam states (:func:`gradtrace.methods.less.adam_states`) ``tr(P V) / tr(V)`` (``"trace"``) or ``mean(P)``
-    (``"mean"``), ``P = 1 / (sqrt(v_hat) + eps)``, ``V = v_hat``; 1 for SGD (``states=None``)."""
+def segment_scales(curvature: Any, states: dict[str, Any] | None, step_scale: str = "trace"
+                   ) -> dict[str, float | Tensor]:
+    """``{block name: s}``: the optimizer's step scale over each block of ``curvature`` (a fitted
+    :class:`~gradtrace.curvature.Curvature`; module docstring) from Adam states
+    (:func:`gradtrace.methods.less.adam_states`), ``P = 1 / (sqrt(v_hat) + eps)``, ``V = v_hat``: ``tr(P V) / tr(V)``
+    (``"trace"``), ``mean(P)`` (``"mean"``) or, per eigen-direction (a tensor shaped like the block's eigenvalues),
+    ``diag(Q^T P Q)`` (``"eigenbasis"``); 1 for SGD (``states=None``)."""
     if step_scale not in STEP_SCALES:
         raise ValueError(f"step_scale must be one of {STEP_SCALES}, got {step_scale!r}")
+    blocks = list(curvature.blocks.values())
+    if states is None:
+        return {eig.block.name: 1.0 for eig in blocks}
+    if step_scale == "eigenbasis":
+        eps = next(iter(states.values())).eps
+        steps = 1.0 / second_moment_denominator(curvature.spec, states, eps).to(torch.float64)
+        offsets = curvature.spec.offsets()
+        return {eig.block.name: _eigen_diagonal(eig, steps, offsets) for eig in blocks}
     scales = {}
-    for eig in curvature_blocks:
-        if states is None:
-            scales[eig.block.name] = 1.0
-            continue
+    for eig in blocks:
         weighted, weight, total, count = 0.0, 0.0, 0.0, 0
         for name in eig.block.params:
             state = states[name]
@@ -119,10 +137,32 @@ def segment_scales(curvature_blocks: Sequence[Any], states: dict[str, Any] | Non
     return scales
 
 
-def _filters(curvature: Any, horizon: dict[str, float]) -> tuple[Any, Any]:
+def _eigen_diagonal(eig: Any, diagonal: Tensor, offsets: dict[str, tuple[int, int]]) -> Tensor:
+    """``diag(Q^T diag(p) Q)`` for one block's eigenbasis ``Q`` and a diagonal ``p`` laid out as the spec (``[D]``),
+    shaped like the block's eigenvalues (float64)."""
+    block = eig.block
+    if isinstance(eig, KronEigen):
+        w0, w1 = offsets[block.name]
+        matrix = diagonal[w0:w1].reshape(block.n_rows, block.n_cols)
+        if block.bias is not None:
+            b0, b1 = offsets[block.bias]
+            bias = diagonal[b0:b1]
+            matrix = (torch.cat([matrix, bias[:, None]], 1) if block.act_side == "cols"
+                      else torch.cat([matrix, bias[None]], 0))
+        if eig.q_rows is not None:
+            matrix = eig.q_rows.to(torch.float64).square().t() @ matrix
+        if eig.q_cols is not None:
+            matrix = matrix @ eig.q_cols.to(torch.float64).square()
+        return matrix
+    start, stop = offsets[block.name]
+    part = diagonal[start:stop]
+    return part if eig.q is None else eig.q.to(torch.float64).square().t() @ part
+
+
+def _filters(curvature: Any, horizon: dict[str, float | Tensor]) -> tuple[Any, Any]:
     """The functions of one segment's damped eigenvalues ``x`` (float64) for
     :meth:`~gradtrace.curvature.Curvature.apply_function`: the response ``(1 - exp(-t x)) / x`` (``expm1``: exact
-    for small ``t x``) and the decay ``exp(-t x)``, ``t`` the block's horizon."""
+    for small ``t x``) and the decay ``exp(-t x)``, ``t`` the block's horizon (a number, or one per eigenvalue)."""
 
     def damped(name: str, values: Tensor) -> Tensor:
         return values.to(torch.float64) + curvature.block_damping(name)
@@ -147,8 +187,8 @@ class Unrolled(Ensemble):
         steps: the optimizer steps of each segment (up to its checkpoint from the one before; the first from the
             start of training), one per checkpoint.
         lr: each segment's mean learning rate (one number: constant).
-        step_scale: how an Adam state becomes one step scale per curvature block, ``"trace"`` (default) or
-            ``"mean"`` (module docstring).
+        step_scale: how an Adam state becomes step scales: one per curvature block, ``"trace"`` (default) or
+            ``"mean"``, or one per eigen-direction, ``"eigenbasis"`` (module docstring).
         block_rows, device, matrix_bytes, **method_options: as for :class:`~gradtrace.Ensemble`.
     """
 
@@ -167,7 +207,7 @@ class Unrolled(Ensemble):
         if step_scale not in STEP_SCALES:
             raise EnsembleError(f"step_scale must be one of {STEP_SCALES}, got {step_scale!r}")
         self.step_scale = step_scale
-        self.scales: list[dict[str, float]] | None = None
+        self.scales: list[dict[str, float | Tensor]] | None = None
         self.optimizer_kind: str | None = None
 
     def fit(self, model: nn.Module | None = None, data: Any = None, loss_fn: Any = None, *,
@@ -198,18 +238,18 @@ class Unrolled(Ensemble):
         self.combined.check_ready()  # members built with their curvature need no model pass
         scales = []
         for c, (member, state) in enumerate(zip(self.members, states)):
-            blocks = list(member.method.active().blocks.values())
+            curvature = member.method.active()
             if state is None:
-                scales.append(segment_scales(blocks, None))
+                scales.append(segment_scales(curvature, None))
                 continue
             owner = models[c] if models is not None else model
             if owner is None:
                 raise MissingStage("unrolled: reading Adam states needs the model (to match the optimizer's "
                                    "parameters): fit(model, data, loss_fn, checkpoints=[...]) or models=[...]")
             recorded = names[c] or recorded_parameter_names(getattr(member.train[0], "manifest", None) or {})
-            params = [p for eig in blocks for p in eig.block.params]
+            params = [name for name, _ in curvature.spec.params]
             found = adam_states(owner, load_optimizer_state(state), params, param_names=recorded)
-            scales.append(segment_scales(blocks, found, self.step_scale))
+            scales.append(segment_scales(curvature, found, self.step_scale))
         self.scales = scales
         self.optimizer_kind = SGD if all(s is None for s in states) else "adam"
         return self
@@ -234,8 +274,9 @@ class Unrolled(Ensemble):
                            "optimizers=[...] with the Adam state at each checkpoint (optimizer, state_dict() or "
                            "optimizer.pt), or checkpoints=[...] as Trainer checkpoint directories holding optimizer.pt")
 
-    def horizons(self) -> list[dict[str, float]]:
-        """``t_{c,b} = eta_c K_c s_{c,b}`` of every segment ``c`` and curvature block ``b``."""
+    def horizons(self) -> list[dict[str, float | Tensor]]:
+        """``t_{c,b} = eta_c K_c s_{c,b}`` of every segment ``c`` and curvature block ``b`` (with
+        ``step_scale="eigenbasis"``, a tensor: one per eigen-direction)."""
         if self.scales is None:
             raise MissingStage("unrolled: run fit(...) first (the curvature and step scale of every checkpoint)")
         return [{name: lr * steps * s for name, s in scales.items()}
@@ -285,7 +326,8 @@ class Unrolled(Ensemble):
         scores.meta["profile"] = dict(self.profile)
         scores.meta["unrolled"] = {"checkpoints": len(self.members), "steps": self.steps, "lr": self.lr,
                                    "optimizer": self.optimizer_kind, "step_scale": self.step_scale,
-                                   "horizons": self.horizons(),
+                                   "horizons": [{name: float(torch.as_tensor(t, dtype=torch.float64).mean())
+                                                 for name, t in h.items()} for h in self.horizons()],
                                    "member_options": [m.method.options() for m in self.members]}
         return scores
 

@@ -143,3 +143,23 @@ def test_ridge_linear_datamodel_has_high_lds():
     effects = build_loo_ground_truth(task.train, task.outcome, task.n, indices=range(40))
     assert lds(effects, gt.masks, gt.outcomes).mean > 0.5
     assert lds(-effects, gt.masks, gt.outcomes).mean < -0.5
+
+
+def test_subset_seed_draws_other_subsets_with_the_same_training_seeds(tmp_path):
+    """A confirmation ground truth: other subsets, the same training seeds, cached apart from the first (a cache
+    of one is refused for the other); without it the settings -- and the fingerprint of caches built before it
+    existed -- are unchanged."""
+    task = Ridge()
+    first = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=4, seed=3, cache=tmp_path / "a",
+                                   config=task.config)
+    assert "subset_seed" not in first.meta["settings"]
+    task.calls.clear()
+    other = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=4, seed=3, subset_seed=8,
+                                   cache=tmp_path / "b", config=task.config)
+    assert torch.equal(other.masks, subset_masks(30, 4, seed=8)) and not torch.equal(other.masks, first.masks)
+    assert {seed for _, seed in task.calls} == {3}
+    for s in range(4):
+        assert torch.equal(other.outcomes[s], task.outcome(task.fit(other.masks[s].nonzero().flatten(), 3)))
+    with pytest.raises(StaleGroundTruth, match="subset_seed"):
+        build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=4, seed=3, subset_seed=8,
+                               cache=tmp_path / "a", config=task.config)

@@ -194,6 +194,20 @@ def test_checkpoints_are_recorded_in_the_store(tmp_path):
         want = want + factor * single.double()
         bound = bound + factor * (dim * eps + 3 * eps * single.double().abs())  # cosines of unit rows, then the sum
     assert bool(((got - want).abs() <= 2 * bound).all())
+    # unrolled over the same checkpoints: the run's segments, each directory's optimizer.pt mapped by the names its
+    # store records -- the same numbers as every state and name given by hand
+    from gradtrace.integrations.hf import segments
+
+    steps, lr = segments(tmp_path / "store")
+    assert steps == [1, 1, 1] and lr == pytest.approx([5e-2] * 3)
+    first = GPT2LMHeadModel.from_pretrained(saved[0]["path"])
+    read = gradtrace.Unrolled("kfac", stores, steps=steps, lr=lr).fit(first, [batch], checkpoints=saved)
+    members = [GPT2LMHeadModel.from_pretrained(c["path"]) for c in saved]
+    given = gradtrace.Unrolled("kfac", stores, steps=steps, lr=lr).fit(
+        None, [batch], models=members, param_names=[names] * 3,
+        optimizers=[torch.load(f"{c['path']}/optimizer.pt", weights_only=True) for c in saved])
+    assert read.scales == given.scales and all(s > 0 for scales in read.scales for s in scales.values())
+    assert torch.equal(read.score(queries[-1], matrix=True).matrix, given.score(queries[-1], matrix=True).matrix)
     # a store that does not record the names cannot map a grouped optimizer state: refused, not guessed
     bare = gradtrace.collect_checkpoints([c["path"] for c in saved[:1]], [batch], out=tmp_path / "bare", layers=layers)
     with pytest.raises(ValueError, match="2 parameter groups and records no parameter names"):

@@ -21,9 +21,9 @@ from tests.score.test_ensemble import _adam_run, _data, _trainer_directories
 EPS = torch.finfo(torch.float32).eps
 
 
-def _collect(models, batches, queries):
-    trains = [gradtrace.collect(m, batches, classification_loss) for m in models]
-    return trains, gradtrace.collect(models[-1], queries, classification_loss)
+def _collect(models, batches, queries, projection=None):
+    trains = [gradtrace.collect(m, batches, classification_loss, projection=projection) for m in models]
+    return trains, gradtrace.collect(models[-1], queries, classification_loss, projection=projection)
 
 
 def _layout(eig, offsets):
@@ -43,20 +43,25 @@ def _layout(eig, offsets):
 
 
 def _dense(curvature, horizons):
-    """Float64 ``(G + lambda)`` (``D x D``) and ``T`` (each block's horizon on its coordinates) from the eigendata."""
+    """Float64 ``D x D`` matrices from the eigendata: ``A = Q diag(t (lambda + damping)) Q^T`` and ``S = Q diag(t)
+    Q^T``, ``t`` each block's horizon (one number, or one per eigen-direction), so that the segment's decay is
+    ``exp(-A)`` and its response ``(I - exp(-A)) A^-1 S``."""
     dim = curvature.spec.dim
-    matrix, horizon = torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, dtype=torch.float64)
+    rate, horizon = torch.zeros(dim, dim, dtype=torch.float64), torch.zeros(dim, dim, dtype=torch.float64)
     offsets = curvature.spec.offsets()
     for name, eig in curvature.blocks.items():
         if isinstance(eig, KronEigen):
-            basis = torch.kron(eig.q_rows.double(), eig.q_cols.double())
+            rows = eig.q_rows.double() if eig.q_rows is not None else torch.eye(eig.eigenvalues.shape[0]).double()
+            cols = eig.q_cols.double() if eig.q_cols is not None else torch.eye(eig.eigenvalues.shape[1]).double()
+            basis = torch.kron(rows, cols)
         else:
             basis = eig.q.double() if eig.q is not None else torch.eye(eig.eigenvalues.numel(), dtype=torch.float64)
         values = eig.eigenvalues.double().reshape(-1) + curvature.block_damping(name)
+        t = torch.as_tensor(horizons[name], dtype=torch.float64).expand(eig.eigenvalues.shape).reshape(-1)
         index = _layout(eig, offsets)
-        matrix[index[:, None], index[None, :]] = basis @ torch.diag(values) @ basis.t()
-        horizon[index] = horizons[name]
-    return matrix, horizon
+        rate[index[:, None], index[None, :]] = basis @ torch.diag(t * values) @ basis.t()
+        horizon[index[:, None], index[None, :]] = basis @ torch.diag(t) @ basis.t()
+    return rate, horizon
 
 
 def _reference(unrolled, trains, query):
@@ -69,15 +74,14 @@ def _reference(unrolled, trains, query):
     total, bound = 0, 0
     for c in range(count - 1, -1, -1):
         curvature = unrolled.members[c].method.active()
-        horizons = unrolled.horizons()[c]
-        matrix, horizon = _dense(curvature, horizons)
-        exponent = torch.linalg.matrix_exp(-horizon[:, None] * matrix)
-        prepared = (torch.eye(len(horizon), dtype=torch.float64) - exponent) @ torch.linalg.inv(matrix)
+        rate, horizon = _dense(curvature, unrolled.horizons()[c])
+        exponent = torch.linalg.matrix_exp(-rate)
+        prepared = (torch.eye(len(rate), dtype=torch.float64) - exponent) @ torch.linalg.solve(rate, horizon)
         part = (carried @ prepared.t()) @ trains[c].vectors.double().t()
         total = total + part
-        stiffness = 1 + float((horizon[:, None] * matrix).diagonal().max())
+        stiffness = 1 + float(torch.linalg.eigvalsh(rate).max())
         size = (carried @ prepared.t()).norm(dim=1)[:, None] * trains[c].vectors.double().norm(dim=1)[None, :]
-        bound = bound + (2 * count + 2) * len(horizon) * EPS * stiffness * size
+        bound = bound + (2 * count + 2) * len(rate) * EPS * stiffness * size
         carried = carried @ exponent.t()
     return total, bound
 
@@ -93,20 +97,29 @@ def _step_scale(state, params, kind):
     return float((v_hat * step).sum() / v_hat.sum()) if kind == "trace" else float(step.mean())
 
 
-def test_equals_the_dense_formula_with_each_checkpoints_adam_state():
+CURVATURES = [("ekfac", None), ("kfac", None), ("ggn", None), ("logra", gradtrace.LoGra(rank=2, seed=1))]
+
+
+@pytest.mark.parametrize(("method", "projection"), CURVATURES, ids=[m for m, _ in CURVATURES])
+def test_equals_the_dense_formula_with_each_checkpoints_adam_state(method, projection):
     batches, queries = _data()
     models, states = _adam_run(3)
-    trains, query = _collect(models, batches, queries)
+    trains, query = _collect(models, batches, queries, projection)
     # each layer's step scale comes from Adam's 1 / (sqrt(v_hat) + eps) over the layer (weight and bias) at its own
     # checkpoint (float64 sums of float32 states: rel 1e-6 is ~1000x their round-off)
+    order = [name for name, _ in models[0].named_parameters()]  # Adam's order
     for kind in ("mean", "trace"):
-        fitted = gradtrace.Unrolled("ekfac", trains, steps=[3, 3, 3], lr=0.05, step_scale=kind)
+        fitted = gradtrace.Unrolled(method, trains, steps=[3, 3, 3], lr=0.05, step_scale=kind)
         fitted.fit(None, batches, classification_loss, models=models, optimizers=states)
-        for scales, state in zip(fitted.scales, states):
-            assert scales["fc1.weight"] == pytest.approx(_step_scale(state, [0, 1], kind), rel=1e-6)
-            assert scales["fc2.weight"] == pytest.approx(_step_scale(state, [2, 3], kind), rel=1e-6)
+        for scales, state, member in zip(fitted.scales, states, fitted.members):
+            blocks = member.method.active().blocks.values()
+            assert scales.keys() == {eig.block.name for eig in blocks}
+            for eig in blocks:
+                want = _step_scale(state, [order.index(p) for p in eig.block.params], kind)
+                assert scales[eig.block.name] == pytest.approx(want, rel=1e-6)
         assert fitted.scales[0] != fitted.scales[2]
-    unrolled = gradtrace.Unrolled("ekfac", trains, steps=[3, 3, 3], lr=0.05, block_rows=4)
+    step_scale = "eigenbasis" if method == "kfac" else "trace"  # the dense formula with one scale per direction too
+    unrolled = gradtrace.Unrolled(method, trains, steps=[3, 3, 3], lr=0.05, block_rows=4, step_scale=step_scale)
     unrolled.fit(None, batches, classification_loss, models=models, optimizers=states)
     scores = unrolled.score(query, topk=None, matrix=True)
     want, bound = _reference(unrolled, trains, query)
@@ -223,7 +236,7 @@ def test_bad_input_is_refused_with_the_fix():
         gradtrace.Unrolled("ekfac", trains, steps=[3, 2.5], lr=0.05)
     with pytest.raises(EnsembleError, match=r"lr of segment 0 must be positive and finite"):
         gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=[-1.0, 0.1])
-    with pytest.raises(EnsembleError, match=r"step_scale must be one of \('trace', 'mean'\), got 'median'"):
+    with pytest.raises(EnsembleError, match=r"step_scale must be one of \('trace', 'eigenbasis', 'mean'\), got 'med"):
         gradtrace.Unrolled("ekfac", trains, steps=[3, 3], lr=0.05, step_scale="median")
     with pytest.raises(EnsembleError, match=r"needs a curvature method .* got 'grad_dot'"):
         gradtrace.Unrolled("grad_dot", trains, steps=[3, 3], lr=0.05)
@@ -256,10 +269,13 @@ def test_trainer_style_checkpoint_directories_give_the_same_scores(tmp_path):
 
 def test_a_block_without_gradient_has_no_step_and_dead_coordinates_weigh_nothing():
     """``"trace"`` weighs coordinates by their second moment: one that never got a gradient (``v = 0``, ``P = 1 /
-    eps``) does not change it, where it decides ``"mean"``; a block with no gradient at all never moved (``s = 0``)."""
+    eps``) does not change it, where it decides ``"mean"``; a block with no gradient at all never moved (``s = 0``).
+    ``"eigenbasis"``: ``diag(Q^T P Q)`` per direction (a dense rotation, and a Kronecker one against its dense
+    Kronecker product)."""
     from gradtrace.curvature.blocks import KronBlock
     from gradtrace.methods.less import AdamState
     from gradtrace.score.unrolled import segment_scales
+    from gradtrace.store.spec import GradientSpec
 
     def state(values):
         moment = torch.tensor(values)
@@ -267,13 +283,47 @@ def test_a_block_without_gradient_has_no_step_and_dead_coordinates_weigh_nothing
 
     correction = 1 - 0.999 ** 10
     live = [4e-4, 1e-4]
-    blocks = [DenseEigen(DenseBlock("a", 3), None, torch.ones(3)), DenseEigen(DenseBlock("b", 2), None, torch.ones(2)),
-              KronEigen(KronBlock("w", 1, 2), None, None, torch.ones(1, 2))]
-    states = {"a": state([*live, 0.0]), "b": state([0.0, 0.0]), "w": state([live])}
-    trace = segment_scales(blocks, states, "trace")
+    rotation = torch.linalg.qr(torch.randn(3, 3, generator=torch.Generator().manual_seed(0)))[0].contiguous()
+    rows, cols = (torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(n)))[0].contiguous()
+                  for n in (2, 3))
+    blocks = {"a": DenseEigen(DenseBlock("a", 3), rotation, torch.ones(3)),
+              "b": DenseEigen(DenseBlock("b", 2), None, torch.ones(2)),
+              "w": KronEigen(KronBlock("w", 2, 2, "cols", "wb"), rows, cols, torch.ones(2, 3))}
+    spec = GradientSpec(params=[("a", 3), ("b", 2), ("w", 4), ("wb", 2)], projection=None, convention={})
+    curvature = Curvature("fisher", spec, blocks, "exact", 0.1, "relative")
+    states = {"a": state([*live, 0.0]), "b": state([0.0, 0.0]), "w": state([live, live[::-1]]), "wb": state(live)}
+    trace = segment_scales(curvature, states, "trace")
     v_hat = torch.tensor(live, dtype=torch.float64) / correction
     want = float((v_hat / (v_hat.sqrt() + 1e-8)).sum() / v_hat.sum())
     assert trace["a"] == pytest.approx(want, rel=1e-6) and trace["w"] == pytest.approx(want, rel=1e-6)
     assert trace["b"] == 0.0
-    assert segment_scales(blocks, states, "mean")["a"] > 1e7  # the dead coordinate's 1 / eps decides the mean
-    assert segment_scales(blocks, None) == {"a": 1.0, "b": 1.0, "w": 1.0}
+    assert segment_scales(curvature, states, "mean")["a"] > 1e7  # the dead coordinate's 1 / eps decides the mean
+    assert segment_scales(curvature, None) == {"a": 1.0, "b": 1.0, "w": 1.0}
+    eigen = segment_scales(curvature, states, "eigenbasis")
+    steps = {k: 1 / (bias_v.double().div(correction).sqrt() + 1e-8) for k, bias_v in
+             ((k, v.exp_avg_sq) for k, v in states.items())}
+    dense = rotation.double().t() @ torch.diag(steps["a"]) @ rotation.double()
+    assert torch.allclose(eigen["a"], dense.diagonal(), rtol=1e-6, atol=0)
+    matrix = torch.cat([steps["w"], steps["wb"][:, None]], 1)  # the bias joins as the last column
+    basis = torch.kron(rows.double(), cols.double())
+    want = (basis.t() @ torch.diag(matrix.reshape(-1)) @ basis).diagonal().reshape(2, 3)
+    assert eigen["w"].shape == (2, 3) and torch.allclose(eigen["w"], want, rtol=1e-6, atol=0)
+    assert torch.allclose(eigen["b"], steps["b"], rtol=1e-6, atol=0)  # sqrt(v) + eps is summed in float32
+
+
+def test_a_trainer_runs_segments():
+    """Steps between the chosen checkpoints and the mean learning rate over them, from the run's records."""
+    from gradtrace.integrations.trainer_store import segments
+
+    run = [{"step": 10, "mean_lr": 1.0, "updates": 10}, {"step": 20, "mean_lr": 0.5, "updates": 10},
+           {"step": 30, "mean_lr": 0.25, "updates": 10}]
+    assert segments(run) == ([10, 10, 10], [1.0, 0.5, 0.25])
+    assert segments(run, [run[0], run[2]]) == ([10, 20], [1.0, 0.375])
+    assert segments(run, [run[2]]) == ([30], [pytest.approx(1.75 / 3)])
+    with pytest.raises(ValueError, match=r"steps \[25\] are not among the run's"):
+        segments(run, [{"step": 25}])
+    with pytest.raises(ValueError, match=r"must be in training order, got steps \[30, 10\]"):
+        segments(run, [run[2], run[0]])
+    partial = [run[0], {**run[1], "updates": 4}, run[2]]
+    with pytest.raises(ValueError, match=r"learning rates for 14 updates between steps 0 and 20, which took 20"):
+        segments(partial, [partial[1]])
