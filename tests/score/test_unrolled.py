@@ -118,7 +118,7 @@ def test_equals_the_dense_formula_with_each_checkpoints_adam_state(method, proje
                 want = _step_scale(state, [order.index(p) for p in eig.block.params], kind)
                 assert scales[eig.block.name] == pytest.approx(want, rel=1e-6)
         assert fitted.scales[0] != fitted.scales[2]
-    step_scale = "eigenbasis" if method == "kfac" else "trace"  # the dense formula with one scale per direction too
+    step_scale = "eigenbasis" if method in ("kfac", "logra") else "trace"  # one scale per direction too
     unrolled = gradtrace.Unrolled(method, trains, steps=[3, 3, 3], lr=0.05, block_rows=4, step_scale=step_scale)
     unrolled.fit(None, batches, classification_loss, models=models, optimizers=states)
     scores = unrolled.score(query, topk=None, matrix=True)
