@@ -249,6 +249,10 @@ class Unrolled(Ensemble):
             recorded = names[c] or recorded_parameter_names(getattr(member.train[0], "manifest", None) or {})
             params = [name for name, _ in curvature.spec.params]
             found = adam_states(owner, load_optimizer_state(state), params, param_names=recorded)
+            bad = [name for name in params if not bool(torch.isfinite(bias_corrected(found[name])).all())]
+            if bad:
+                raise EnsembleError(f"unrolled: the Adam state of checkpoint {c} holds NaN/inf in the second moment "
+                                    f"(exp_avg_sq) of {bad[:3]}: check that checkpoint's optimizer state")
             scales.append(segment_scales(curvature, found, self.step_scale))
         self.scales = scales
         self.optimizer_kind = SGD if all(s is None for s in states) else "adam"

@@ -4,6 +4,8 @@ products) and the derivative of gradient descent's final query loss through the 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -249,6 +251,10 @@ def test_bad_input_is_refused_with_the_fix():
         unrolled.fit(None, batches, classification_loss, models=models, optimizers=states[:1])
     with pytest.raises(MissingStage, match=r"ekfac needs curvature: run attr.fit"):
         unrolled.score(query)
+    broken = copy.deepcopy(states)
+    broken[1]["state"][2]["exp_avg_sq"][0, 0] = float("nan")
+    with pytest.raises(EnsembleError, match=r"checkpoint 1 holds NaN/inf in the second moment .* of \['fc2.weight'\]"):
+        unrolled.fit(None, batches, classification_loss, models=models, optimizers=broken)
     unrolled.fit(None, batches, classification_loss, models=models, optimizers=states)
     with pytest.raises(EnsembleError, match=r"takes one query set, at the attributed model"):
         unrolled.score([query, query])
