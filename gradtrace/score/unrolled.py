@@ -114,6 +114,9 @@ def segment_scales(curvature: Any, states: dict[str, Any] | None, step_scale: st
     blocks = list(curvature.blocks.values())
     if states is None:
         return {eig.block.name: 1.0 for eig in blocks}
+    bad = [p for eig in blocks for p in eig.block.params if not bool(torch.isfinite(bias_corrected(states[p])).all())]
+    if bad:
+        raise ValueError(f"the Adam second moment (exp_avg_sq) of {bad[:3]} holds NaN/inf")
     if step_scale == "eigenbasis":
         eps = next(iter(states.values())).eps
         steps = 1.0 / second_moment_denominator(curvature.spec, states, eps).to(torch.float64)
@@ -249,11 +252,10 @@ class Unrolled(Ensemble):
             recorded = names[c] or recorded_parameter_names(getattr(member.train[0], "manifest", None) or {})
             params = [name for name, _ in curvature.spec.params]
             found = adam_states(owner, load_optimizer_state(state), params, param_names=recorded)
-            bad = [name for name in params if not bool(torch.isfinite(bias_corrected(found[name])).all())]
-            if bad:
-                raise EnsembleError(f"unrolled: the Adam state of checkpoint {c} holds NaN/inf in the second moment "
-                                    f"(exp_avg_sq) of {bad[:3]}: check that checkpoint's optimizer state")
-            scales.append(segment_scales(curvature, found, self.step_scale))
+            try:
+                scales.append(segment_scales(curvature, found, self.step_scale))
+            except ValueError as err:
+                raise EnsembleError(f"unrolled: checkpoint {c}: {err}; check its optimizer state") from None
         self.scales = scales
         self.optimizer_kind = SGD if all(s is None for s in states) else "adam"
         return self
