@@ -26,7 +26,7 @@ from ..store.artifact import read_artifact, write_artifact
 from ..store.spec import GradientSpec
 from .blocks import Block, DenseBlock, KronBlock, block_from_dict
 
-__all__ = ["Curvature", "KronEigen", "DenseEigen", "CurvatureError", "eigh"]
+__all__ = ["Curvature", "KronEigen", "DenseEigen", "CurvatureError", "eigh", "kron_matrices"]
 
 FORMAT = "gradtrace-curvature"
 VERSION = 2
@@ -46,6 +46,20 @@ def eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
     """
     values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
     return values.clamp(min=0).to(torch.float32).contiguous(), vectors.to(torch.float32).contiguous()
+
+
+def kron_matrices(vectors: Tensor, block: KronBlock, offsets: dict[str, tuple[int, int]]) -> Tensor:
+    """``[Q, D]`` rows laid out as a spec (``offsets``: :meth:`GradientSpec.offsets`) -> ``[Q, n_rows, n_cols]``:
+    each row's coordinates of a Kronecker ``block`` as its gradient matrix, the joined bias appended as the last
+    column (``act_side="cols"``) or row (the shape of the block's eigenvalue grid)."""
+    w0, w1 = offsets[block.name]
+    matrix = vectors[:, w0:w1].reshape(vectors.shape[0], block.n_rows, block.n_cols)
+    if block.bias is None:
+        return matrix
+    b0, b1 = offsets[block.bias]
+    bias = vectors[:, b0:b1]
+    return (torch.cat([matrix, bias.unsqueeze(2)], dim=2) if block.act_side == "cols"
+            else torch.cat([matrix, bias.unsqueeze(1)], dim=1))
 
 
 @dataclass
@@ -174,12 +188,7 @@ class Curvature:
         block = eig.block
         count = vectors.shape[0]
         w0, w1 = offsets[block.name]
-        matrix = vectors[:, w0:w1].to(torch.float32).reshape(count, block.n_rows, block.n_cols)
-        if block.bias is not None:
-            b0, b1 = offsets[block.bias]
-            bias = vectors[:, b0:b1].to(torch.float32)
-            matrix = (torch.cat([matrix, bias.unsqueeze(2)], dim=2) if block.act_side == "cols"
-                      else torch.cat([matrix, bias.unsqueeze(1)], dim=1))
+        matrix = kron_matrices(vectors, block, offsets).to(torch.float32)
         device = matrix.device
         q_rows = eig.q_rows.to(device) if eig.q_rows is not None else None
         q_cols = eig.q_cols.to(device) if eig.q_cols is not None else None

@@ -64,7 +64,7 @@ import torch
 from torch import Tensor, nn
 
 from ..common.checkpoints import checkpoint_path
-from ..curvature.curvature import KronEigen
+from ..curvature.curvature import KronEigen, kron_matrices
 from ..gradients import as_source
 from ..methods import Method, MissingStage
 from ..methods.less import adam_states
@@ -145,13 +145,7 @@ def _eigen_diagonal(eig: Any, diagonal: Tensor, offsets: dict[str, tuple[int, in
     shaped like the block's eigenvalues (float64)."""
     block = eig.block
     if isinstance(eig, KronEigen):
-        w0, w1 = offsets[block.name]
-        matrix = diagonal[w0:w1].reshape(block.n_rows, block.n_cols)
-        if block.bias is not None:
-            b0, b1 = offsets[block.bias]
-            bias = diagonal[b0:b1]
-            matrix = (torch.cat([matrix, bias[:, None]], 1) if block.act_side == "cols"
-                      else torch.cat([matrix, bias[None]], 0))
+        matrix = kron_matrices(diagonal[None], block, offsets)[0]
         if eig.q_rows is not None:
             matrix = eig.q_rows.to(torch.float64).square().t() @ matrix
         if eig.q_cols is not None:
