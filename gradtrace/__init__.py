@@ -16,6 +16,7 @@ from .losses import LossConvention
 from .methods import available_methods
 from .methods.dvemb import data_value_embeddings
 from .methods.less import less_features, less_query_features
+from .methods.saved import load_fit, save_fit
 from .per_checkpoint import collect_checkpoints
 from .plan import FitPlan, Plan, ScorePlan, plan, plan_fit, plan_score
 from .projection import LoGra
@@ -34,5 +35,5 @@ __all__ = [
     "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
     "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
     "plan", "Plan", "plan_fit", "FitPlan", "plan_score", "ScorePlan", "__version__", "GradBatch", "ParamGrad",
-    "Ensemble", "Unrolled", "collect_checkpoints",
+    "Ensemble", "Unrolled", "collect_checkpoints", "load_fit", "save_fit",
 ]

@@ -131,8 +131,8 @@ def free_space(path: Path) -> int:
 class FitPlan:
     """What fitting a curvature for a store takes (sizes in bytes, times in seconds)."""
 
-    method: str  # kfac, ekfac, fisher (a dense Fisher per parameter) or logra (from the stored gradients)
-    examples: int  # examples each pass goes over (the store's rows for logra)
+    method: str  # kfac, ekfac, fisher (a dense Fisher per parameter), logra, trak or trackstar (from the store)
+    examples: int  # examples each pass goes over (the store's rows for logra, trak, trackstar)
     tokens: int | None  # input tokens of those examples (None: not token inputs, or logra)
     passes: int  # passes over the data: 2 for EK-FAC, times the label samples of a true Fisher
     blocks: int  # curvature blocks (one per matrix parameter, one per other parameter)
@@ -143,6 +143,7 @@ class FitPlan:
     free_bytes: int | None  # free space where it is saved (None: no output path given)
     seconds_per_example: float  # every pass over one example (from the warm-up)
     fixed_seconds: float  # once: eigendecompositions (from the warm-up, whose blocks have the full fit's sizes)
+    factor_itemsize: int = 4  # bytes per factor value: 8 for the float64 D x D kernel of trak / trackstar
 
     @property
     def fits(self) -> bool:
@@ -175,24 +176,29 @@ class _TimedPasses:
 def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | None = None, loss_fn: Any = None, *,
              method: str = "ekfac", fisher: str = "auto", samples: int = 1, out: str | Path | None = None,
              max_dense: int = 4096, warmup_batches: int = 2, device: Any = None,
-             block_rows: int | None = None) -> FitPlan:
+             block_rows: int | None = None, precondition: str | None = None, max_dim: int = 32768) -> FitPlan:
     """The plan of fitting ``method``'s curvature for ``store`` (a :class:`gradtrace.GradientStore` or its path).
 
     ``kfac``/``ekfac``/``fisher`` fit on ``data`` with ``model`` (as :func:`gradtrace.curvature.fit_curvature`
     with ``spec=store.spec``): ``data`` is counted, then a warm-up fit on its first ``warmup_batches`` batches
     gives the blocks (the same as the full fit's), the time of the data passes per example and the time of the
     eigendecompositions. ``logra`` (the dense Fisher of the stored projected gradients, no model pass) reads
-    the store's first block instead. ``out``: where the curvature is saved (its free space).
+    the store's first block instead; so do ``trak`` (its ``D x D`` float64 kernel) and ``trackstar`` (its
+    second moment, ``D`` values, and with ``precondition="autocorrelation"`` a kernel like trak's; ``max_dense``
+    does not apply to them, their own ``max_dim`` does). ``out``: where the fit is saved (its free space).
     """
     from .store import GradientStore
 
     store = store if isinstance(store, GradientStore) else GradientStore.open(store)
     free = None if out is None else free_space(Path(out))
+    rows = block_rows_for(store.dim) if block_rows is None else block_rows
     if method == "logra":
-        rows = block_rows_for(store.dim) if block_rows is None else block_rows
         return _plan_stored_fisher(store, free, max_dense, rows, device)
+    if method in ("trak", "trackstar"):
+        kernel = method == "trak" or precondition == "autocorrelation"
+        return _plan_stored_kernel(store, method, kernel, free, max_dim, rows, device)
     if method not in ("kfac", "ekfac", "fisher"):
-        raise ValueError(f"plan_fit(): method must be kfac, ekfac, fisher or logra, got {method!r}")
+        raise ValueError(f"plan_fit(): method must be kfac, ekfac, fisher, logra, trak or trackstar, got {method!r}")
     if model is None or data is None:
         raise ValueError(f"plan_fit(): method {method!r} fits on data: pass model and data")
     if warmup_batches < 1:
@@ -266,6 +272,51 @@ def _plan_stored_fisher(store: Any, free: int | None, max_dense: int, block_rows
     return FitPlan(method="logra", examples=len(store), tokens=None, passes=1, blocks=len(moments), kron_blocks=0,
                    factor_floats=factors, curvature_bytes=4 * saved, free_bytes=free, seconds_per_example=per_row,
                    fixed_seconds=time.perf_counter() - start)
+
+
+class KernelTooLarge(ValueError):
+    """A ``D x D`` float64 kernel (trak, trackstar's autocorrelation) beyond ``max_dim``."""
+
+    def __init__(self, method: str, dim: int, max_dim: int) -> None:
+        from .common.units import human_bytes
+
+        self.method, self.dim, self.max_dim, self.bytes = method, dim, max_dim, 8 * dim * dim
+        self.what = "trak's kernel" if method == "trak" else "trackstar's autocorrelation"
+        super().__init__(f"plan_fit(): {self.what} of {dim:,}-dimensional gradients takes {human_bytes(self.bytes)} "
+                         f"(float64), beyond max_dim={max_dim:,}; collect projected gradients "
+                         "(projection=gradtrace.LoGra(rank=...)) or raise max_dim=")
+
+
+KERNEL_TIMED_DIM = 512
+"""The size of the eigendecomposition timed for a kernel plan; a ``D x D`` one is scaled by ``(D / 512)^3``."""
+
+
+def _plan_stored_kernel(store: Any, method: str, kernel: bool, free: int | None, max_dim: int, block_rows: int,
+                        device: Any) -> FitPlan:
+    """The plan of trak's kernel or trackstar's fit from the stored rows: with a kernel, one pass accumulating
+    ``Phi^T Phi`` (timed on the store's first block) and one ``D x D`` float64 eigendecomposition (timed at
+    :data:`KERNEL_TIMED_DIM` and scaled cubically); trackstar alone reads only the optimizer state."""
+    dim = store.dim
+    saved = 4 * dim if method == "trackstar" else 0  # the second moment's denominator, float32
+    if not kernel:
+        return FitPlan(method=method, examples=len(store), tokens=None, passes=0, blocks=1, kron_blocks=0,
+                       factor_floats=dim, curvature_bytes=saved, free_bytes=free, seconds_per_example=0.0,
+                       fixed_seconds=0.0)
+    if dim > max_dim:
+        raise KernelTooLarge(method, dim, max_dim)
+    stop = min(len(store), block_rows)
+    start = time.perf_counter()
+    block = store.read(0, stop, device).to(torch.float64)
+    block.t() @ block
+    per_row = (time.perf_counter() - start) / max(1, stop)
+    timed = min(dim, KERNEL_TIMED_DIM)
+    sample = torch.randn(timed, timed, dtype=torch.float64)
+    start = time.perf_counter()
+    torch.linalg.eigh(sample @ sample.t())
+    eigh_seconds = (time.perf_counter() - start) * (dim / timed) ** 3
+    return FitPlan(method=method, examples=len(store), tokens=None, passes=1, blocks=1, kron_blocks=0,
+                   factor_floats=dim * dim, curvature_bytes=saved + 8 * (dim * dim + dim), free_bytes=free,
+                   seconds_per_example=per_row, fixed_seconds=eigh_seconds, factor_itemsize=8)
 
 
 # -- gradtrace score --------------------------------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Ensembles on the command line: ``gradtrace score STORE QUERIES --store STORE_2 ... --model MODEL_1 --model MODEL_2``.
 
-For a single-checkpoint method (``grad_dot``, ``grad_cos``, ``kfac``, ``ekfac``, ``ggn``, ``logra``), further
-``--store`` s make an ensemble (:class:`gradtrace.Ensemble`): one member per store, each collected at its own
-checkpoint or independently trained model, the queries' gradients taken with that member's ``--model`` (default:
-the model each store records), a curvature per member for the curvature methods (``--curvature`` for STORE,
-``--member-curvature`` for each further store, in order: ``gradtrace fit`` each store with its model), each
-member's scores divided by their mean absolute value and combined with ``--ensemble-weights`` (default equal).
+For a single-checkpoint method (``grad_dot``, ``grad_cos``, ``kfac``, ``ekfac``, ``ggn``, ``logra``, ``trak``,
+``trackstar``), further ``--store`` s make an ensemble (:class:`gradtrace.Ensemble`): one member per store, each
+collected at its own checkpoint or independently trained model, the queries' gradients taken with that member's
+``--model`` (default: the model each store records), a fit per member for the fitted methods (``--curvature`` for
+STORE, ``--member-curvature`` for each further store, in order: ``gradtrace fit`` each store with its model --
+and for trackstar its own checkpoint's ``--optimizer``), each member's scores divided by their mean absolute value
+and combined with ``--ensemble-weights`` (default equal).
 Cost: C x the collection, C x the fit, 2 C x the scoring products of one model.
 """
 
@@ -15,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..methods import get_method
+from ..methods import method_class, saves_fit
 from .errors import CliError
+from .fitted import needs_fit
 from .options import Group, cli
 
-__all__ = ["EnsembleOptions", "check_ensemble", "ensemble_methods", "is_ensemble", "score_ensemble"]
+__all__ = ["EnsembleOptions", "check_ensemble", "is_ensemble", "score_ensemble"]
 
 
 @dataclass(kw_only=True)
@@ -28,8 +30,9 @@ class EnsembleOptions(Group):
 
     panel = "Ensembles (further --store with a single-checkpoint method)"
     member_curvature: list[Path] = field(default_factory=list, metadata=cli(
-        "Fitted curvature of each further --store, in order (repeat; STORE's is --curvature); kfac, ekfac, ggn, "
-        "logra: gradtrace fit each store with its own --model.", "--member-curvature", metavar="CURVATURE_DIR"))
+        "The fit of each further --store, in order (repeat; STORE's is --curvature); kfac, ekfac, ggn, logra, "
+        "trak, trackstar: gradtrace fit each store with its own --model (trackstar: and --optimizer).",
+        "--member-curvature", "--member-fit", metavar="FIT_DIR"))
     ensemble_weights: list[float] = field(default_factory=list, metadata=cli(
         "Weight of each member, STORE first (repeat; default equal; normalised to sum to 1).", "--ensemble-weights",
         metavar="W"))
@@ -37,7 +40,7 @@ class EnsembleOptions(Group):
 
 def is_ensemble(method: str, store_count: int) -> bool:
     """Whether the stores make an ensemble: several of them for a method that does not combine checkpoints."""
-    return store_count > 1 and not get_method(method).multi_checkpoint
+    return store_count > 1 and not method_class(method).multi_checkpoint
 
 
 def check_ensemble(method: str, opts: EnsembleOptions, store_count: int, *, curvature: Path | None,
@@ -53,29 +56,20 @@ def check_ensemble(method: str, opts: EnsembleOptions, store_count: int, *, curv
     if opts.ensemble_weights and len(opts.ensemble_weights) != count:
         raise CliError(f"{len(opts.ensemble_weights)} --ensemble-weights for {count} stores: give one weight per "
                        "store, STORE first")
-    needs_curvature = "curvature" in get_method(method).needs
-    if needs_curvature and (curvature is None or len(opts.member_curvature) != count - 1):
-        raise CliError(f"--method {method} fits curvature per member: pass --curvature for STORE and one "
-                       f"--member-curvature per further --store ({count - 1}), each from gradtrace fit STORE_c "
-                       f"TRAIN.jsonl --model MODEL_c --method {method}; got {len(opts.member_curvature)}")
-    if not needs_curvature and opts.member_curvature:
-        raise CliError(f"--member-curvature applies to curvature methods (kfac, ekfac, ggn, logra), not {method}")
+    fitted = needs_fit(method)
+    if fitted and (curvature is None or len(opts.member_curvature) != count - 1):
+        data = "" if saves_fit(method) else " TRAIN.jsonl"
+        extra = " --optimizer CHECKPOINT_c" if method == "trackstar" else ""
+        raise CliError(f"--method {method} is fitted per member: pass --curvature for STORE and one "
+                       f"--member-curvature per further --store ({count - 1}), each from gradtrace fit STORE_c{data} "
+                       f"--model MODEL_c --method {method}{extra}; got {len(opts.member_curvature)}")
+    if not fitted and opts.member_curvature:
+        raise CliError("--member-curvature applies to methods fitted with gradtrace fit (kfac, ekfac, ggn, logra, "
+                       f"trak, trackstar), not {method}")
     for flag, used in (("--index", index is not None), ("--tokens/--modules", tokens), ("torchrun", world > 1)):
         if used:
             raise CliError(f"{flag} is not supported for an ensemble of {count} stores: score one store, or the "
                            "ensemble in one process without it")
-    for path in opts.member_curvature:
-        if not (path / "curvature.json").exists():
-            raise CliError(f"--member-curvature {path} holds no fitted curvature (curvature.json missing)")
-
-
-def ensemble_methods(method: str, options: dict[str, Any], curvature: Path | None,
-                     opts: EnsembleOptions) -> str | list[Any]:
-    """The ensemble's method: the name, or one instance per member with its own curvature."""
-    if "curvature" not in options:
-        return method
-    settings = {k: v for k, v in options.items() if k != "curvature"}
-    return [get_method(method, curvature=path, **settings) for path in [curvature, *opts.member_curvature]]
 
 
 def score_ensemble(method: str | list[Any], stores: list[Any], query_sets: list[Any], opts: EnsembleOptions, *,

@@ -5,11 +5,18 @@ manifest) on DATA -- usually the training data -- at the weights of the model th
 saved (eigendata in safetensors + a JSON manifest). ``gradtrace score --method ekfac --curvature DIR`` uses it;
 damping can be changed there without refitting. ``--method logra`` needs no model pass: it is computed from
 the stored projected gradients.
+
+``--method trak`` and ``--method trackstar`` save their own fit the same way (:mod:`gradtrace.methods.saved`;
+``gradtrace score --method trak --curvature DIR``), without DATA: TRAK's kernel ``Phi^T Phi`` from the stored
+gradients (a causal LM has no ``1 - p`` reweighting, so none is needed), TrackStar's Adam second moment from
+``--optimizer`` (an ``optimizer.pt`` or a Trainer checkpoint directory holding one, at the store's weights), with
+``--precondition autocorrelation`` (its kernel of the normalised rows) or ``--precondition-curvature DIR`` (a
+kfac / ekfac / ggn / logra fit of the same store, copied into the TrackStar fit).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,23 +40,45 @@ class CurvatureOptions(Group):
     panel = "Curvature"
     out: Path = field(metadata=cli("Directory to save the fitted curvature in.", "--out", "-o",
                                    metavar="CURVATURE_DIR"))
-    method: Literal["kfac", "ekfac", "ggn", "logra"] = field(default="ekfac", metadata=cli(
+    method: Literal["kfac", "ekfac", "ggn", "logra", "trak", "trackstar"] = field(default="ekfac", metadata=cli(
         "kfac / ekfac: Kronecker-factored (EK-FAC corrects the eigenvalues with a second pass); ggn: dense per "
-        "parameter (small models); logra: dense Fisher of the stored projected gradients (no model pass)."))
+        "parameter (small models); logra: dense Fisher of the stored projected gradients (no model pass); trak: "
+        "its kernel Phi^T Phi of the stored gradients (no DATA); trackstar: Adam's second moment from --optimizer "
+        "(no DATA)."))
     fisher: Literal["auto", "true", "empirical"] = field(default="auto", metadata=cli(
         "Labels of the Fisher: sampled from the model (true), the observed ones (empirical), or auto (the Python "
         "API's default: true for language models; the saved curvature records the choice)."))
     samples: int = field(default=1, metadata=cli("Label samples per example for --fisher true.", min=1))
     seed: int = field(default=0, metadata=cli("Seed of the label sampling."))
     damping: float = field(default=0.1, metadata=cli(
-        "Default damping saved with the fit (relative: times the mean eigenvalue of each block).", min=0))
-    overwrite: bool = field(default=False, metadata=cli("Replace a curvature already saved in --out."))
+        "Default damping saved with the fit (relative: times the mean eigenvalue of each block; trak: of its "
+        "kernel; trackstar: of its autocorrelation).", min=0))
+    overwrite: bool = field(default=False, metadata=cli("Replace a curvature (or method fit) already saved in --out."))
 
     def fit_options(self) -> api.FitOptions:
         """The Python API's :class:`gradtrace.options.FitOptions` of a model-pass fit (kfac, ekfac, ggn)."""
         kind = {"kfac": "kfac", "ekfac": "ekfac", "ggn": "fisher"}[self.method]
         return api.FitOptions(kind=kind, fisher=self.fisher, samples=self.samples, seed=self.seed,
                               damping=self.damping)
+
+
+@dataclass(kw_only=True)
+class KernelOptions(Group):
+    """What trak and trackstar fit from the store (gradtrace.methods.saved)."""
+
+    panel = "trak / trackstar"
+    optimizer: Path | None = field(default=None, metadata=cli(
+        "trackstar: the Adam state at the store's weights -- an optimizer.pt (torch.save of optimizer.state_dict()) "
+        "or a Trainer checkpoint directory holding one.", metavar="OPTIMIZER"))
+    precondition: Literal["none", "autocorrelation"] = field(default="none", metadata=cli(
+        "trackstar: none (a cosine of the normalised gradients) or autocorrelation (TrackStar's own R: the "
+        "damped second-moment matrix of the normalised training rows; projected stores)."))
+    precondition_curvature: Path | None = field(default=None, metadata=cli(
+        "trackstar: precondition with this fitted curvature of the same store instead (gradtrace fit STORE DATA "
+        "--method kfac|ekfac|ggn|logra); it is copied into the fit.", metavar="CURVATURE_DIR"))
+    max_dim: int = field(default=32768, metadata=cli(
+        "trak, trackstar --precondition autocorrelation: the most gradient dimensions D whose D x D float64 kernel "
+        "is fitted (32,768: 8 GiB).", min=1))
 
 
 @dataclass(kw_only=True)
@@ -64,6 +93,7 @@ class FitOptions:
     model: Path | None = field(default=None, metadata=cli(
         "Model directory (default: the one the store records).", "--model", "-m", metavar="MODEL_DIR"))
     curvature_options: CurvatureOptions
+    kernel_options: KernelOptions
     data_options: DataOptions
     model_options: ModelOptions
     progress: bool = progress_flag()
@@ -89,14 +119,20 @@ def run(opts: FitOptions) -> None:
 
     phases = Phases()
     cv, data_opts, model_opts = opts.curvature_options, opts.data_options, opts.model_options
-    if (cv.out / "curvature.json").exists() and not cv.overwrite:
-        raise CliError(f"{cv.out} already holds a fitted curvature: pass --overwrite to replace it")
+    for kind in ("curvature", "fit"):
+        if (cv.out / f"{kind}.json").exists() and not cv.overwrite:
+            raise CliError(f"{cv.out} already holds a fitted {'curvature' if kind == 'curvature' else 'method'}: pass "
+                           "--overwrite to replace it")
+    _check_method_flags(opts)
     if not opts.store.exists():
         raise CliError(f"store {opts.store} does not exist")
     with phases("open store"):
         store = GradientStore.open(opts.store)
     model_dir = opts.model
     device = resolve_device(model_opts.device)
+    if cv.method in SAVED_FIT_METHODS:
+        _fit_saved(opts, store, device, phases)
+        return
     if cv.method == "logra":
         with phases("plan"):
             planned = gradtrace.plan_fit(store, method="logra", out=cv.out, device=device)
@@ -158,6 +194,111 @@ def run(opts: FitOptions) -> None:
     out.print(f"  config      {written}")
     out.print(f"Next: gradtrace score {opts.store} QUERIES.jsonl --method {cv.method} --curvature {cv.out} "
               "--out SCORES_DIR")
+    if opts.progress:
+        console(stderr=True).print(phases.table())
+
+
+SAVED_FIT_METHODS = ("trak", "trackstar")
+"""Methods whose fit is saved as a method fit (gradtrace.methods.saved), not a curvature."""
+
+
+def _check_method_flags(opts: FitOptions) -> None:
+    """Refuse flags of another method, and a DATA the method does not read."""
+    cv, kv = opts.curvature_options, opts.kernel_options
+    given = [flag for flag, used in (("--optimizer", kv.optimizer is not None),
+                                     ("--precondition", kv.precondition != "none"),
+                                     ("--precondition-curvature", kv.precondition_curvature is not None)) if used]
+    if cv.method != "trackstar" and given:
+        raise CliError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --method trackstar, not "
+                       f"{cv.method}")
+    default_dim = next(f.default for f in fields(KernelOptions) if f.name == "max_dim")
+    if cv.method not in SAVED_FIT_METHODS and kv.max_dim != default_dim:
+        raise CliError(f"--max-dim applies to trak and trackstar (their D x D kernel), not {cv.method}")
+    if cv.method in SAVED_FIT_METHODS and opts.data is not None:
+        source = "the stored gradients and --optimizer" if cv.method == "trackstar" else "the stored gradients"
+        raise CliError(f"--method {cv.method} fits from {source} alone (a causal LM needs no 1 - p weights): drop "
+                       "DATA")
+    if cv.method in SAVED_FIT_METHODS and cv.fisher != "auto":
+        raise CliError(f"--fisher applies to kfac, ekfac, ggn and logra, not {cv.method}")
+    if cv.method == "trackstar":
+        if kv.optimizer is None:
+            raise CliError("--method trackstar needs Adam's second moment: pass --optimizer OPTIMIZER (an optimizer.pt "
+                           "or the Trainer checkpoint directory holding one, saved at the store's weights)")
+        if kv.precondition != "none" and kv.precondition_curvature is not None:
+            raise CliError("--precondition autocorrelation and --precondition-curvature are two preconditioners: "
+                           "choose one")
+        if kv.precondition_curvature is not None and not (kv.precondition_curvature / "curvature.json").exists():
+            raise CliError(f"--precondition-curvature {kv.precondition_curvature} holds no fitted curvature "
+                           "(curvature.json missing): gradtrace fit STORE DATA --method ekfac --out DIR first")
+
+
+def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> None:
+    """``--method trak`` / ``trackstar``: fit from the store (and the optimizer state), save as a method fit."""
+    import gradtrace
+    from gradtrace.curvature import Curvature
+    from gradtrace.methods import save_fit
+    from gradtrace.methods.influence import curvature_method
+    from gradtrace.plan import KernelTooLarge
+
+    from ..common.units import human_bytes
+
+    cv, kv = opts.curvature_options, opts.kernel_options
+    precondition = None if kv.precondition == "none" else kv.precondition
+    with phases("plan"):
+        try:
+            planned = gradtrace.plan_fit(store, method=cv.method, precondition=precondition, out=cv.out,
+                                         device=device, max_dim=kv.max_dim)
+        except KernelTooLarge as err:
+            raise CliError(f"{err.what} of store {store.root} ({err.dim:,} dims) takes {human_bytes(err.bytes)} "
+                           f"(float64), beyond --max-dim {err.max_dim:,}: collect with a lower --rank or fewer "
+                           "--layers, or raise --max-dim where the memory is there") from None
+    if not _preflight(planned, opts):
+        return
+    model_dir, fit_args, settings = opts.model, {}, {"damping": cv.damping, "max_dim": kv.max_dim}
+    if cv.method == "trak":
+        settings["reweight"] = False  # causal LMs: TRAK's 1 - p weights are a classifier's
+    else:
+        if kv.precondition_curvature is not None:
+            try:
+                curvature = Curvature.load(kv.precondition_curvature)
+            except (ValueError, OSError) as err:
+                raise CliError(str(err)) from None
+            precondition = curvature_method(curvature)
+        settings["precondition"] = precondition
+        if model_dir is None:
+            recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
+            if not recorded:
+                raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
+            model_dir = Path(recorded)
+        with phases("load model"):
+            fit_args = {"model": load_model(model_dir, "cpu", opts.model_options.model_dtype),
+                        "optimizer": kv.optimizer}
+    with phases("fit"):
+        attributor = gradtrace.Attributor(cv.method, store, device=device, **settings)
+        try:
+            attributor.fit(**fit_args)
+        except (ValueError, KeyError, FileNotFoundError, gradtrace.methods.MissingStage) as err:
+            raise CliError(str(err).strip("'\"")) from None
+    final = replace(opts, store=opts.store.absolute(), model=model_dir.absolute() if model_dir else None,
+                    curvature_options=replace(cv, out=cv.out.absolute()),
+                    kernel_options=replace(
+                        kv, optimizer=kv.optimizer.absolute() if kv.optimizer else None,
+                        precondition_curvature=kv.precondition_curvature.absolute()
+                        if kv.precondition_curvature else None),
+                    model_options=replace(opts.model_options, device=device))
+    values = resolved(final)
+    with phases("save"):
+        try:
+            save_fit(attributor, cv.out, meta={"config": {META_KEY: provenance("fit", None, None), **values}})
+        except OSError as err:
+            raise CliError(f"could not save the fit in {cv.out}: {err.strerror or err}; a fit saved there before "
+                           "is kept", exit_code=1) from None
+        written = write_resolved(cv.out, "fit", values)
+    out = console()
+    out.print(f"Fitted {cv.method} for {store.root} ({store.dim:,} dims, {len(store):,} rows); saved in {cv.out}")
+    out.print(f"  settings    {attributor.method.options()}", markup=False, highlight=False)
+    out.print(f"  config      {written}")
+    out.print(f"Next: gradtrace score {opts.store} QUERIES.jsonl --method {cv.method} --fit {cv.out} --out SCORES_DIR")
     if opts.progress:
         console(stderr=True).print(phases.table())
 

@@ -24,13 +24,17 @@ def fit_plan_lines(planned: Any, out: Path) -> str:
     """The printed plan of ``gradtrace fit``."""
     tokens = "" if planned.tokens is None else f", {planned.tokens:,} tokens"
     free = "" if planned.free_bytes is None else f" ({human_bytes(planned.free_bytes)} free there)"
-    source = "stored rows" if planned.method == "logra" else "examples"
+    stored = planned.method in ("logra", "trak", "trackstar")
+    source = "stored rows" if stored else "examples"
     passes = f"{planned.passes} pass{'' if planned.passes == 1 else 'es'}"
+    what = "curvature" if planned.method not in ("trak", "trackstar") else "fit"
+    itemsize = planned.factor_itemsize
     return "\n".join([
-        f"Plan: {planned.method} curvature over {planned.examples:,} {source}{tokens}; {passes}",
+        f"Plan: {planned.method} {what} over {planned.examples:,} {source}{tokens}; {passes}",
         f"  blocks      {planned.blocks:,} ({planned.kron_blocks:,} Kronecker-factored), factors "
-        f"{planned.factor_floats:,} floats ({human_bytes(4 * planned.factor_floats)})",
-        f"  curvature   about {human_bytes(planned.curvature_bytes)} in {out}{free}",
+        f"{planned.factor_floats:,} {'floats' if itemsize == 4 else 'float64 values'} "
+        f"({human_bytes(itemsize * planned.factor_floats)})",
+        f"  {what:<11} about {human_bytes(planned.curvature_bytes)} in {out}{free}",
         f"  time        about {planned.seconds:,.0f} s ({planned.seconds_per_example * 1e3:,.2f} ms/example over "
         f"every pass + {planned.fixed_seconds:,.1f} s of eigendecompositions, from a warm-up)"])
 

@@ -19,13 +19,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ..methods import available_methods, get_method
+from ..methods import available_methods, get_method, method_class
 from ..projection import LoGra, projection_from_dict
 from ..provenance import resolve_paths
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
-from .ensemble import EnsembleOptions, check_ensemble, ensemble_methods, is_ensemble, score_ensemble
+from .ensemble import EnsembleOptions, check_ensemble, is_ensemble, score_ensemble
 from .errors import CliError
+from .fitted import fitted_methods
 from .groups import DataOptions, GenerateOptions, ModelOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .options import Group, cli, progress_flag, resolved
@@ -33,10 +34,9 @@ from .report import Phases, console
 
 __all__ = ["OPTIONS", "ScoreOptions", "run"]
 
-CLI_METHODS = ("grad_dot", "grad_cos", "tracin", "kfac", "ekfac", "ggn", "logra")
+CLI_METHODS = ("grad_dot", "grad_cos", "tracin", "kfac", "ekfac", "ggn", "logra", "trak", "trackstar")
 """The methods the command line runs end to end (their stages: none, learning rates, or ``gradtrace fit``). The
-others (``less``, ``dvemb``, ``trak``, ``trackstar``, ``arnoldi``, ``cg``, ``ggn_full``) fit from a model and data
-in Python."""
+others (``less``, ``dvemb``, ``arnoldi``, ``cg``, ``ggn_full``) fit from a model and data in Python."""
 MethodName = Literal[tuple(m for m in CLI_METHODS if m in available_methods())]  # type: ignore[valid-type]
 EXPORT_SUFFIXES = (".csv", ".json", ".parquet")
 
@@ -76,10 +76,12 @@ class ScoringOptions(Group):
         "Score the other queries when some have NaN/inf gradients (those are listed and left out); without it "
         "they are an error."))
     curvature: Path | None = field(default=None, metadata=cli(
-        "Fitted curvature for influence methods (kfac, ekfac, ggn, logra), written by gradtrace fit.",
-        metavar="CURVATURE_DIR"))
+        "What gradtrace fit saved for STORE: the curvature of kfac, ekfac, ggn, logra, or the fit of trak "
+        "(its kernel) and trackstar (Adam's second moment, its preconditioner).", "--curvature", "--fit",
+        metavar="FIT_DIR"))
     damping: float | None = field(default=None, metadata=cli(
-        "Damping of the curvature (default: the one saved with the fit); no refit needed.", min=0))
+        "Damping of the curvature (trak: of its kernel; trackstar: of its preconditioner; default: the one saved "
+        "with the fit); no refit needed.", min=0))
     damping_mode: Literal["relative", "absolute"] | None = field(default=None, metadata=cli(
         "relative: damping times each block's mean eigenvalue; absolute: damping as is."))
     index: Path | None = field(default=None, metadata=cli(
@@ -178,7 +180,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     phases = Phases()
     sc, ck, data_opts, model_opts = (opts.scoring_options, opts.checkpoint_options, opts.data_options,
                                      opts.model_options)
-    multi = get_method(sc.method).multi_checkpoint
+    multi = method_class(sc.method).multi_checkpoint
     store_paths = [opts.store, *ck.checkpoint_stores]
     options: dict[str, Any] = {"weights": list(ck.lr)} if multi else {}
     with agreed("preparing the scoring"):  # no collective inside: an error on one rank is raised on all
@@ -197,33 +199,22 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                 if not path.exists():
                     raise CliError(f"store {path} does not exist")
             stores = [GradientStore.open(path) for path in store_paths]
+        fitted = fitted_methods(sc, store_paths[0], opts.ensemble_options)  # gradtrace.cli.fitted
         index = _open_index(sc, stores[0], multi or ensemble, world)
         models = _models(opts.model, stores)
         if not _preflight(opts, stores, device, phases, rank):  # gradtrace.cli.preflight
             return
         query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, device, phases,
                                                                        opts.progress and rank == 0)
-        if "curvature" in get_method(sc.method).needs:
-            if sc.curvature is None:
-                raise CliError(f"--method {sc.method} needs a fitted curvature: run gradtrace fit {opts.store} "
-                               f"TRAIN.jsonl --method {sc.method} --out CURVATURE_DIR, then pass --curvature "
-                               "CURVATURE_DIR")
-            if not (sc.curvature / "curvature.json").exists():
-                raise CliError(f"--curvature {sc.curvature} holds no fitted curvature (curvature.json missing)")
-            options.update(curvature=sc.curvature, damping=sc.damping, damping_mode=sc.damping_mode)
-        elif sc.curvature is not None or sc.damping is not None:
-            raise CliError(f"--curvature/--damping apply to influence methods (kfac, ekfac, ggn, logra), not "
-                           f"{sc.method}")
     with phases("score"):
         matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
         if ensemble:  # several stores of a single-checkpoint method: one member each (gradtrace.cli.ensemble)
-            attributor, scores = score_ensemble(ensemble_methods(sc.method, options, sc.curvature,
-                                                                 opts.ensemble_options),
-                                                stores, query_sets, opts.ensemble_options, topk=sc.topk or None,
-                                                matrix=matrix, block_rows=sc.block_rows, device=device,
-                                                progress=opts.progress)
+            attributor, scores = score_ensemble(fitted or sc.method, stores, query_sets, opts.ensemble_options,
+                                                topk=sc.topk or None, matrix=matrix, block_rows=sc.block_rows,
+                                                device=device, progress=opts.progress)
         else:
-            attributor = gradtrace.Attributor(sc.method, train=stores if multi else stores[0],
+            attributor = gradtrace.Attributor(fitted[0] if fitted else sc.method,
+                                              train=stores if multi else stores[0],
                                               block_rows=sc.block_rows, device=device, **options)
             try:  # one process: attributor.score(); under torchrun: every rank scores its rows, top-k merged
                 scorer = score_sharded if index is None else _index_scorer(index, sc)  # --index: shortlist
@@ -467,7 +458,11 @@ def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
         index = Index.load(sc.index)
     except FaissMissing as err:
         raise CliError(str(err)) from None
-    if index_normalization(get_method(sc.method)) != index.normalized:
+    try:
+        normalized = index_normalization(get_method(sc.method))
+    except ValueError as err:  # a method with its own per-row transform (trackstar)
+        raise CliError(f"--index: {err}") from None
+    if normalized != index.normalized:
         raise CliError(f"--index {sc.index} holds {'normalized' if index.normalized else 'raw'} rows; --method "
                        f"{sc.method} needs an index {'built with' if not index.normalized else 'without'} --normalize")
     index.check_store(store)

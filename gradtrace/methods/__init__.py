@@ -1,9 +1,10 @@
 """Attribution methods (one file each) and their registry."""
 
-from .base import Method, MissingStage, available_methods, get_method, register_method
+from .base import Method, MissingStage, available_methods, get_method, method_class, register_method
 from .dvemb import DVEmb as DVEmb
 from .influence import EKFAC, GGN, KFAC, LoGraInfluence
 from .less import Less as Less
+from .saved import FitError, load_fit, save_fit, saves_fit
 from .similarity import GradCos, GradDot
 from .tracin import TracIn
 from .trackstar import TrackStar
@@ -18,6 +19,6 @@ __all__ = [
            "TracIn", "KFAC", "EKFAC", "GGN", "LoGraInfluence", "Arnoldi", "ConjugateGradient", "DenseGGN",
            "TRAK", "TrackStar",
            "available_methods",
-           "get_method",
+           "get_method", "method_class", "FitError", "load_fit", "save_fit", "saves_fit",
            "register_method",
 ]

@@ -25,9 +25,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..store.spec import GradientSpec
 
-__all__ = ["SIGN_CONVENTION", "Method", "MissingStage", "available_methods", "get_method", "register_method"]
+__all__ = ["SIGN_CONVENTION", "Method", "MissingStage", "available_methods", "get_method", "method_class",
+           "register_method"]
 
 SIGN_CONVENTION = "positive = the training example helps the query (lowers its loss)"
 
@@ -49,15 +52,19 @@ def available_methods() -> list[str]:
     return sorted(_METHODS)
 
 
+def method_class(name: str) -> type[Method]:
+    """The class registered as ``name``."""
+    try:
+        return _METHODS[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}") from None
+
+
 def get_method(name: str | Method, **options: Any) -> Method:
     """A method instance by registered name (or the instance itself)."""
     if isinstance(name, Method):
         return name
-    try:
-        cls = _METHODS[name]
-    except KeyError:
-        raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}") from None
-    return cls(**options)
+    return method_class(name)(**options)
 
 
 class Method:
@@ -116,3 +123,16 @@ class Method:
     def options(self) -> dict[str, Any]:
         """The method's settings, recorded with the scores."""
         return {}
+
+    # -- a saved fit (gradtrace.methods.saved), for methods whose fitted state is not a Curvature -------------
+    def fit_state(self, path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The fitted state to save in directory ``path``: JSON-able fields (``"spec"``: the gradients' spec as a
+        dict) and tensors. Methods that implement it can be saved with :func:`gradtrace.methods.save_fit`."""
+        raise TypeError(f"method {self.name!r} has no saved form")
+
+    @classmethod
+    def from_fit_state(cls, fields: dict[str, Any], tensors: dict[str, Tensor], spec: GradientSpec, path: Path,
+                       **overrides: Any) -> Method:
+        """The method rebuilt from what :meth:`fit_state` saved (checked: shapes from ``spec``, finite values);
+        ``overrides``: settings changed without refitting (damping)."""
+        raise TypeError(f"method {cls.name!r} has no saved form")

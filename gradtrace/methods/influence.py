@@ -24,11 +24,20 @@ from ..curvature import Curvature, fit_curvature
 from ..curvature.blocks import DenseBlock
 from ..curvature.curvature import CurvatureError, DenseEigen, eigh
 from ..store.spec import GradientSpec, SpecMismatch
-from .base import Method, MissingStage, register_method
+from .base import Method, MissingStage, get_method, register_method
 
-__all__ = ["KFAC", "EKFAC", "GGN", "LoGraInfluence", "CurvatureWeightsWarning"]
+__all__ = ["KFAC", "EKFAC", "GGN", "LoGraInfluence", "CurvatureWeightsWarning", "curvature_method"]
 
 _METHOD_OF_KIND = {"kfac": "kfac", "ekfac": "ekfac", "fisher": "ggn"}
+
+
+def curvature_method(curvature: Curvature, **options: Any) -> Method:
+    """The influence method that scores with ``curvature``: the one ``gradtrace fit`` recorded fitting it for (a
+    ``logra`` fit is of kind ``"fisher"``), else the method of its kind (``kfac``, ``ekfac``, ``ggn`` for a dense
+    Fisher, whose inverse is the same whichever of ``ggn`` / ``logra`` applies it)."""
+    recorded = (curvature.meta.get("config") or {}).get("method")
+    name = recorded if recorded in ("kfac", "ekfac", "ggn", "logra") else _METHOD_OF_KIND[curvature.kind]
+    return get_method(name, curvature=curvature, **options)
 
 
 class CurvatureWeightsWarning(UserWarning):

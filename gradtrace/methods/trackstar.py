@@ -29,6 +29,7 @@ the curvature of the normalised ones. Positive = helpful; scores are cosines in 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,58 @@ def second_moment_denominator(spec: GradientSpec, states: dict[str, AdamState], 
                                f"Adam state maps to {moment.numel()}; collect without joined biases")
         parts.append(moment.clamp(min=0).sqrt() + eps)
     return torch.cat(parts)
+
+
+PRECONDITION_DIR = "precondition"
+"""Where a saved TrackStar fit keeps a curvature method's preconditioner (its curvature, or its own saved fit)."""
+
+
+def _save_preconditioner(method: Method, directory: Path) -> dict[str, Any]:
+    """Save a fitted preconditioning method in ``directory``: a curvature method's curvature (``Curvature.save``),
+    another method's saved fit; returns what ``fit.json`` records of it (name, settings, manifest checksum)."""
+    from .saved import save_fit, saves_fit
+
+    curvature = getattr(method, "curvature", None)
+    if "curvature" in method.needs and curvature is not None:
+        curvature.save(directory)
+        manifest = directory / "curvature.json"
+        settings = {"damping": method.damping, "damping_mode": method.damping_mode}
+    elif saves_fit(method):
+        save_fit(method, directory)
+        manifest, settings = directory / "fit.json", {}
+    else:
+        raise TypeError(f"trackstar: a {method.name!r} preconditioner cannot be saved (its state is neither a "
+                        "curvature nor a saved fit); precondition with kfac, ekfac, ggn, logra, trak or "
+                        "'autocorrelation' to save the fit")
+    return {"method": method.name, **settings,
+            "manifest_blake2b": json.loads(manifest.read_text())["manifest_blake2b"]}
+
+
+def _load_preconditioner(saved: dict[str, Any], directory: Path, damping: float | None,
+                         damping_mode: str | None) -> Method:
+    """The preconditioner :func:`_save_preconditioner` wrote, refused when it is not the one ``fit.json`` names
+    (a later save into the same directory that did not finish)."""
+    from .saved import FitError, is_saved_fit, load_fit
+
+    try:
+        name, recorded = saved["method"], saved["manifest_blake2b"]
+    except (KeyError, TypeError) as err:
+        raise FitError(f"{directory.parent / 'fit.json'} records its preconditioner without {err}; fit again") \
+            from None
+    manifest = directory / ("fit.json" if is_saved_fit(directory) else "curvature.json")
+    try:
+        found = json.loads(manifest.read_text()).get("manifest_blake2b")
+    except (OSError, ValueError) as err:
+        raise FitError(f"{directory}: the preconditioner's manifest is missing or unreadable ({err}); fit again") \
+            from None
+    if found != recorded:
+        raise FitError(f"{directory} holds another preconditioner than the fit in {directory.parent} was saved with "
+                       "(an interrupted or later save); fit again")
+    if manifest.name == "fit.json":
+        return load_fit(directory, name, damping=damping, damping_mode=damping_mode)
+    return get_method(name, curvature=directory,
+                      damping=saved.get("damping") if damping is None else damping,
+                      damping_mode=saved.get("damping_mode") if damping_mode is None else damping_mode)
 
 
 def _unit(rows: Tensor, eps: float = 1e-12) -> Tensor:
@@ -244,6 +297,55 @@ class TrackStar(Method):
         if inverse is None:
             return _unit(normalized)
         return normalized / self._metric_norm(normalized, inverse)
+
+    def fit_state(self, path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The second moment's denominator, the autocorrelation's float64 eigendata, and a curvature method's
+        preconditioner saved as its curvature in ``path/precondition`` (see :mod:`gradtrace.methods.saved`)."""
+        tensors = {"denominator": self.denominator}
+        if self.values is not None:
+            tensors.update(values=self.values, vectors=self.vectors)
+        fields = {"eps": self.eps, "damping": self.damping, "max_dim": self.max_dim, "spec": self.spec.to_dict(),
+                  "precondition": self.precondition if isinstance(self.precondition, str) else None,
+                  "preconditioner": None}
+        if self.curvature is not None:
+            fields["preconditioner"] = _save_preconditioner(self.curvature, path / PRECONDITION_DIR)
+        return fields, tensors
+
+    @classmethod
+    def from_fit_state(cls, fields: dict[str, Any], tensors: dict[str, Tensor], spec: GradientSpec, path: Path,
+                       damping: float | None = None, damping_mode: str | None = None) -> TrackStar:
+        """A saved TrackStar fit. ``damping``: of the preconditioner (the autocorrelation's relative damping, or
+        the curvature method's); ``damping_mode``: a curvature preconditioner's only."""
+        from .saved import FitError, check_tensor, refuse_unused
+
+        try:
+            precondition, saved_curvature = fields["precondition"], fields["preconditioner"]
+            eps, saved_damping, max_dim = fields["eps"], float(fields["damping"]), int(fields["max_dim"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise FitError(f"{path / 'fit.json'} is malformed ({err!r}); fit again") from None
+        if precondition is None and saved_curvature is None and (damping is not None or damping_mode is not None):
+            raise ValueError("trackstar: this fit has no preconditioner, so there is no damping to set; fit it with "
+                             "precondition='autocorrelation' or a curvature method")
+        if precondition == "autocorrelation" and damping_mode not in (None, "relative"):
+            raise ValueError("trackstar: the autocorrelation's damping is relative (times its mean eigenvalue)")
+        curvature = None
+        if saved_curvature is not None:
+            curvature = _load_preconditioner(saved_curvature, path / PRECONDITION_DIR, damping, damping_mode)
+        own_damping = damping if precondition == "autocorrelation" and damping is not None else saved_damping
+        method = cls(eps=eps, precondition=curvature if curvature is not None else precondition,
+                     damping=own_damping, max_dim=max_dim)
+        used = {"denominator"}
+        method.denominator = check_tensor(tensors, "denominator", (spec.dim,), torch.float32, path)
+        if precondition == "autocorrelation":
+            method.values = check_tensor(tensors, "values", (spec.dim,), torch.float64, path)
+            method.vectors = check_tensor(tensors, "vectors", (spec.dim, spec.dim), torch.float64, path)
+            used |= {"values", "vectors"}
+        refuse_unused(tensors, used, path)
+        if bool((method.denominator <= 0).any()):
+            raise FitError(f"{path}: the second moment's denominator has non-positive entries (sqrt(v) + eps > 0 "
+                           "always); fit again")
+        method.spec = spec
+        return method
 
     def options(self) -> dict[str, Any]:
         name = self.precondition if self.precondition is None or isinstance(self.precondition, str) else \

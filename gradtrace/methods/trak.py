@@ -24,6 +24,7 @@ and combines the members' scores, each divided by its mean absolute value.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -184,6 +185,34 @@ class TRAK(Method):
         vectors = self.vectors.to(queries.device)
         rotated = queries.to(torch.float64) @ vectors
         return ((rotated / (self.values.to(queries.device) + lam)) @ vectors.t()).to(torch.float32)
+
+    def fit_state(self, path: Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
+        """The kernel's float64 eigendata; damping, reweighting and the gradients' spec (see
+        :mod:`gradtrace.methods.saved`)."""
+        fields = {"damping": self.damping, "damping_mode": self.damping_mode, "reweight": self.reweight,
+                  "reweighted": self.reweighted, "examples": self.examples, "max_dim": self.max_dim,
+                  "spec": self.spec.to_dict()}
+        return fields, {"values": self.values, "vectors": self.vectors}
+
+    @classmethod
+    def from_fit_state(cls, fields: dict[str, Any], tensors: dict[str, Tensor], spec: GradientSpec, path: Path,
+                       damping: float | None = None, damping_mode: str | None = None) -> TRAK:
+        """A saved kernel (``damping`` / ``damping_mode``: other than the saved ones, no refit needed)."""
+        from .saved import FitError, check_tensor, refuse_unused
+
+        try:
+            method = cls(damping=fields["damping"] if damping is None else damping,
+                         damping_mode=fields["damping_mode"] if damping_mode is None else damping_mode,
+                         reweight=fields["reweight"], max_dim=int(fields["max_dim"]))
+            reweighted, examples = fields["reweighted"], int(fields["examples"])
+        except KeyError as err:
+            raise FitError(f"{path / 'fit.json'} lacks {err}; fit again") from None
+        dim = spec.dim
+        method.values = check_tensor(tensors, "values", (dim,), torch.float64, path)
+        method.vectors = check_tensor(tensors, "vectors", (dim, dim), torch.float64, path)
+        refuse_unused(tensors, {"values", "vectors"}, path)
+        method.spec, method.reweighted, method.examples = spec, reweighted, examples
+        return method
 
     def options(self) -> dict[str, Any]:
         return {"damping": self.damping, "damping_mode": self.damping_mode, "reweight": self.reweight,

@@ -173,7 +173,8 @@ def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fie
     data = save(tensors)
     digest = checksum(data)
     tensor_file = directory / f"{stem}-{digest[:16]}.safetensors"
-    created = not tensor_file.exists()  # a re-save of equal tensors reuses the file the old manifest names
+    # a re-save of equal tensors reuses the file the old manifest names -- unless that file was damaged since
+    created = not (tensor_file.exists() and file_checksum(tensor_file) == digest)
     if created:
         atomic_write_bytes(tensor_file, data)
     del data

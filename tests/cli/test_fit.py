@@ -44,7 +44,7 @@ def test_fit_and_score_errors(ws, store, runner, tmp_path):
     result = invoke(runner, "score", store, ws.queries, "--method", "ekfac", "--out", tmp_path / "s", code=2)
     assert "gradtrace fit" in error_line(result)
     result = invoke(runner, "score", store, ws.queries, "--curvature", tmp_path, "--out", tmp_path / "s", code=2)
-    assert "influence methods" in error_line(result)
+    assert "apply to methods fitted with gradtrace fit" in error_line(result)
     result = invoke(runner, "fit", store, "--method", "ekfac", "--out", tmp_path / "c", code=2)
     assert "give DATA" in error_line(result)
     result = invoke(runner, "score", store, ws.queries, "--method", "kfac", "--curvature", tmp_path, "--out",

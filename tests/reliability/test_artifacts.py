@@ -154,6 +154,21 @@ def test_flipped_bit_in_an_eigenvector_is_refused(fit, tmp_path):
         gradtrace.Attributor("kfac", fit["train"], curvature=curvature).score(fit["queries"])
 
 
+def test_saving_equal_tensors_again_repairs_a_damaged_tensor_file(fit, tmp_path):
+    """A re-save of the same fit names the same tensor file; it is rewritten when the file on disk was damaged
+    since (it used to be kept, so the artifact stayed unreadable after being saved again)."""
+    fit["curvature"].save(tmp_path / "c")
+    path = _tensor_file(tmp_path / "c", "curvature")
+    _flip_bit(path, path.stat().st_size - 2, 0x01)
+    with pytest.raises(CurvatureError, match="corrupted or was replaced"):
+        Curvature.load(tmp_path / "c")
+    fit["curvature"].save(tmp_path / "c")
+    assert _tensor_file(tmp_path / "c", "curvature") == path
+    loaded = Curvature.load(tmp_path / "c")
+    for name, eig in fit["curvature"].blocks.items():
+        torch.testing.assert_close(loaded.blocks[name].eigenvalues, eig.eigenvalues, rtol=0, atol=0)
+
+
 def test_edited_truncated_replaced_or_missing_curvature_files_are_refused(fit, tmp_path):
     curvature = fit["curvature"]
     original = tmp_path / "c"

@@ -93,6 +93,42 @@ def test_plan_fit_logra_from_the_store(tmp_path):
     assert _saved_floats(tmp_path / "c") == got.curvature_bytes // 4
 
 
+@pytest.mark.parametrize("method, precondition", [("trak", None), ("trackstar", None),
+                                                  ("trackstar", "autocorrelation")])
+def test_plan_fit_of_a_saved_method_fit_from_the_store(tmp_path, method, precondition):
+    """trak's kernel (and trackstar's autocorrelation): D^2 float64 factor values, D^2 + D saved; trackstar's
+    denominator: D float32 values. The plan's size is what save_fit writes."""
+    torch.manual_seed(0)
+    model = tiny.MLP()
+    data = _mlp_data()
+    store = gradtrace.collect(model, data, store=tmp_path / "s")
+    dim = store.dim
+    got = gradtrace.plan_fit(store, method=method, precondition=precondition, out=tmp_path / "f")
+    kernel = method == "trak" or precondition == "autocorrelation"
+    assert (got.examples, got.passes, got.blocks, got.kron_blocks) == (12, int(kernel), 1, 0)
+    assert got.factor_floats == (dim * dim if kernel else dim) and got.factor_itemsize == (8 if kernel else 4)
+    assert got.curvature_bytes == (4 * dim if method == "trackstar" else 0) + (8 * (dim * dim + dim) if kernel else 0)
+    if method == "trak":
+        attr = gradtrace.Attributor("trak", store, reweight=False).fit()
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.0)
+        for inputs, labels in data:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(inputs), labels).backward()
+            optimizer.step()
+        attr = gradtrace.Attributor("trackstar", store, precondition=precondition).fit(model, optimizer=optimizer)
+    gradtrace.save_fit(attr, tmp_path / "f")
+    from safetensors import safe_open
+
+    (path,) = (tmp_path / "f").glob("fit-*.safetensors")
+    with safe_open(str(path), "pt") as f:
+        names = f.keys()  # a safe_open handle is not iterable
+        saved = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in names)
+    assert saved == got.curvature_bytes
+    with pytest.raises(ValueError, match=r"beyond max_dim=10; collect projected gradients"):
+        gradtrace.plan_fit(store, method="trak", max_dim=10)
+
+
 def test_plan_fit_refusals(tmp_path):
     model, data = tiny.MLP(), _mlp_data()
     store = gradtrace.collect(model, data, store=tmp_path / "s")

@@ -1,0 +1,138 @@
+"""Saved method fits (gradtrace.methods.saved): trak's kernel and trackstar's second moment / preconditioner, saved
+and loaded, score exactly as the fitted method; a corrupted, edited, mismatched or foreign fit is refused."""
+
+import json
+
+import pytest
+import torch
+
+import gradtrace
+from gradtrace.losses import classification_loss
+from gradtrace.methods import FitError, MissingStage, load_fit, save_fit
+from gradtrace.store.spec import SpecMismatch
+from tests.methods.test_trackstar import _setup as trackstar_setup
+from tests.methods.test_trak import _setup as trak_setup
+
+
+def _scores(method, train, query):
+    return gradtrace.Attributor(method, train).score(query, matrix=True).matrix
+
+
+def test_a_saved_trak_kernel_scores_exactly_as_the_fitted_one(tmp_path):
+    model, batches, queries, *_ = trak_setup()
+    logra = gradtrace.LoGra(rank=2, seed=0)
+    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
+    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    attr = gradtrace.Attributor("trak", train).fit(model, batches, classification_loss)
+    want = attr.score(query, matrix=True).matrix
+    assert save_fit(attr, tmp_path / "fit", meta={"by": "test"}) == tmp_path / "fit"
+    loaded = load_fit(tmp_path / "fit", "trak")
+    assert loaded.reweighted is True and loaded.examples == 30 and loaded.meta == {"by": "test"}
+    # the same float64 eigendata through the same operations: identical scores
+    torch.testing.assert_close(_scores(loaded, train, query), want, rtol=0, atol=0)
+    # damping changed at load, no refit: the same as the fitted kernel with that damping
+    attr.method.damping = 0.7
+    torch.testing.assert_close(_scores(load_fit(tmp_path / "fit", damping=0.7), train, query),
+                               attr.score(query, matrix=True).matrix, rtol=0, atol=0)
+    absolute = load_fit(tmp_path / "fit", damping=1e-3, damping_mode="absolute")
+    assert absolute.lam == 1e-3
+    # the fit is bound to its gradients: other projections are refused at scoring
+    other = gradtrace.collect(model, batches, classification_loss, projection=gradtrace.LoGra(rank=2, seed=1))
+    with pytest.raises(SpecMismatch, match="trak: the kernel was fitted for other gradients"):
+        gradtrace.Attributor(loaded, other).score(query)
+
+
+@pytest.mark.parametrize("precondition", [None, "autocorrelation", "kfac"])
+def test_a_saved_trackstar_fit_scores_exactly_as_the_fitted_one(tmp_path, precondition):
+    model, optimizer, batches, queries, *_ = trackstar_setup(seed=6)
+    logra = gradtrace.LoGra(rank=2, seed=4)
+    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
+    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    attr = gradtrace.Attributor("trackstar", train, precondition=precondition)
+    attr.fit(model, batches, classification_loss, optimizer=optimizer)
+    want = attr.score(query, matrix=True).matrix
+    save_fit(attr.method, tmp_path / "fit")
+    assert (tmp_path / "fit" / "precondition" / "curvature.json").exists() == (precondition == "kfac")
+    loaded = load_fit(tmp_path / "fit", "trackstar")
+    torch.testing.assert_close(loaded.denominator, attr.method.denominator, rtol=0, atol=0)
+    torch.testing.assert_close(_scores(loaded, train, query), want, rtol=0, atol=0)
+    if precondition is None:
+        with pytest.raises(ValueError, match="no preconditioner, so there is no damping"):
+            load_fit(tmp_path / "fit", damping=0.5)
+        return
+    # a damping given at load goes to the preconditioner: equal to setting it on the fitted one
+    if precondition == "autocorrelation":
+        attr.method.damping = 0.5
+    else:
+        attr.method.curvature.damping = 0.5
+    torch.testing.assert_close(_scores(load_fit(tmp_path / "fit", damping=0.5), train, query),
+                               attr.score(query, matrix=True).matrix, rtol=0, atol=0)
+
+
+def test_a_trackstar_fit_whose_preconditioner_was_replaced_is_refused(tmp_path):
+    model, optimizer, batches, queries, *_ = trackstar_setup(seed=7)
+    train = gradtrace.collect(model, batches, classification_loss)
+    attr = gradtrace.Attributor("trackstar", train, precondition="kfac")
+    attr.fit(model, batches, classification_loss, optimizer=optimizer)
+    save_fit(attr, tmp_path / "fit")
+    # another curvature saved over the preconditioner (a later save that stopped before its fit.json)
+    other = gradtrace.Attributor("kfac", train, damping=0.3).fit(model, batches[:2], classification_loss)
+    other.method.curvature.save(tmp_path / "fit" / "precondition")
+    with pytest.raises(FitError, match="another preconditioner than the fit"):
+        load_fit(tmp_path / "fit")
+
+
+def test_bad_fits_are_refused_with_the_fix(tmp_path):
+    model, batches, queries, *_ = trak_setup(1)
+    train = gradtrace.collect(model, batches, classification_loss)
+    with pytest.raises(MissingStage, match="trak needs its kernel"):
+        save_fit(gradtrace.Attributor("trak", train), tmp_path / "unfitted")
+    kfac = gradtrace.Attributor("kfac", train).fit(model, batches, classification_loss)
+    with pytest.raises(TypeError, match=r"save its curvature: attr\.method\.curvature\.save"):
+        save_fit(kfac, tmp_path / "kfac")
+    with pytest.raises(TypeError, match="no fitted state to save"):
+        save_fit(gradtrace.Attributor("grad_dot", train), tmp_path / "dot")
+    kfac.method.curvature.save(tmp_path / "kfac")
+    with pytest.raises(FitError, match=r"holds no saved method fit \(a fitted curvature"):
+        load_fit(tmp_path / "kfac")
+    with pytest.raises(FitError, match=r"no fit\.json"):
+        load_fit(tmp_path / "nothing")
+
+    attr = gradtrace.Attributor("trak", train, reweight=False).fit()
+    save_fit(attr, tmp_path / "fit")
+    with pytest.raises(FitError, match="holds a trak fit, not a trackstar one"):
+        load_fit(tmp_path / "fit", "trackstar")
+    manifest = tmp_path / "fit" / "fit.json"
+    info = json.loads(manifest.read_text())
+    tensor_file = tmp_path / "fit" / info["tensors"]["file"]
+    data = bytearray(tensor_file.read_bytes())
+    data[-3] ^= 0xFF  # one flipped bit in the kernel's eigenvectors
+    tensor_file.write_bytes(bytes(data))
+    with pytest.raises(FitError, match="corrupted or was replaced"):
+        load_fit(tmp_path / "fit")
+    save_fit(attr, tmp_path / "fit")  # saved again: readable again
+    load_fit(tmp_path / "fit")
+    info = json.loads(manifest.read_text())
+    info["damping"] = 5.0  # edited by hand
+    manifest.write_text(json.dumps(info))
+    with pytest.raises(FitError, match="edited or corrupted"):
+        load_fit(tmp_path / "fit")
+
+
+def test_a_fit_whose_tensors_do_not_match_its_spec_is_refused(tmp_path):
+    """A writer bug (or a fit assembled by hand) that passes the checksums still meets the shape checks."""
+    from gradtrace.store.artifact import write_artifact
+
+    model, batches, queries, *_ = trak_setup(2)
+    train = gradtrace.collect(model, batches, classification_loss)
+    attr = gradtrace.Attributor("trak", train, reweight=False).fit()
+    fields, tensors = attr.method.fit_state(tmp_path)
+    dim = train.spec.dim
+    for bad, match in (({**tensors, "values": tensors["values"][:-1]}, rf"values is torch.float64 \({dim - 1},\)"),
+                       ({**tensors, "values": tensors["values"].float()}, "expected torch.float64"),
+                       ({**tensors, "values": tensors["values"] * float("nan")}, "NaN/inf"),
+                       ({**tensors, "extra": tensors["values"].clone()}, "does not use")):
+        write_artifact(tmp_path / "bad", "fit", "gradtrace-method-fit", 2, {"method": "trak", **fields, "meta": {}},
+                       bad)
+        with pytest.raises(FitError, match=match):
+            load_fit(tmp_path / "bad")
