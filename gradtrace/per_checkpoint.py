@@ -14,7 +14,8 @@ at (``config["checkpoint"]``: path, kind, name, weights fingerprint) and, for a 
 ``config["model"]``: the model ``gradtrace score`` then takes the query gradients with, so the stores make a
 command-line ensemble with no ``--model`` per store. An entry of a Trainer run also gives the names of the
 optimizer's parameters (``config["checkpoint"]["optimizer_parameters"]``), which map the checkpoint's
-``optimizer.pt`` to the model for ``trackstar``.
+``optimizer.pt`` to the model for ``trackstar``; so does a checkpoint directory given by its path, when the
+``GradtraceCallback`` of its run saved them there (``gradtrace-optimizer.json``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ import torch
 from torch import nn
 
 from .collect import check_finite_parameters, check_resumable, collect
-from .common.checkpoints import checkpoint_path, load_into, read_state_dict, restored_weights
+from .common.checkpoints import (
+    checkpoint_path,
+    load_into,
+    read_state_dict,
+    restored_weights,
+    saved_optimizer_parameter_names,
+)
 from .common.errors import UsageError
 from .common.model_dir import load_causal_lm
 from .gradients import GradientSet
@@ -115,8 +122,10 @@ def resolve_checkpoints(checkpoints: Sequence[Any], names: Sequence[str] | None 
 
 
 def _parameter_names(item: Any) -> tuple[str, ...] | None:
-    """The optimizer parameter names an entry of ``gradtrace.integrations.checkpoints`` carries (else None)."""
+    """The optimizer parameter names an entry of ``gradtrace.integrations.checkpoints`` carries, else those a
+    ``GradtraceCallback`` saved in the checkpoint directory (else None)."""
     names = item.get("optimizer_parameters") if isinstance(item, Mapping) else None
+    names = names or saved_optimizer_parameter_names(checkpoint_path(item))
     return tuple(str(n) for n in names) if names else None
 
 

@@ -23,7 +23,13 @@ from torch import Tensor, nn
 
 from .errors import UsageError
 
-__all__ = ["WEIGHT_FILES", "checkpoint_path", "load_into", "read_state_dict", "restored_weights"]
+__all__ = ["OPTIMIZER_NAMES_FILE", "WEIGHT_FILES", "checkpoint_path", "load_into", "read_state_dict",
+           "restored_weights", "saved_optimizer_parameter_names"]
+
+OPTIMIZER_NAMES_FILE = "gradtrace-optimizer.json"
+"""Written by ``GradtraceCallback`` into every checkpoint directory the Trainer saves: the names of the optimizer's
+parameters in its order (``{"optimizer_parameters": [...]}``), which map that directory's ``optimizer.pt`` -- whose
+parameter groups (the Trainer's weight-decay groups) list parameters by position only -- to the model's."""
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
 """The weights of a checkpoint directory, in the order they are looked for (``save_pretrained``'s names)."""
@@ -37,6 +43,28 @@ def checkpoint_path(checkpoint: Any) -> Path | None:
     if isinstance(checkpoint, Mapping) and isinstance(checkpoint.get("path"), (str, os.PathLike)):
         return Path(checkpoint["path"])
     return None
+
+
+def saved_optimizer_parameter_names(location: Any) -> list[str] | None:
+    """The optimizer parameter names ``GradtraceCallback`` saved beside a checkpoint's ``optimizer.pt``
+    (:data:`OPTIMIZER_NAMES_FILE` in the directory, or next to the file, ``location`` names); None when ``location``
+    is not a path or holds none. An unreadable or malformed file is an error naming it (never ignored: the names
+    decide which second moment belongs to which parameter)."""
+    if not isinstance(location, (str, os.PathLike)):
+        return None
+    path = Path(location)
+    path = (path if path.is_dir() else path.parent) / OPTIMIZER_NAMES_FILE
+    if not path.is_file():
+        return None
+    try:
+        names = json.loads(path.read_text()).get("optimizer_parameters")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UsageError(f"{path} is not readable ({err}); delete it and pass param_names= (the names of the "
+                         "optimizer's parameters in order)") from None
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise UsageError(f"{path} lists no parameter names; delete it and pass param_names= (the names of the "
+                         "optimizer's parameters in order)")
+    return names
 
 
 def read_state_dict(checkpoint: Any) -> Mapping[str, Tensor]:

@@ -12,16 +12,19 @@ import math
 import os
 import warnings
 from collections.abc import Callable, MutableMapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..capture import Capture
+from ..common.checkpoints import OPTIMIZER_NAMES_FILE
 from ..common.models import strip_wrappers, unwrap
 from ..common.ranks import rank_and_world as dist_rank
 from ..options import with_record
 from ..provenance import record_paths, relative_path
 from ..sink import StoreWriter
+from ..store.artifact import atomic_write_json
 from ..store.spec import model_fingerprint
 from .fused_head import UnfusedLMHead, captures_output_embedding
 from .trainer_ids import ID_KEY, prepare_ids
@@ -267,6 +270,11 @@ class Session:
         self.lrs = []
         self.saves.append(entry)
         self.trainer_config["checkpoints"] = list(self.saves)
+        names = self.trainer_config.get("optimizer_parameters")
+        if args.process_index == 0 and names and os.path.isfile(os.path.join(folder, "optimizer.pt")):
+            # beside optimizer.pt: what maps its grouped state to the model, for whoever reads the directory alone
+            atomic_write_json(Path(folder) / OPTIMIZER_NAMES_FILE, {"optimizer_parameters": names,
+                                                                    "step": int(state.global_step)})
         if args.process_index == 0 and self.writer is not None and self.writer.writer is not None:
             record_checkpoints(self.cb.path, [entry], self.trainer_config)
 

@@ -111,7 +111,9 @@ def _state_dict_params(model: nn.Module, state_dict: dict[str, Any],
         raise ValueError(f"the optimizer state has {len(groups)} parameter groups and records no parameter names, so "
                          "its order need not be the model's: pass param_names= (the names of its parameters in its "
                          "order; a GradtraceCallback store records them as config['trainer']"
-                         "['optimizer_parameters']) or the optimizer itself")
+                         "['optimizer_parameters']) or the optimizer itself, or save them beside the checkpoint's "
+                         "optimizer.pt as gradtrace-optimizer.json ({\"optimizer_parameters\": [...]}, which "
+                         "GradtraceCallback writes)")
     named = list(_named_params(model).items())
     trainable = [(n, p) for n, p in named if p.requires_grad]
     for order, what in ((named, "all parameters"), (trainable, "trainable parameters")):

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.checkpoints import saved_optimizer_parameter_names
 from ..common.units import human_bytes
 from ..curvature.curvature import CurvatureError
 from ..projection.logra import LoGra
@@ -43,8 +44,8 @@ from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, get_method, register_method
 from .less import AdamState, adam_states
 
-__all__ = ["TrackStar", "bias_corrected", "load_optimizer_state", "recorded_parameter_names",
-           "second_moment_denominator"]
+__all__ = ["TrackStar", "bias_corrected", "load_optimizer_state", "optimizer_parameter_names",
+           "recorded_parameter_names", "second_moment_denominator"]
 
 RECORD_HINT = ("pass attr.fit(model, optimizer=...) with the torch.optim.Adam/AdamW optimizer at the attributed "
                "weights, its state_dict(), or a Trainer checkpoint directory holding optimizer.pt "
@@ -61,6 +62,17 @@ def recorded_parameter_names(manifest: dict[str, Any]) -> list[str] | None:
         if names:
             return list(names)
     return None
+
+
+def optimizer_parameter_names(given: Any, store: Any, optimizer: Any) -> list[str] | None:
+    """The names that map ``optimizer``'s state to the model's parameters: ``given``, else those ``store`` records
+    (:func:`recorded_parameter_names`), else those a ``GradtraceCallback`` saved beside the checkpoint's
+    ``optimizer.pt`` when ``optimizer`` is its path (:func:`~gradtrace.common.checkpoints.
+    saved_optimizer_parameter_names`); None: match by position (one parameter group only)."""
+    if given:
+        return list(given)
+    return (recorded_parameter_names(getattr(store, "manifest", None) or {})
+            or saved_optimizer_parameter_names(optimizer))
 
 
 def load_optimizer_state(optimizer: Any) -> Any:
@@ -204,7 +216,8 @@ class TrackStar(Method):
             optimizer: Any = None, param_names: Any = None, **options: Any) -> None:
         """Read Adam's second moment of the stored parameters from ``optimizer`` (an Adam/AdamW optimizer, its
         ``state_dict()`` or a checkpoint directory / ``optimizer.pt``; ``param_names``: the names of its parameters
-        in order, default the ones the store records, :func:`recorded_parameter_names`), then fit the curvature of
+        in order, default the ones the store records, :func:`recorded_parameter_names`, else those a
+        ``GradtraceCallback`` saved beside that ``optimizer.pt``), then fit the curvature of
         ``precondition`` (``options`` go to that method's fit)."""
         if optimizer is None:
             raise MissingStage(f"trackstar needs Adam's second moment (exp_avg_sq): {RECORD_HINT}")
@@ -212,8 +225,7 @@ class TrackStar(Method):
             raise MissingStage("trackstar: attr.fit(model, optimizer=...) needs the model, to match the optimizer's "
                                "parameters to the stored ones")
         spec = attributor.spec
-        if param_names is None:
-            param_names = recorded_parameter_names(getattr(attributor.train[0], "manifest", None) or {})
+        param_names = optimizer_parameter_names(param_names, attributor.train[0], optimizer)
         states = adam_states(model, load_optimizer_state(optimizer), [n for n, _ in spec.params],
                              param_names=param_names)
         eps = self.eps if self.eps is not None else next(iter(states.values())).eps

@@ -71,7 +71,7 @@ from ..methods.less import adam_states
 from ..methods.trackstar import (
     bias_corrected,
     load_optimizer_state,
-    recorded_parameter_names,
+    optimizer_parameter_names,
     second_moment_denominator,
 )
 from .engine import _check_prepared
@@ -243,7 +243,7 @@ class Unrolled(Ensemble):
             if owner is None:
                 raise MissingStage("unrolled: reading Adam states needs the model (to match the optimizer's "
                                    "parameters): fit(model, data, loss_fn, checkpoints=[...]) or models=[...]")
-            recorded = names[c] or recorded_parameter_names(getattr(member.train[0], "manifest", None) or {})
+            recorded = optimizer_parameter_names(names[c], member.train[0], state)
             params = [name for name, _ in curvature.spec.params]
             found = adam_states(owner, load_optimizer_state(state), params, param_names=recorded)
             try:

@@ -39,6 +39,26 @@ def _optimizer_dir(model_dir, texts, out):
     return out, optimizer.state_dict()
 
 
+def _grouped_optimizer_dir(model_dir, texts, out):
+    """A checkpoint directory as the Trainer saves one: Adam over two weight-decay groups (matrices, then the rest:
+    not the model's order), with or without the parameter names GradtraceCallback writes beside optimizer.pt."""
+    model = _model(model_dir)
+    named = list(model.named_parameters())
+    decay = [(n, p) for n, p in named if p.dim() >= 2]
+    rest = [(n, p) for n, p in named if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": [p for _, p in decay], "weight_decay": 0.01},
+                                   {"params": [p for _, p in rest], "weight_decay": 0.0}], lr=0.0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    enc = tokenizer(texts[:4], padding=True, return_tensors="pt")
+    model(**enc, labels=enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)).loss.backward()
+    optimizer.step()
+    out.mkdir()
+    torch.save(optimizer.state_dict(), out / "optimizer.pt")
+    return out, optimizer.state_dict(), [n for n, _ in decay + rest]
+
+
 @pytest.fixture(scope="module")
 def adam(ws, tmp_path_factory):
     return _optimizer_dir(ws.model, ws.lines[:12], tmp_path_factory.mktemp("adam") / "checkpoint-3")
@@ -165,3 +185,27 @@ def test_trak_and_trackstar_errors_name_the_fix(ws, store, runner, tmp_path, ada
     result = invoke(runner, "fit", store, "--method", "trak", "--out", tmp_path / "dry", "--dry-run",
                     "--no-progress")
     assert "Plan: trak fit over 24 stored rows" in result.output and not (tmp_path / "dry").exists()
+
+
+def test_trackstar_maps_a_grouped_checkpoint_state_by_the_names_saved_beside_it(ws, store, runner, tmp_path):
+    """The Trainer's weight-decay groups list parameters out of the model's order: the names GradtraceCallback saves
+    beside optimizer.pt map them (equal to the Python API given the names); without them the fit is refused."""
+    import json
+
+    from gradtrace.common.checkpoints import OPTIMIZER_NAMES_FILE
+
+    checkpoint, state, names = _grouped_optimizer_dir(ws.model, ws.lines, tmp_path / "checkpoint-1")
+    result = invoke(runner, "fit", store, "--method", "trackstar", "--optimizer", checkpoint, "--out",
+                    tmp_path / "bare", "--no-progress", code=2)
+    assert "2 parameter groups and records no parameter names" in error_line(result)
+    assert "gradtrace-optimizer.json" in " ".join(result.output.split())
+    (checkpoint / OPTIMIZER_NAMES_FILE).write_text(json.dumps({"optimizer_parameters": names}))
+    invoke(runner, "fit", store, "--method", "trackstar", "--optimizer", checkpoint, "--out", tmp_path / "fit",
+           "--no-progress")
+    invoke(runner, "score", store, ws.queries, "--method", "trackstar", "--fit", tmp_path / "fit", "--matrix", "yes",
+           "--out", tmp_path / "scores", "--no-progress")
+    train = gradtrace.GradientStore.open(store)
+    want = gradtrace.Attributor("trackstar", train).fit(_model(ws.model), optimizer=state, param_names=names)
+    torch.testing.assert_close(load_fit(tmp_path / "fit").denominator, want.method.denominator, rtol=0, atol=0)
+    got = gradtrace.Scores.load(tmp_path / "scores").matrix
+    torch.testing.assert_close(got, want.score(_queries(ws, ws.model), matrix=True).matrix, rtol=0, atol=1e-3)

@@ -208,11 +208,36 @@ def test_checkpoints_are_recorded_in_the_store(tmp_path):
         optimizers=[torch.load(f"{c['path']}/optimizer.pt", weights_only=True) for c in saved])
     assert read.scales == given.scales and all(s > 0 for scales in read.scales for s in scales.values())
     assert torch.equal(read.score(queries[-1], matrix=True).matrix, given.score(queries[-1], matrix=True).matrix)
-    # a store that does not record the names cannot map a grouped optimizer state: refused, not guessed
-    bare = gradtrace.collect_checkpoints([c["path"] for c in saved[:1]], [batch], out=tmp_path / "bare", layers=layers)
+    # the callback saves the names beside every optimizer.pt, so a checkpoint directory maps its grouped state alone:
+    # a store collected without the run's records (plain gradtrace.collect) scores as with the names given by hand
+    import json
+    import shutil
+    from pathlib import Path
+
+    from gradtrace.common.checkpoints import OPTIMIZER_NAMES_FILE
+    from gradtrace.common.errors import UsageError
+
+    for c in saved:
+        beside = json.loads((Path(c["path"]) / OPTIMIZER_NAMES_FILE).read_text())
+        assert beside == {"optimizer_parameters": names, "step": c["step"]}
+    first = GPT2LMHeadModel.from_pretrained(saved[0]["path"])
+    plain = gradtrace.collect(first, [batch], layers=layers)
+    from_dir = gradtrace.Attributor("trackstar", plain).fit(first, optimizer=saved[0]["path"])
+    by_hand = gradtrace.Attributor("trackstar", plain).fit(first, optimizer=torch.load(
+        f"{saved[0]['path']}/optimizer.pt", weights_only=True), param_names=names)
+    assert torch.equal(from_dir.score(queries[0], matrix=True).matrix, by_hand.score(queries[0], matrix=True).matrix)
+    path_store = gradtrace.collect_checkpoints([saved[0]["path"]], [batch], out=tmp_path / "by_path", layers=layers)
+    assert path_store[0].manifest["config"]["checkpoint"]["optimizer_parameters"] == names
+    # without the names (a checkpoint saved without the callback) a grouped state is refused, not guessed
+    bare_dir = tmp_path / "bare-checkpoint"
+    shutil.copytree(saved[0]["path"], bare_dir)
+    (bare_dir / OPTIMIZER_NAMES_FILE).unlink()
+    bare = gradtrace.collect_checkpoints([bare_dir], [batch], out=tmp_path / "bare", layers=layers)
     with pytest.raises(ValueError, match="2 parameter groups and records no parameter names"):
-        gradtrace.Attributor("trackstar", bare[0]).fit(GPT2LMHeadModel.from_pretrained(saved[0]["path"]),
-                                                       optimizer=saved[0]["path"])
+        gradtrace.Attributor("trackstar", bare[0]).fit(first, optimizer=bare_dir)
+    (bare_dir / OPTIMIZER_NAMES_FILE).write_text("{not json")
+    with pytest.raises(UsageError, match=r"gradtrace-optimizer\.json is not readable .*param_names="):
+        gradtrace.Attributor("trackstar", bare[0]).fit(first, optimizer=bare_dir)
 
 
 def test_custom_compute_loss_is_refused(tmp_path):
