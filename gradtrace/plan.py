@@ -144,6 +144,13 @@ class FitPlan:
     seconds_per_example: float  # every pass over one example (from the warm-up)
     fixed_seconds: float  # once: eigendecompositions (from the warm-up, whose blocks have the full fit's sizes)
     factor_itemsize: int = 4  # bytes per factor value: 8 for the float64 D x D kernel of trak / trackstar
+    memory_bytes: int | None = None  # peak memory of the fit where it dominates (a D x D kernel), else None
+    available_bytes: int | None = None  # memory available where the fit runs (None: unknown or not planned)
+
+    @property
+    def fits_memory(self) -> bool:
+        """The fit's planned peak memory fits in the available memory (True when either is unknown)."""
+        return self.memory_bytes is None or self.available_bytes is None or self.memory_bytes <= self.available_bytes
 
     @property
     def fits(self) -> bool:
@@ -314,9 +321,13 @@ def _plan_stored_kernel(store: Any, method: str, kernel: bool, free: int | None,
     start = time.perf_counter()
     torch.linalg.eigh(sample @ sample.t())
     eigh_seconds = (time.perf_counter() - start) * (dim / timed) ** 3
+    # peak: the kernel, its eigenvectors and LAPACK's divide-and-conquer workspace (about 2 D^2 more), float64,
+    # next to one float64 block of rows
+    memory = 8 * 4 * dim * dim + 8 * stop * dim
     return FitPlan(method=method, examples=len(store), tokens=None, passes=1, blocks=1, kron_blocks=0,
                    factor_floats=dim * dim, curvature_bytes=saved + 8 * (dim * dim + dim), free_bytes=free,
-                   seconds_per_example=per_row, fixed_seconds=eigh_seconds, factor_itemsize=8)
+                   seconds_per_example=per_row, fixed_seconds=eigh_seconds, factor_itemsize=8,
+                   memory_bytes=memory, available_bytes=available_memory(device))
 
 
 # -- gradtrace score --------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 from ..methods import method_class, saves_fit
 from .errors import CliError
 
-__all__ = ["fit_file", "fitted_methods", "needs_fit"]
+__all__ = ["fit_file", "fitted_methods", "load_fitted", "needs_fit"]
 
 
 def needs_fit(method: str) -> bool:
@@ -28,22 +28,29 @@ def fit_file(method: str) -> str:
 
 
 def fitted_methods(sc: Any, store: Path, ensemble: Any) -> list[Any]:
-    """One fitted method per store, loaded from ``sc.curvature`` and ``ensemble.member_curvature`` (empty for a
-    method without a fit, which refuses ``--curvature`` / ``--damping``)."""
+    """One fitted method per store of ``gradtrace score``, loaded from ``sc.curvature`` and
+    ``ensemble.member_curvature`` (empty for a method without a fit, which refuses ``--curvature`` / ``--damping``)."""
+    return load_fitted(sc.method, sc.curvature, list(ensemble.member_curvature), store, damping=sc.damping,
+                       damping_mode=sc.damping_mode)
+
+
+def load_fitted(method: str, curvature: Path | None, members: list[Path], store: Path, *,
+                damping: float | None = None, damping_mode: str | None = None) -> list[Any]:
+    """``method`` loaded from what ``gradtrace fit`` saved in ``curvature`` (and in each of ``members``, further
+    stores' fits), re-damped when asked; [] for a method without a fit (which refuses a fit or a damping)."""
     from ..methods import get_method, load_fit
 
-    method = sc.method
     if not needs_fit(method):
-        if sc.curvature is not None or sc.damping is not None or sc.damping_mode is not None:
+        if curvature is not None or damping is not None or damping_mode is not None:
             raise CliError(f"--curvature/--damping apply to methods fitted with gradtrace fit (kfac, ekfac, ggn, "
                            f"logra, trak, trackstar), not {method}")
         return []
-    if sc.curvature is None:
+    if curvature is None:
         data = "" if saves_fit(method) else " TRAIN.jsonl"
         raise CliError(f"--method {method} needs its fit: run gradtrace fit {store}{data} --method {method} --out "
                        "FIT_DIR, then pass --curvature FIT_DIR")
-    paths = [sc.curvature, *ensemble.member_curvature]
-    for flag, path in zip(["--curvature", *["--member-curvature"] * (len(paths) - 1)], paths):
+    paths = [curvature, *members]
+    for flag, path in zip(["--curvature", *["--member-curvature"] * len(members)], paths):
         if not (path / fit_file(method)).exists():
             other = "curvature.json" if fit_file(method) == "fit.json" else "fit.json"
             found = f"; it holds {other}, the fit of another method" if (path / other).exists() else ""
@@ -51,8 +58,7 @@ def fitted_methods(sc: Any, store: Path, ensemble: Any) -> list[Any]:
                            f"STORE --method {method} --out {path}")
     try:
         if saves_fit(method):
-            return [load_fit(path, method, damping=sc.damping, damping_mode=sc.damping_mode) for path in paths]
-        return [get_method(method, curvature=path, damping=sc.damping, damping_mode=sc.damping_mode)
-                for path in paths]
+            return [load_fit(path, method, damping=damping, damping_mode=damping_mode) for path in paths]
+        return [get_method(method, curvature=path, damping=damping, damping_mode=damping_mode) for path in paths]
     except (ValueError, OSError) as err:
         raise CliError(str(err)) from None

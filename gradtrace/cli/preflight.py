@@ -35,12 +35,21 @@ def fit_plan_lines(planned: Any, out: Path) -> str:
         f"{planned.factor_floats:,} {'floats' if itemsize == 4 else 'float64 values'} "
         f"({human_bytes(itemsize * planned.factor_floats)})",
         f"  {what:<11} about {human_bytes(planned.curvature_bytes)} in {out}{free}",
+        *([] if planned.memory_bytes is None else [
+            f"  memory      about {human_bytes(planned.memory_bytes)} at the peak (the kernel, its eigenvectors and "
+            "the eigensolver's workspace)" + ("" if planned.available_bytes is None else
+                                               f" ({human_bytes(planned.available_bytes)} available)")]),
         f"  time        about {planned.seconds:,.0f} s ({planned.seconds_per_example * 1e3:,.2f} ms/example over "
         f"every pass + {planned.fixed_seconds:,.1f} s of eigendecompositions, from a warm-up)"])
 
 
 def check_fit_plan(planned: Any, out: Path, force: bool) -> None:
-    """Refuse a curvature that cannot be saved in the free space of ``out`` (unless ``--force``)."""
+    """Refuse a curvature that cannot be saved in the free space of ``out``, or a fit whose planned peak memory
+    exceeds what is available (unless ``--force``)."""
+    if not planned.fits_memory and not force:
+        raise CliError(f"the {planned.method} fit needs about {human_bytes(planned.memory_bytes)} of memory at its "
+                       f"peak but {human_bytes(planned.available_bytes or 0)} is available: collect with a lower "
+                       "--rank (the kernel grows with its dimensions squared), or pass --force")
     if not planned.fits and not force:
         raise CliError(f"the curvature needs about {human_bytes(planned.curvature_bytes)} but {out} has "
                        f"{human_bytes(planned.free_bytes or 0)} free: free space, choose another --out, or pass "

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import CliError
+from .fitted import load_fitted
 from .options import cli
 from .report import console
 
@@ -22,10 +23,12 @@ class SelfInfluenceOptions:
 
     store: Path = field(metadata=cli("Gradient store of the training examples (written by gradtrace collect).",
                                      argument=True, metavar="STORE"))
-    method: Literal["grad_dot", "kfac", "ekfac", "ggn", "logra"] = field(default="grad_dot", metadata=cli(
-        "grad_dot: |g|^2; kfac, ekfac, ggn, logra: g^T H^-1 g with --curvature (written by gradtrace fit)."))
-    curvature: Path | None = field(default=None, metadata=cli("Fitted curvature of the influence methods.",
-                                                              metavar="CURVATURE_DIR"))
+    method: Literal["grad_dot", "kfac", "ekfac", "ggn", "logra", "trak"] = field(default="grad_dot", metadata=cli(
+        "grad_dot: |g|^2; kfac, ekfac, ggn, logra: g^T H^-1 g; trak: g^T (Phi^T Phi + lambda I)^-1 g (a leverage "
+        "score); all but grad_dot with --curvature (written by gradtrace fit)."))
+    curvature: Path | None = field(default=None, metadata=cli(
+        "What gradtrace fit saved for STORE (the curvature, or trak's fit).", "--curvature", "--fit",
+        metavar="FIT_DIR"))
     damping: float | None = field(default=None, metadata=cli("Damping (default: the one saved with the fit).", min=0))
     normalize: Literal["none", "length"] = field(default="none", metadata=cli(
         "none: the gradient of each example's summed loss; length: of its mean loss per target token (the score "
@@ -54,14 +57,10 @@ def run(opts: SelfInfluenceOptions) -> None:
     if not (opts.store / "manifest.json").exists():
         raise CliError(f"{opts.store} holds no gradient store (no manifest.json); write one with gradtrace collect")
     store = GradientStore.open(opts.store)
-    options: dict[str, Any] = {}
-    if opts.method != "grad_dot":
-        if opts.curvature is None:
-            raise CliError(f"--method {opts.method} needs a fitted curvature: run gradtrace fit {opts.store} ... "
-                           f"--method {opts.method} --out CURVATURE_DIR, then pass --curvature CURVATURE_DIR")
-        options.update(curvature=opts.curvature, damping=opts.damping)
+    fitted = load_fitted(opts.method, opts.curvature, [], opts.store, damping=opts.damping)  # gradtrace.cli.fitted
     try:
-        scores = gradtrace.Attributor(opts.method, store, **options).self_scores(normalize=opts.normalize)
+        scores = gradtrace.Attributor(fitted[0] if fitted else opts.method, store).self_scores(
+            normalize=opts.normalize)
     except ValueError as err:
         raise CliError(str(err)) from None
     order = scores.argsort(descending=True).tolist()

@@ -209,3 +209,37 @@ def test_trackstar_maps_a_grouped_checkpoint_state_by_the_names_saved_beside_it(
     torch.testing.assert_close(load_fit(tmp_path / "fit").denominator, want.method.denominator, rtol=0, atol=0)
     got = gradtrace.Scores.load(tmp_path / "scores").matrix
     torch.testing.assert_close(got, want.score(_queries(ws, ws.model), matrix=True).matrix, rtol=0, atol=1e-3)
+
+
+def test_a_kernel_fit_beyond_the_available_memory_is_refused_unless_forced(ws, store, runner, tmp_path, monkeypatch):
+    import sys
+
+    # the module (gradtrace.plan is also the name of the function it exports)
+    monkeypatch.setattr(sys.modules["gradtrace.plan"], "available_memory", lambda device=None: 1000)
+    result = invoke(runner, "fit", store, "--method", "trak", "--out", tmp_path / "f", "--no-progress", code=2)
+    assert "of memory at its peak but 1000 B is available" in error_line(result)
+    assert "memory      about" in result.output and not (tmp_path / "f").exists()
+    invoke(runner, "fit", store, "--method", "trak", "--out", tmp_path / "f", "--force", "--no-progress")
+    assert (tmp_path / "f" / "fit.json").exists()
+
+
+def test_trak_self_influence_is_the_leverage_of_each_stored_row(ws, store, runner, tmp_path):
+    invoke(runner, "fit", store, "--method", "trak", "--out", tmp_path / "fit", "--no-progress")
+    out = tmp_path / "self.json"
+    invoke(runner, "self-influence", store, "--method", "trak", "--fit", tmp_path / "fit", "--out", out)
+    import json
+
+    rows = json.loads(out.read_text())
+    got = torch.tensor([r["self_influence"] for r in rows], dtype=torch.float64)
+    stored = gradtrace.GradientStore.open(store)
+    grads = stored.read(0, 24).double()
+    kernel = grads.t() @ grads
+    lam = 0.1 * float(torch.linalg.eigvalsh(kernel).clamp(min=0).mean())
+    leverage = (grads * torch.linalg.solve(kernel + lam * torch.eye(kernel.shape[0], dtype=torch.float64),
+                                           grads.t()).t()).sum(1)
+    order = [stored.ids.index(r["id"]) for r in rows]
+    # float32 products of D terms after a float64 preconditioning: 1e-4 of the largest leverage (each is below 1)
+    torch.testing.assert_close(got, leverage[order], rtol=0, atol=1e-4 * float(leverage.max()))
+    assert float(leverage.max()) < 1 and got.tolist() == sorted(got.tolist(), reverse=True)
+    line = error_line(invoke(runner, "self-influence", store, "--method", "trak", code=2))
+    assert "gradtrace fit" in line and "--method trak" in line

@@ -108,6 +108,8 @@ def test_plan_fit_of_a_saved_method_fit_from_the_store(tmp_path, method, precond
     assert (got.examples, got.passes, got.blocks, got.kron_blocks) == (12, int(kernel), 1, 0)
     assert got.factor_floats == (dim * dim if kernel else dim) and got.factor_itemsize == (8 if kernel else 4)
     assert got.curvature_bytes == (4 * dim if method == "trackstar" else 0) + (8 * (dim * dim + dim) if kernel else 0)
+    # peak memory of a kernel fit: kernel + eigenvectors + the eigensolver's ~2 D^2 workspace, and one block of rows
+    assert got.memory_bytes == (8 * 4 * dim * dim + 8 * 12 * dim if kernel else None)
     if method == "trak":
         attr = gradtrace.Attributor("trak", store, reweight=False).fit()
     else:
