@@ -10,6 +10,9 @@ training examples (query-side inverse once + one streamed matrix product). Exact
 The whole-model methods (``arnoldi``, ``cg``, ``ggn_full``) run with their default options (the exact Gauss-Newton
 matrix from products with the model; ``arnoldi`` rank 128 with 256 iterations), the others with the empirical
 Fisher; ``trak``'s fit includes the forward pass for the 1 - p weights. ``--sizes`` picks (width, N) settings.
+``trak`` fits the ``D x D`` kernel (``mode="primal"``, as the rows first published), ``trak+dual`` the ``N x N``
+Gram matrix of the same rows (what ``mode="auto"`` picks when ``N < D``; two more passes over the rows per query
+set at scoring).
 
 ``trackstar`` needs Adam's second moment: one Adam step per batch over the data is taken before collecting
 (not timed), and its ``fit`` reads that state. ``trackstar`` alone runs on exact gradients without
@@ -18,6 +21,7 @@ setting); ``trackstar+ekfac`` on exact gradients with an EK-FAC fitted inside (e
 
     python bench/curvature.py
     python bench/curvature.py --methods arnoldi cg trak --sizes 64x1024,128x1024,256x256,256x1024
+    python bench/curvature.py --methods trak trak+dual --sizes 64x1024,128x1024,256x256,256x1024
     python bench/curvature.py --methods trackstar trackstar+autocorrelation trackstar+ekfac
 """
 
@@ -70,8 +74,10 @@ def _measure(method: str, width: int, n: int) -> tuple[float, float, int]:
         options = {"precondition": precondition or None}
         if precondition not in ("", "autocorrelation"):
             options["precondition_options"] = {"fisher": "empirical"}
+    elif name == "trak":  # "trak": the D x D kernel (the rows published first); "trak+dual": the N x N Gram matrix
+        options = {"mode": precondition or "primal"}
     else:
-        options = {} if name in (*WHOLE_MODEL, "trak") else {"fisher": "empirical"}
+        options = {} if name in WHOLE_MODEL else {"fisher": "empirical"}
     attr = gradtrace.Attributor(name, train, **options)
     start = time.perf_counter()
     if name == "logra":

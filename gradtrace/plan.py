@@ -145,6 +145,7 @@ class FitPlan:
     fixed_seconds: float  # once: eigendecompositions (from the warm-up, whose blocks have the full fit's sizes)
     factor_itemsize: int = 4  # bytes per factor value: 8 for the float64 D x D kernel of trak / trackstar
     memory_bytes: int | None = None  # peak memory of the fit where it dominates (a D x D kernel), else None
+    kernel_mode: str | None = None  # trak: "primal" (D x D kernel) or "dual" (N x N Gram matrix)
     available_bytes: int | None = None  # memory available where the fit runs (None: unknown or not planned)
 
     @property
@@ -183,16 +184,18 @@ class _TimedPasses:
 def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | None = None, loss_fn: Any = None, *,
              method: str = "ekfac", fisher: str = "auto", samples: int = 1, out: str | Path | None = None,
              max_dense: int = 4096, warmup_batches: int = 2, device: Any = None,
-             block_rows: int | None = None, precondition: str | None = None, max_dim: int = 32768) -> FitPlan:
+             block_rows: int | None = None, precondition: str | None = None, max_dim: int = 32768,
+             mode: str = "auto") -> FitPlan:
     """The plan of fitting ``method``'s curvature for ``store`` (a :class:`gradtrace.GradientStore` or its path).
 
     ``kfac``/``ekfac``/``fisher`` fit on ``data`` with ``model`` (as :func:`gradtrace.curvature.fit_curvature`
     with ``spec=store.spec``): ``data`` is counted, then a warm-up fit on its first ``warmup_batches`` batches
     gives the blocks (the same as the full fit's), the time of the data passes per example and the time of the
     eigendecompositions. ``logra`` (the dense Fisher of the stored projected gradients, no model pass) reads
-    the store's first block instead; so do ``trak`` (its ``D x D`` float64 kernel) and ``trackstar`` (its
-    second moment, ``D`` values, and with ``precondition="autocorrelation"`` a kernel like trak's; ``max_dense``
-    does not apply to them, their own ``max_dim`` does). ``out``: where the fit is saved (its free space).
+    the store's first block instead; so do ``trak`` (its ``D x D`` float64 kernel, or with ``mode`` ``"dual"`` --
+    ``"auto"``'s choice when the store has fewer rows than dimensions -- its ``N x N`` Gram matrix) and
+    ``trackstar`` (its second moment, ``D`` values, and with ``precondition="autocorrelation"`` a kernel like
+    trak's; ``max_dense`` does not apply to them, their own ``max_dim`` does). ``out``: where the fit is saved.
     """
     from .store import GradientStore
 
@@ -203,7 +206,10 @@ def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | N
         return _plan_stored_fisher(store, free, max_dense, rows, device)
     if method in ("trak", "trackstar"):
         kernel = method == "trak" or precondition == "autocorrelation"
-        return _plan_stored_kernel(store, method, kernel, free, max_dim, rows, device)
+        if mode not in ("auto", "primal", "dual") or (mode != "auto" and method != "trak"):
+            raise ValueError(f"plan_fit(): mode={mode!r} applies to trak ('auto', 'primal' or 'dual')")
+        chosen = mode if mode != "auto" else ("dual" if method == "trak" and len(store) < store.dim else "primal")
+        return _plan_stored_kernel(store, method, kernel, free, max_dim, rows, device, chosen)
     if method not in ("kfac", "ekfac", "fisher"):
         raise ValueError(f"plan_fit(): method must be kfac, ekfac, fisher, logra, trak or trackstar, got {method!r}")
     if model is None or data is None:
@@ -284,14 +290,16 @@ def _plan_stored_fisher(store: Any, free: int | None, max_dense: int, block_rows
 class KernelTooLarge(ValueError):
     """A ``D x D`` float64 kernel (trak, trackstar's autocorrelation) beyond ``max_dim``."""
 
-    def __init__(self, method: str, dim: int, max_dim: int) -> None:
+    def __init__(self, method: str, dim: int, max_dim: int, dual: bool = False) -> None:
         from .common.units import human_bytes
 
-        self.method, self.dim, self.max_dim, self.bytes = method, dim, max_dim, 8 * dim * dim
-        self.what = "trak's kernel" if method == "trak" else "trackstar's autocorrelation"
-        super().__init__(f"plan_fit(): {self.what} of {dim:,}-dimensional gradients takes {human_bytes(self.bytes)} "
-                         f"(float64), beyond max_dim={max_dim:,}; collect projected gradients "
-                         "(projection=gradtrace.LoGra(rank=...)) or raise max_dim=")
+        self.method, self.dim, self.max_dim, self.bytes, self.dual = method, dim, max_dim, 8 * dim * dim, dual
+        self.what = ("trak's Gram matrix" if dual else "trak's kernel") if method == "trak" else \
+            "trackstar's autocorrelation"
+        of = f"{dim:,} training examples" if dual else f"{dim:,}-dimensional gradients"
+        super().__init__(f"plan_fit(): {self.what} of {of} takes {human_bytes(self.bytes)} (float64), beyond "
+                         f"max_dim={max_dim:,}; collect projected gradients (projection=gradtrace.LoGra(rank=...)) "
+                         "or raise max_dim=")
 
 
 KERNEL_TIMED_DIM = 512
@@ -299,35 +307,42 @@ KERNEL_TIMED_DIM = 512
 
 
 def _plan_stored_kernel(store: Any, method: str, kernel: bool, free: int | None, max_dim: int, block_rows: int,
-                        device: Any) -> FitPlan:
-    """The plan of trak's kernel or trackstar's fit from the stored rows: with a kernel, one pass accumulating
-    ``Phi^T Phi`` (timed on the store's first block) and one ``D x D`` float64 eigendecomposition (timed at
-    :data:`KERNEL_TIMED_DIM` and scaled cubically); trackstar alone reads only the optimizer state."""
-    dim = store.dim
+                        device: Any, mode: str = "primal") -> FitPlan:
+    """The plan of trak's kernel or trackstar's fit from the stored rows. With a ``D x D`` kernel (``mode``
+    ``"primal"``): one pass accumulating ``Phi^T Phi`` (timed on the store's first block); with trak's ``N x N`` Gram
+    matrix (``"dual"``): every pair of blocks once (``b (b + 1) / 2`` block products, timed on the first block
+    against itself); then one float64 eigendecomposition (timed at :data:`KERNEL_TIMED_DIM`, scaled cubically).
+    trackstar alone reads only the optimizer state."""
+    dim, rows = store.dim, len(store)
     saved = 4 * dim if method == "trackstar" else 0  # the second moment's denominator, float32
     if not kernel:
-        return FitPlan(method=method, examples=len(store), tokens=None, passes=0, blocks=1, kron_blocks=0,
+        return FitPlan(method=method, examples=rows, tokens=None, passes=0, blocks=1, kron_blocks=0,
                        factor_floats=dim, curvature_bytes=saved, free_bytes=free, seconds_per_example=0.0,
                        fixed_seconds=0.0)
-    if dim > max_dim:
-        raise KernelTooLarge(method, dim, max_dim)
-    stop = min(len(store), block_rows)
+    size = dim if mode == "primal" else rows
+    if size > max_dim:
+        raise KernelTooLarge(method, size, max_dim, dual=mode == "dual")
+    stop = min(rows, block_rows)
     start = time.perf_counter()
     block = store.read(0, stop, device).to(torch.float64)
-    block.t() @ block
-    per_row = (time.perf_counter() - start) / max(1, stop)
-    timed = min(dim, KERNEL_TIMED_DIM)
+    block.t() @ block if mode == "primal" else block @ block.t()
+    first = time.perf_counter() - start
+    blocks = -(-rows // stop)
+    passes = 1 if mode == "primal" else blocks  # the most times a row is read (the Gram: once per block pair)
+    per_row = first / max(1, stop) if mode == "primal" else first * blocks * (blocks + 1) / 2 / max(1, rows)
+    timed = min(size, KERNEL_TIMED_DIM)
     sample = torch.randn(timed, timed, dtype=torch.float64)
     start = time.perf_counter()
     torch.linalg.eigh(sample @ sample.t())
-    eigh_seconds = (time.perf_counter() - start) * (dim / timed) ** 3
-    # peak: the kernel, its eigenvectors and LAPACK's divide-and-conquer workspace (about 2 D^2 more), float64,
-    # next to one float64 block of rows
-    memory = 8 * 4 * dim * dim + 8 * stop * dim
-    return FitPlan(method=method, examples=len(store), tokens=None, passes=1, blocks=1, kron_blocks=0,
-                   factor_floats=dim * dim, curvature_bytes=saved + 8 * (dim * dim + dim), free_bytes=free,
-                   seconds_per_example=per_row, fixed_seconds=eigh_seconds, factor_itemsize=8,
-                   memory_bytes=memory, available_bytes=available_memory(device))
+    eigh_seconds = (time.perf_counter() - start) * (size / timed) ** 3
+    # peak: the kernel, its eigenvectors and LAPACK's divide-and-conquer workspace (about 2 size^2 more), float64,
+    # next to the float64 block(s) of rows read at once
+    memory = 8 * 4 * size * size + 8 * stop * dim * (1 if mode == "primal" else 2)
+    saved += 8 * (size * size + size)  # (a reweighted dual fit saves N more: the rows' 1 - p, float64)
+    return FitPlan(method=method, examples=rows, tokens=None, passes=passes, blocks=1, kron_blocks=0,
+                   factor_floats=size * size, curvature_bytes=saved, free_bytes=free, seconds_per_example=per_row,
+                   fixed_seconds=eigh_seconds, factor_itemsize=8, memory_bytes=memory,
+                   available_bytes=available_memory(device), kernel_mode=mode if method == "trak" else None)
 
 
 # -- gradtrace score --------------------------------------------------------------------------------------------

@@ -76,9 +76,13 @@ class KernelOptions(Group):
     precondition_curvature: Path | None = field(default=None, metadata=cli(
         "trackstar: precondition with this fitted curvature of the same store instead (gradtrace fit STORE DATA "
         "--method kfac|ekfac|ggn|logra); it is copied into the fit.", metavar="CURVATURE_DIR"))
+    mode: Literal["auto", "primal", "dual"] = field(default="auto", metadata=cli(
+        "trak: primal (the D x D kernel Phi^T Phi), dual (the N x N Gram matrix Phi Phi^T: the same scores, for "
+        "stores with fewer examples than dimensions; every scoring then reads the store twice more), or auto "
+        "(dual when N < D)."))
     max_dim: int = field(default=32768, metadata=cli(
-        "trak, trackstar --precondition autocorrelation: the most gradient dimensions D whose D x D float64 kernel "
-        "is fitted (32,768: 8 GiB).", min=1))
+        "trak, trackstar --precondition autocorrelation: the largest kernel fitted -- D dimensions, or N examples "
+        "for trak's dual form -- (32,768: 8 GiB of float64).", min=1))
 
 
 @dataclass(kw_only=True)
@@ -214,6 +218,8 @@ def _check_method_flags(opts: FitOptions) -> None:
     default_dim = next(f.default for f in fields(KernelOptions) if f.name == "max_dim")
     if cv.method not in SAVED_FIT_METHODS and kv.max_dim != default_dim:
         raise CliError(f"--max-dim applies to trak and trackstar (their D x D kernel), not {cv.method}")
+    if cv.method != "trak" and kv.mode != "auto":
+        raise CliError(f"--mode applies to trak (its primal or dual form), not {cv.method}")
     if cv.method in SAVED_FIT_METHODS and opts.data is not None:
         source = "the stored gradients and --optimizer" if cv.method == "trackstar" else "the stored gradients"
         raise CliError(f"--method {cv.method} fits from {source} alone (a causal LM needs no 1 - p weights): drop "
@@ -247,16 +253,22 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
     with phases("plan"):
         try:
             planned = gradtrace.plan_fit(store, method=cv.method, precondition=precondition, out=cv.out,
-                                         device=device, max_dim=kv.max_dim)
+                                         device=device, max_dim=kv.max_dim,
+                                         mode=kv.mode if cv.method == "trak" else "auto")
         except KernelTooLarge as err:
-            raise CliError(f"{err.what} of store {store.root} ({err.dim:,} dims) takes {human_bytes(err.bytes)} "
-                           f"(float64), beyond --max-dim {err.max_dim:,}: collect with a lower --rank or fewer "
-                           "--layers, or raise --max-dim where the memory is there") from None
+            size = f"{err.dim:,} examples" if err.dual else f"{err.dim:,} dims"
+            fix = ("--mode primal with a store of fewer dimensions (a lower --rank)" if err.dual else
+                   "collect with a lower --rank or fewer --layers" +
+                   (", or --mode dual when the store has fewer examples than dimensions" if cv.method == "trak"
+                    else ""))
+            raise CliError(f"{err.what} of store {store.root} ({size}) takes {human_bytes(err.bytes)} (float64), "
+                           f"beyond --max-dim {err.max_dim:,}: {fix}, or raise --max-dim where the memory is "
+                           "there") from None
     if not _preflight(planned, opts):
         return
     model_dir, fit_args, settings = opts.model, {}, {"damping": cv.damping, "max_dim": kv.max_dim}
     if cv.method == "trak":
-        settings["reweight"] = False  # causal LMs: TRAK's 1 - p weights are a classifier's
+        settings.update(reweight=False, mode=kv.mode)  # causal LMs: TRAK's 1 - p weights are a classifier's
     else:
         if kv.precondition_curvature is not None:
             try:

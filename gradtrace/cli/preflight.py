@@ -29,8 +29,11 @@ def fit_plan_lines(planned: Any, out: Path) -> str:
     passes = f"{planned.passes} pass{'' if planned.passes == 1 else 'es'}"
     what = "curvature" if planned.method not in ("trak", "trackstar") else "fit"
     itemsize = planned.factor_itemsize
+    form = {"primal": " (primal: the D x D kernel)",
+            "dual": " (dual: the N x N Gram matrix; each scoring reads the store twice more)"}.get(
+        planned.kernel_mode or "", "")
     return "\n".join([
-        f"Plan: {planned.method} {what} over {planned.examples:,} {source}{tokens}; {passes}",
+        f"Plan: {planned.method} {what}{form} over {planned.examples:,} {source}{tokens}; {passes}",
         f"  blocks      {planned.blocks:,} ({planned.kron_blocks:,} Kronecker-factored), factors "
         f"{planned.factor_floats:,} {'floats' if itemsize == 4 else 'float64 values'} "
         f"({human_bytes(itemsize * planned.factor_floats)})",

@@ -32,7 +32,6 @@ FAISS is an optional dependency: ``pip install 'gradtrace[index]'``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -46,6 +45,7 @@ import torch
 from torch import Tensor
 
 from ..store.artifact import atomic_write_json
+from ..store.fingerprint import fingerprint_difference, store_fingerprint
 from ..store.layout import StoreError
 from .row_norms import NORMS_FILE, block_norms, read_row_norms, store_row_norms, write_row_norms
 
@@ -83,37 +83,6 @@ def _faiss() -> Any:
         raise FaissMissing("gradient indexes need FAISS, which is not installed: pip install 'gradtrace[index]' "
                            "(or pip install faiss-cpu)") from None
     return faiss
-
-
-# -- store fingerprint -----------------------------------------------------------------------------
-def store_fingerprint(store: Any) -> dict[str, Any]:
-    """What identifies a store's content, from what :class:`GradientStore` exposes (no data is re-read).
-
-    ``{"spec", "rows", "shards": [{name, rows, files: {key: blake2b}}], "ids", "digest"}``: the manifest's
-    gradient spec, the row count, every committed shard with its files' checksums in row order, a hash of
-    the row ids, and one digest over all of it. Two stores with the same digest hold the same rows in the
-    same order (their shard checksums agree); a copied or moved store keeps its digest.
-    """
-    shards = [{"name": s.name, "rows": int(s.rows),
-               "files": {key: info.get("blake2b") for key, info in sorted(s.record.get("files", {}).items())}}
-              for s in store.shards]
-    ids = hashlib.blake2b("\n".join(store.ids).encode(), digest_size=16).hexdigest()
-    body = {"spec": store.spec.to_dict(), "rows": len(store), "shards": shards, "ids": ids}
-    digest = hashlib.blake2b(json.dumps(body, sort_keys=True).encode(), digest_size=16).hexdigest()
-    return {**body, "digest": digest}
-
-
-def _fingerprint_difference(recorded: dict[str, Any], current: dict[str, Any]) -> str:
-    """A few words on how two fingerprints differ (for the refusal message)."""
-    if recorded.get("spec") != current.get("spec"):
-        return "its gradients have another layout, model or projection"
-    if recorded.get("rows") != current.get("rows"):
-        return f"it held {recorded.get('rows')} rows, it now holds {current.get('rows')}"
-    old = {s["name"]: s for s in recorded.get("shards", [])}
-    changed = [s["name"] for s in current.get("shards", []) if old.get(s["name"]) != s]
-    if changed:
-        return f"shard {changed[0]} differs"
-    return "its row ids differ"
 
 
 # -- parameters ------------------------------------------------------------------------------------
@@ -223,7 +192,7 @@ class Index:
         same_place = str(Path(str(store.root)).resolve()) == built_from
         what = (f"store {store.root} changed since {where} was built" if same_place
                 else f"{where} was built from another store ({built_from}), not {store.root}")
-        raise IndexMismatch(f"{what}: {_fingerprint_difference(self.fingerprint, current)}. Rebuild it: "
+        raise IndexMismatch(f"{what}: {fingerprint_difference(self.fingerprint, current)}. Rebuild it: "
                             f"gradtrace index {store.root} --out INDEX")
 
     def attach_row_norms(self, store: Any, *, block_rows: int = 65536, progress: bool = False) -> Tensor:

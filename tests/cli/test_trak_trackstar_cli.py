@@ -81,6 +81,14 @@ def test_trak_fit_and_score_equal_the_dense_formula(ws, store, runner, tmp_path)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3 * scale)
     fit = load_fit(tmp_path / "fit", "trak")
     assert fit.reweighted is False and fit.examples == 24
+    assert fit.mode_used == "dual" and rows.shape[1] > 24  # auto: fewer examples than dimensions
+    # the primal kernel gives the same scores
+    invoke(runner, "fit", store, "--method", "trak", "--mode", "primal", "--out", tmp_path / "primal", "--no-progress")
+    assert load_fit(tmp_path / "primal").mode_used == "primal"
+    invoke(runner, "score", store, ws.queries, "--method", "trak", "--fit", tmp_path / "primal", "--matrix", "yes",
+           "--out", tmp_path / "scores-primal", "--no-progress")
+    torch.testing.assert_close(gradtrace.Scores.load(tmp_path / "scores-primal").matrix.double(), got, rtol=0,
+                               atol=1e-4 * scale)
     assert fit.meta["config"]["method"] == "trak" and fit.meta["config"]["gradtrace"]["command"] == "fit"
     # damping changed at scoring, no refit
     invoke(runner, "score", store, ws.queries, "--method", "trak", "--fit", tmp_path / "fit", "--damping", 1.0,
@@ -154,6 +162,10 @@ def test_trak_and_trackstar_errors_name_the_fix(ws, store, runner, tmp_path, ada
         return error_line(invoke(runner, *args, "--no-progress", code=2))
 
     assert "drop DATA" in error("fit", store, ws.train, "--method", "trak", "--out", tmp_path / "f")
+    assert "--mode applies to trak" in error("fit", store, "--method", "logra", "--mode", "dual", "--out",
+                                             tmp_path / "f")
+    assert "trak's Gram matrix of store" in error("fit", store, "--method", "trak", "--max-dim", 10, "--out",
+                                                   tmp_path / "f")
     assert "--optimizer applies to --method trackstar, not trak" in error(
         "fit", store, "--method", "trak", "--optimizer", adam[0], "--out", tmp_path / "f")
     assert "--max-dim applies to trak and trackstar" in error(
@@ -184,7 +196,8 @@ def test_trak_and_trackstar_errors_name_the_fix(ws, store, runner, tmp_path, ada
     # the plan of a fit, and --dry-run writes nothing
     result = invoke(runner, "fit", store, "--method", "trak", "--out", tmp_path / "dry", "--dry-run",
                     "--no-progress")
-    assert "Plan: trak fit over 24 stored rows" in result.output and not (tmp_path / "dry").exists()
+    assert "Plan: trak fit (dual: the N x N Gram matrix" in result.output and "over 24 stored rows" in result.output
+    assert not (tmp_path / "dry").exists()
 
 
 def test_trackstar_maps_a_grouped_checkpoint_state_by_the_names_saved_beside_it(ws, store, runner, tmp_path):

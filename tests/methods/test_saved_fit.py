@@ -98,7 +98,7 @@ def test_bad_fits_are_refused_with_the_fix(tmp_path):
     with pytest.raises(FitError, match=r"no fit\.json"):
         load_fit(tmp_path / "nothing")
 
-    attr = gradtrace.Attributor("trak", train, reweight=False).fit()
+    attr = gradtrace.Attributor("trak", train, reweight=False, mode="primal").fit()
     save_fit(attr, tmp_path / "fit")
     with pytest.raises(FitError, match="holds a trak fit, not a trackstar one"):
         load_fit(tmp_path / "fit", "trackstar")
@@ -125,7 +125,7 @@ def test_a_fit_whose_tensors_do_not_match_its_spec_is_refused(tmp_path):
 
     model, batches, queries, *_ = trak_setup(2)
     train = gradtrace.collect(model, batches, classification_loss)
-    attr = gradtrace.Attributor("trak", train, reweight=False).fit()
+    attr = gradtrace.Attributor("trak", train, reweight=False, mode="primal").fit()
     fields, tensors = attr.method.fit_state(tmp_path)
     dim = train.spec.dim
     for bad, match in (({**tensors, "values": tensors["values"][:-1]}, rf"values is torch.float64 \({dim - 1},\)"),
@@ -136,3 +136,36 @@ def test_a_fit_whose_tensors_do_not_match_its_spec_is_refused(tmp_path):
                        bad)
         with pytest.raises(FitError, match=match):
             load_fit(tmp_path / "bad")
+
+
+def test_a_dual_trak_fit_reads_its_store_and_refuses_another(tmp_path):
+    """A dual fit (N < D) keeps the Gram matrix's eigendata and reads the training rows at every scoring: saved, it
+    records its store (relative to the fit, and absolute) with the store's fingerprint."""
+    import shutil
+
+    model, batches, queries, *_ = trak_setup(3)
+    train = gradtrace.collect(model, batches, classification_loss, store=tmp_path / "project" / "store")
+    query = gradtrace.collect(model, queries, classification_loss)
+    attr = gradtrace.Attributor("trak", train).fit(model, batches, classification_loss)
+    assert attr.method.mode_used == "dual" and attr.method.reweighted
+    want = attr.score(query, matrix=True).matrix
+    save_fit(attr, tmp_path / "project" / "fit")
+    assert json.loads((tmp_path / "project" / "fit" / "fit.json").read_text())["rows"]["path"] == "../store"
+    loaded = load_fit(tmp_path / "project" / "fit")
+    assert loaded.mode_used == "dual" and loaded.row_weights is not None
+    torch.testing.assert_close(_scores(loaded, train, query), want, rtol=0, atol=0)
+    # a copied project (fit and store together) reads its own store; a moved store alone is named, and can be given
+    shutil.copytree(tmp_path / "project", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "project" / "store")
+    torch.testing.assert_close(_scores(load_fit(tmp_path / "copy" / "fit"), train, query), want, rtol=0, atol=0)
+    with pytest.raises(FitError, match=r"reads the training rows of store .* which is not there.*store=\.\.\."):
+        load_fit(tmp_path / "project" / "fit")
+    given = load_fit(tmp_path / "project" / "fit", store=tmp_path / "copy" / "store")
+    torch.testing.assert_close(_scores(given, train, query), want, rtol=0, atol=0)
+    # another store (other rows) is refused, and so is a dual fit of rows held in memory
+    other = gradtrace.collect(model, batches[:3], classification_loss, store=tmp_path / "other")
+    with pytest.raises(FitError, match="is not the one this dual trak fit was made from"):
+        load_fit(tmp_path / "copy" / "fit", store=other)
+    in_memory = gradtrace.collect(model, batches, classification_loss)
+    with pytest.raises(TypeError, match=r"held in memory .* fit it on a GradientStore on disk"):
+        save_fit(gradtrace.Attributor("trak", in_memory, reweight=False).fit(), tmp_path / "memory")

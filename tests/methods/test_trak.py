@@ -106,7 +106,9 @@ def test_trak_matches_ids_and_refuses_other_data():
     with pytest.raises(MissingStage, match=r"run attr\.fit"):
         gradtrace.Attributor("trak", train).score(query)
     with pytest.raises(CurvatureError, match=r"kernel of 57-dimensional gradients takes .* max_dim=40"):
-        gradtrace.Attributor("trak", train, max_dim=40).fit(model, batches, classification_loss)
+        gradtrace.Attributor("trak", train, max_dim=40, mode="primal").fit(model, batches, classification_loss)
+    with pytest.raises(CurvatureError, match=r"Gram matrix of 30 training examples takes .* max_dim=20"):
+        gradtrace.Attributor("trak", train, max_dim=20).fit(model, batches, classification_loss)  # auto: dual
     singular = gradtrace.Attributor("trak", train, damping=0.0, reweight=False).fit()
     with pytest.raises(CurvatureError, match="singular"):  # 30 examples, 57 dimensions
         singular.score(query)
@@ -148,3 +150,30 @@ def test_probability_complement_is_exact_for_confident_examples():
     # exact to ~20 eps64 = 4e-15 absolute, 2e-6 relative
     want = torch.tensor([1 / (1 + torch.exp(torch.tensor(20.0, dtype=torch.float64)))], dtype=torch.float64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("reweight", [True, False])
+def test_the_dual_form_equals_the_primal_one(reweight):
+    """Woodbury: (Phi^T Phi + lambda I)^-1 = (I - Phi^T (Phi Phi^T + lambda I)^-1 Phi) / lambda with the same relative
+    lambda (the mean of Phi^T Phi's D eigenvalues = trace / D), so the N x N Gram matrix gives TRAK's scores exactly;
+    'auto' takes it when N < D. Self-influence too (its rows go through the same query transform)."""
+    model, batches, queries, *_ = _setup(4)
+    train = gradtrace.collect(model, batches, classification_loss)  # 30 examples, 57 dimensions
+    query = gradtrace.collect(model, queries, classification_loss)
+    fit = {"model": model, "data": batches, "loss_fn": classification_loss} if reweight else {}
+    options = {"reweight": reweight}
+    primal = gradtrace.Attributor("trak", train, mode="primal", block_rows=7, **options).fit(**fit)
+    dual = gradtrace.Attributor("trak", train, block_rows=7, **options).fit(**fit)  # blocks of 7: a ragged Gram
+    assert (primal.method.mode_used, dual.method.mode_used) == ("primal", "dual")
+    assert dual.method.lam == pytest.approx(primal.method.lam, rel=1e-9)
+    want = primal.score(query, matrix=True).matrix.double()
+    got = dual.score(query, matrix=True).matrix.double()
+    # both in float64 to the prepared queries (condition number <= 1 + D / 0.1 = 571), then float32 products of
+    # 57 terms: well within 1e-5 of the largest score
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    torch.testing.assert_close(dual.self_scores().double(), primal.self_scores().double(), rtol=1e-5, atol=0)
+    # more examples than dimensions: auto keeps the primal kernel
+    logra = gradtrace.LoGra(rank=2, seed=0)
+    projected = gradtrace.collect(model, batches, classification_loss, projection=logra)
+    assert projected.spec.dim < 30
+    assert gradtrace.Attributor("trak", projected, reweight=False).fit().method.mode_used == "primal"

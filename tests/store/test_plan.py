@@ -93,25 +93,33 @@ def test_plan_fit_logra_from_the_store(tmp_path):
     assert _saved_floats(tmp_path / "c") == got.curvature_bytes // 4
 
 
-@pytest.mark.parametrize("method, precondition", [("trak", None), ("trackstar", None),
+@pytest.mark.parametrize("method, precondition", [("trak", "primal"), ("trak", "dual"), ("trackstar", None),
                                                   ("trackstar", "autocorrelation")])
 def test_plan_fit_of_a_saved_method_fit_from_the_store(tmp_path, method, precondition):
-    """trak's kernel (and trackstar's autocorrelation): D^2 float64 factor values, D^2 + D saved; trackstar's
-    denominator: D float32 values. The plan's size is what save_fit writes."""
+    """trak's kernel (and trackstar's autocorrelation): D^2 float64 factor values, D^2 + D saved; trak's dual Gram
+    matrix: N^2, N^2 + N; trackstar's denominator: D float32 values. The plan's size is what
+    save_fit writes."""
     torch.manual_seed(0)
     model = tiny.MLP()
     data = _mlp_data()
     store = gradtrace.collect(model, data, store=tmp_path / "s")
     dim = store.dim
-    got = gradtrace.plan_fit(store, method=method, precondition=precondition, out=tmp_path / "f")
+    mode = precondition if method == "trak" else "auto"
+    got = gradtrace.plan_fit(store, method=method, precondition=None if method == "trak" else precondition,
+                             out=tmp_path / "f", mode=mode)
     kernel = method == "trak" or precondition == "autocorrelation"
+    size = 12 if mode == "dual" else dim  # the Gram matrix of the 12 rows, else the D x D kernel
     assert (got.examples, got.passes, got.blocks, got.kron_blocks) == (12, int(kernel), 1, 0)
-    assert got.factor_floats == (dim * dim if kernel else dim) and got.factor_itemsize == (8 if kernel else 4)
-    assert got.curvature_bytes == (4 * dim if method == "trackstar" else 0) + (8 * (dim * dim + dim) if kernel else 0)
-    # peak memory of a kernel fit: kernel + eigenvectors + the eigensolver's ~2 D^2 workspace, and one block of rows
-    assert got.memory_bytes == (8 * 4 * dim * dim + 8 * 12 * dim if kernel else None)
+    assert got.factor_floats == (size * size if kernel else dim) and got.factor_itemsize == (8 if kernel else 4)
+    assert got.curvature_bytes == (4 * dim if method == "trackstar" else 0) + \
+        (8 * (size * size + size) if kernel else 0)
+    # peak memory of a kernel fit: kernel + eigenvectors + the eigensolver's ~2 size^2 workspace, and the blocks of
+    # rows read at once (one; the Gram: two)
+    assert got.memory_bytes == (8 * 4 * size * size + 8 * 12 * dim * (2 if mode == "dual" else 1) if kernel else None)
+    assert got.kernel_mode == (mode if method == "trak" else None)
     if method == "trak":
-        attr = gradtrace.Attributor("trak", store, reweight=False).fit()
+        attr = gradtrace.Attributor("trak", store, reweight=False, mode=mode).fit()
+        assert attr.method.mode_used == mode
     else:
         optimizer = torch.optim.Adam(model.parameters(), lr=0.0)
         for inputs, labels in data:
