@@ -276,6 +276,10 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
             except (ValueError, OSError) as err:
                 raise CliError(str(err)) from None
             precondition = curvature_method(curvature)
+            try:  # now, not at the first scoring: a curvature of other gradients than the store's
+                precondition.bind(store.spec)
+            except ValueError as err:
+                raise CliError(f"--precondition-curvature {kv.precondition_curvature}: {err}") from None
         settings["precondition"] = precondition
         if model_dir is None:
             recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
@@ -303,8 +307,9 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
         try:
             save_fit(attributor, cv.out, meta={"config": {META_KEY: provenance("fit", None, None), **values}})
         except OSError as err:
-            raise CliError(f"could not save the fit in {cv.out}: {err.strerror or err}; a fit saved there before "
-                           "is kept", exit_code=1) from None
+            raise CliError(f"could not save the fit in {cv.out}: {err.strerror or err} (a fit saved there before is "
+                           "kept, or refused on load if its preconditioner was replaced); free space and fit again",
+                           exit_code=1) from None
         written = write_resolved(cv.out, "fit", values)
     out = console()
     out.print(f"Fitted {cv.method} for {store.root} ({store.dim:,} dims, {len(store):,} rows); saved in {cv.out}")

@@ -12,9 +12,10 @@ layout (:func:`gradtrace.store.artifact.write_artifact`)::
       precondition/               trackstar preconditioned by a curvature method: that curvature (curvature.json)
 
 So a fit made once (``gradtrace fit STORE --method trak``) serves every scoring of that store, on the command line
-(``gradtrace score --method trak --curvature DIR``) and in Python (``Attributor(load_fit(DIR), store)``). A load
+(``gradtrace score --method trak --fit DIR``) and in Python (``Attributor(load_fit(DIR), store)``). A load
 verifies the checksums, that the tensors have the shapes the spec implies and are finite, and refuses a fit of
-another method; scoring then refuses a fit made for other gradients (``Method.bind``), as for a curvature.
+another method; scoring then refuses a fit made for other gradients (``Method.bind``), as for a curvature. A dual
+TRAK fit (the Gram matrix of its training rows) records the store it reads, by path and fingerprint.
 
 A method takes part by implementing :meth:`Method.fit_state` (its fields and tensors) and
 :meth:`Method.from_fit_state` (the inverse, with its checks).
@@ -59,7 +60,9 @@ def is_saved_fit(path: str | Path) -> bool:
 
 def save_fit(method: Any, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
     """Save the fitted state of ``method`` (a :class:`Method` or an :class:`~gradtrace.Attributor`) in directory
-    ``path``; returns ``path``. Written atomically: a failed save leaves a previous fit there intact.
+    ``path``; returns ``path``. Written atomically: a failed save leaves a previous fit there intact -- except that
+    trackstar's curvature preconditioner is written first, into ``path/precondition``: a save failing after it
+    leaves the previous fit refused on load (the preconditioner's checksum no longer matches), never mixed.
 
     Raises :class:`MissingStage` when the method has not been fitted, and :class:`TypeError` for a method whose
     state lives elsewhere (a curvature method: ``attr.method.curvature.save(path)``) or that has none.

@@ -173,6 +173,12 @@ def test_trak_and_trackstar_errors_name_the_fix(ws, store, runner, tmp_path, ada
     assert "pass --optimizer OPTIMIZER" in error("fit", store, "--method", "trackstar", "--out", tmp_path / "f")
     assert "choose one" in error("fit", store, "--method", "trackstar", "--optimizer", adam[0], "--precondition",
                                  "autocorrelation", "--precondition-curvature", tmp_path, "--out", tmp_path / "f")
+    other = tmp_path / "other-store"
+    invoke(runner, "collect", ws.model, ws.train, "--out", other, "--rank", 2, "--batch-size", 5, "--no-progress")
+    invoke(runner, "fit", other, "--method", "logra", "--out", tmp_path / "other-logra", "--no-progress")
+    assert "--precondition-curvature" in error("fit", store, "--method", "trackstar", "--optimizer", adam[0],
+                                               "--precondition-curvature", tmp_path / "other-logra", "--out",
+                                               tmp_path / "f")
     assert "no optimizer state at" in error("fit", store, "--method", "trackstar", "--optimizer", tmp_path,
                                             "--out", tmp_path / "f")
     assert not (tmp_path / "f" / "fit.json").exists()
