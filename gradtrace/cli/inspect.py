@@ -24,7 +24,8 @@ __all__ = ["OPTIONS", "InspectOptions", "describe", "run", "store_checks"]
 class InspectOptions:
     """Options of ``gradtrace inspect``."""
 
-    path: Path = field(metadata=cli("A gradient store or a score directory.", argument=True, metavar="PATH"))
+    path: Path = field(metadata=cli("A gradient store, a score directory, a fitted curvature or a method fit (trak, "
+                                    "trackstar).", argument=True, metavar="PATH"))
     json: bool = field(default=False, metadata=cli("Print machine-readable JSON instead of a table.", "--json"))
     verify: bool = field(default=False, metadata=cli(
         "Also check every shard's data checksum (reads the whole store); the manifest, the shard lists and the "
@@ -53,7 +54,8 @@ def run(opts: InspectOptions) -> None:
 
 
 def describe(path: Path, verify: bool = False) -> dict[str, Any]:
-    """A JSON-able summary of a store (``kind: "gradient store"``) or of saved scores (``kind: "scores"``)."""
+    """A JSON-able summary of a store (``kind: "gradient store"``), saved scores (``"scores"``), a fitted curvature
+    (``"curvature"``) or a method fit (``"method fit"``: trak, trackstar)."""
     if not path.exists():
         raise CliError(f"{path} does not exist")
     if (path / "manifest.json").exists():
@@ -83,8 +85,20 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
         return {"kind": "curvature", "path": str(path), "method": fit.kind, "fisher": fit.fisher,
                 "damping": fit.damping, "blocks": len(fit.blocks), "environment": record.get("environment"),
                 "meta": fit.meta}
-    raise CliError(f"{path} is neither a gradient store (no manifest.json), a score directory (no scores.json) nor "
-                   "a curvature (no curvature.json)")
+    if (path / "fit.json").exists():
+        from ..methods import load_fit
+
+        try:
+            method = load_fit(path)
+        except (ValueError, OSError) as err:
+            raise CliError(str(err)) from None
+        record = json.loads((path / "fit.json").read_text())
+        options = {k: v for k, v in method.options().items() if k != "lambda"}
+        return {"kind": "method fit", "path": str(path), "method": method.name, "options": options,
+                "dim": method.spec.dim, "rows": record.get("rows"), "environment": record.get("environment"),
+                "meta": getattr(method, "meta", {})}
+    raise CliError(f"{path} is neither a gradient store (no manifest.json), a score directory (no scores.json), a "
+                   "curvature (no curvature.json) nor a method fit (no fit.json)")
 
 
 def store_checks(schema_version: int, verify: bool) -> list[str]:
@@ -121,6 +135,14 @@ def _provenance_rows(info: dict[str, Any], config: dict[str, Any]) -> list[tuple
 
 
 def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
+    if info["kind"] == "method fit":
+        meta = dict(info.get("meta") or {})
+        config = meta.pop("config", {}) or {}
+        rows = [("method", info["method"]), ("dim", f"{info['dim']:,}")]
+        rows += [(key, _short(value)) for key, value in info["options"].items() if value is not None]
+        if info.get("rows"):
+            rows.append(("reads store", f"{info['rows'].get('absolute')} (fingerprint {info['rows'].get('digest')})"))
+        return rows + _provenance_rows(info, config) + _config_rows(config)
     if info["kind"] == "curvature":
         meta = dict(info.get("meta") or {})
         rows = [("method", str(info["method"])), ("fisher", str(info["fisher"])), ("damping", _short(info["damping"])),

@@ -82,6 +82,12 @@ def test_trak_fit_and_score_equal_the_dense_formula(ws, store, runner, tmp_path)
     fit = load_fit(tmp_path / "fit", "trak")
     assert fit.reweighted is False and fit.examples == 24
     assert fit.mode_used == "dual" and rows.shape[1] > 24  # auto: fewer examples than dimensions
+    import json
+
+    shown = json.loads(invoke(runner, "inspect", tmp_path / "fit", "--json").output)
+    assert (shown["kind"], shown["method"], shown["options"]["mode_used"], shown["dim"]) == \
+        ("method fit", "trak", "dual", rows.shape[1])
+    assert shown["rows"]["digest"] and shown["meta"]["config"]["method"] == "trak"
     # the primal kernel gives the same scores
     invoke(runner, "fit", store, "--method", "trak", "--mode", "primal", "--out", tmp_path / "primal", "--no-progress")
     assert load_fit(tmp_path / "primal").mode_used == "primal"
