@@ -16,7 +16,7 @@ kfac / ekfac / ggn / logra fit of the same store, copied into the TrackStar fit)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -152,11 +152,7 @@ def run(opts: FitOptions) -> None:
     else:
         if opts.data is None:
             raise CliError(f"--method {cv.method} fits on data: give DATA (usually the training examples)")
-        if model_dir is None:
-            recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
-            if not recorded:
-                raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
-            model_dir = Path(recorded)
+        model_dir = model_dir or _recorded_model(store)
         projection = projection_from_dict(store.spec.projection, expect=LoGra,
                                           what=f"the gradients of store {store.root}")
         with phases("load model"):
@@ -206,6 +202,14 @@ SAVED_FIT_METHODS = ("trak", "trackstar")
 """Methods whose fit is saved as a method fit (gradtrace.methods.saved), not a curvature."""
 
 
+def _recorded_model(store: Any) -> Path:
+    """The model directory ``store`` records (the one it was collected with), when ``--model`` is not given."""
+    recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
+    if not recorded:
+        raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
+    return Path(recorded)
+
+
 def _check_method_flags(opts: FitOptions) -> None:
     """Refuse flags of another method, and a DATA the method does not read."""
     cv, kv = opts.curvature_options, opts.kernel_options
@@ -215,8 +219,7 @@ def _check_method_flags(opts: FitOptions) -> None:
     if cv.method != "trackstar" and given:
         raise CliError(f"{', '.join(given)} appl{'y' if len(given) > 1 else 'ies'} to --method trackstar, not "
                        f"{cv.method}")
-    default_dim = next(f.default for f in fields(KernelOptions) if f.name == "max_dim")
-    if cv.method not in SAVED_FIT_METHODS and kv.max_dim != default_dim:
+    if cv.method not in SAVED_FIT_METHODS and kv.max_dim != KernelOptions().max_dim:
         raise CliError(f"--max-dim applies to trak and trackstar (their D x D kernel), not {cv.method}")
     if cv.method != "trak" and kv.mode != "auto":
         raise CliError(f"--mode applies to trak (its primal or dual form), not {cv.method}")
@@ -281,11 +284,7 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
             except ValueError as err:
                 raise CliError(f"--precondition-curvature {kv.precondition_curvature}: {err}") from None
         settings["precondition"] = precondition
-        if model_dir is None:
-            recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
-            if not recorded:
-                raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
-            model_dir = Path(recorded)
+        model_dir = model_dir or _recorded_model(store)
         with phases("load model"):
             fit_args = {"model": load_model(model_dir, "cpu", opts.model_options.model_dtype),
                         "optimizer": kv.optimizer}
