@@ -182,4 +182,7 @@ def test_a_grouped_optimizer_state_is_matched_by_names_never_by_position():
     names = ["fc2.weight", "fc1.weight", "fc2.bias", "fc1.bias"]
     named = gradtrace.Attributor("trackstar", train).fit(model, optimizer=state, param_names=names)
     direct = gradtrace.Attributor("trackstar", train).fit(model, optimizer=optimizer)
-    torch.testing.assert_close(named.score(query).matrix, direct.score(query).matrix, rtol=0, atol=0)
+    # the same second moment (the state dict holds the optimizer's own tensors), cosines of unit rows computed twice:
+    # a float32 product of D terms each, so within 2 D eps32 whatever the BLAS kernel or thread count
+    bound = 2 * train.spec.dim * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(named.score(query).matrix, direct.score(query).matrix, rtol=0, atol=bound)

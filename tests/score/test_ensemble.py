@@ -271,12 +271,13 @@ def test_trackstar_ensemble_takes_each_members_adam_state(tmp_path):
     got = ensemble.score(qsets, topk=None, matrix=True).matrix.double()
     assert bool(((got - want).abs() <= bound).all())
     # Trainer checkpoint directories (model.safetensors + optimizer.pt; one as an integrations entry): each
-    # member reads its own directory's optimizer state, the same numbers bit for bit
+    # member reads its own directory's optimizer state: the same numbers, within the same float32 bound
     dirs = _trainer_directories(tmp_path, models, states)
     target = Net()
     from_dirs = gradtrace.Ensemble("trackstar", trains, block_rows=4).fit(
         target, checkpoints=[dirs[0], {"path": str(dirs[1]), "step": 6}, str(dirs[2])])
-    torch.testing.assert_close(from_dirs.score(qsets, topk=None, matrix=True).matrix.double(), got, rtol=0, atol=0)
+    from_dirs_scores = from_dirs.score(qsets, topk=None, matrix=True).matrix.double()
+    assert bool(((from_dirs_scores - want).abs() <= bound).all())
     # one optimizer for several members is refused, with the fix
     with pytest.raises(EnsembleError, match=r"trackstar: optimizer= holds the state of one model's weights, so one "
                                             r"value cannot serve 3 members: .*member_options=\[\{'optimizer'"):
