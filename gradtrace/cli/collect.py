@@ -115,7 +115,7 @@ def run(opts: CollectOptions) -> None:
         raise CliError(f"the store{'s need' if len(targets) > 1 else ' needs'} about {human_bytes(total)} but "
                        f"{store_opts.out} has {human_bytes(planned.free_bytes)} free: free space, choose another "
                        "--out, store --dtype int8 or a smaller --rank, or pass --force")
-    final = replace(opts, model=None, models=[], data=data.absolute(),
+    final = replace(opts, model=None, models=[], data=data,
                     data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))
     stores = []
@@ -171,8 +171,7 @@ def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, fina
     what it holds; its resolved configuration is written beside it."""
     settings = final.store_options.settings
     out, capture_options = target.out, final.projection_options.capture_options()
-    values = resolved(replace(final, model=target.model.absolute(),
-                              store_options=replace(final.store_options, out=out.absolute())))
+    values = resolved(replace(final, model=target.model, store_options=replace(final.store_options, out=out)))
     values.pop("models")
     with phases("gradients"), _interrupt_reported(out):
         store = gradtrace.collect(model, batches, options=capture_options, store=out, store_options=settings,

@@ -178,10 +178,7 @@ def run(opts: FitOptions) -> None:
             except ValueError as err:
                 raise CliError(str(err)) from None
     curvature = curvature.with_damping(cv.damping)
-    final = replace(opts, store=opts.store.absolute(), data=opts.data.absolute() if opts.data else None,
-                    model=model_dir.absolute() if model_dir else None,
-                    curvature_options=replace(cv, out=cv.out.absolute()), data_options=data_opts,
-                    model_options=replace(model_opts, device=device))
+    final = replace(opts, model=model_dir, data_options=data_opts, model_options=replace(model_opts, device=device))
     values = resolved(final)
     read = (opts.data, batches.num_examples) if cv.method != "logra" else (None, None)  # the data fitted on
     curvature.meta["config"] = {META_KEY: provenance("fit", *read), **values}
@@ -294,13 +291,7 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
             attributor.fit(**fit_args)
         except (ValueError, KeyError, FileNotFoundError, gradtrace.methods.MissingStage) as err:
             raise CliError(str(err).strip("'\"")) from None
-    final = replace(opts, store=opts.store.absolute(), model=model_dir.absolute() if model_dir else None,
-                    curvature_options=replace(cv, out=cv.out.absolute()),
-                    kernel_options=replace(
-                        kv, optimizer=kv.optimizer.absolute() if kv.optimizer else None,
-                        precondition_curvature=kv.precondition_curvature.absolute()
-                        if kv.precondition_curvature else None),
-                    model_options=replace(opts.model_options, device=device))
+    final = replace(opts, model=model_dir, model_options=replace(opts.model_options, device=device))
     values = resolved(final)
     with phases("save"):
         try:

@@ -8,7 +8,7 @@ grad_cos needs an index built with ``--normalize``. Needs FAISS: ``pip install '
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -104,8 +104,7 @@ def run(opts: IndexOptions) -> None:
         raise CliError(str(err)) from None
     with phases("save"):
         index.save(opts.out, overwrite=opts.overwrite)
-        final = replace(opts, store=opts.store.absolute(), out=opts.out.absolute())
-        written = write_resolved(opts.out, "index", resolved(final))
+        written = write_resolved(opts.out, "index", resolved(opts))
     params = index.params
     out = console()
     detail = "exact inner product" if params.kind == "flat" else \

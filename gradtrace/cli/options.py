@@ -117,7 +117,11 @@ def _build(cls: type[T], values: dict[str, Any]) -> T:
 
 
 def resolved(options: Any) -> dict[str, Any]:
-    """The flat ``{option name: value}`` of a filled-in options dataclass (paths as strings)."""
+    """The flat ``{option name: value}`` of a filled-in options dataclass, every path absolute (as a string).
+
+    Paths are made absolute here, for every option alike, so a resolved configuration never holds a path relative
+    to the working directory of the run that wrote it (:func:`gradtrace.cli.config.write_resolved` then writes them
+    relative to the configuration's own folder)."""
     out: dict[str, Any] = {}
     for f in fields(options):
         value = getattr(options, f.name)
@@ -130,7 +134,7 @@ def resolved(options: Any) -> dict[str, Any]:
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Path):
-        return str(value)
+        return str(value.expanduser().absolute())
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     return value

@@ -235,14 +235,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                                                                what=f"the gradients of store {stores[0].root}"),
                                device=device, model_dtype=model_opts.model_dtype, k=sc.topk,
                                progress=opts.progress and rank == 0)
-    final = replace(opts, store=opts.store.absolute(), queries=opts.queries.absolute(),
-                    model=[m.absolute() for m in models],
-                    scoring_options=replace(sc, out=sc.out.absolute(),
-                                            export=sc.export.absolute() if sc.export else None,
-                                            curvature=sc.curvature.absolute() if sc.curvature else None,
-                                            index=sc.index.absolute() if sc.index else None),
-                    checkpoint_options=replace(ck, checkpoint_stores=[p.absolute() for p in ck.checkpoint_stores]),
-                    data_options=replace(data_opts, max_length=max_length),
+    final = replace(opts, model=list(models), data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))
     values = resolved(final)
     scores.meta["config"] = {META_KEY: provenance("score", opts.queries, len(scores.query_ids)), **values}

@@ -106,6 +106,8 @@ def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, qu
     which = "lowest (most harmful)" if opts.bottom else "highest (most helpful)"
     out.print(f"[bold]{scores.method}[/bold] scores of {len(scores.query_ids):,} queries against "
               f"{len(scores.train_ids):,} training examples: top {opts.k} {which} per query.")
+    if scores.combination:
+        out.print(f"Combines: {scores.combination}.")
     by_query: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_query.setdefault(row["query_id"], []).append(row)

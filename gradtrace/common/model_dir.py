@@ -70,7 +70,8 @@ def load_tokenizer(path: Path) -> Any:
     path = check_model_dir(path)
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(f"model directory {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
-                         "save one there with tokenizer.save_pretrained()")
+                         "save one there with tokenizer.save_pretrained() (a Trainer saves it in every "
+                         "checkpoint-N when given processing_class=tokenizer)")
     from transformers import AutoTokenizer
 
     try:

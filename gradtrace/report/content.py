@@ -16,6 +16,7 @@ Token- and module-level attributions are read from ``Scores.meta`` when present 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -251,11 +252,25 @@ def _header(scores: Any) -> list[tuple[str, str]]:
     model = spec.get("model") or {}
     fingerprint = (f"{model.get('class', '?')}, architecture {model.get('arch', '?')}, weights "
                    f"{model.get('weights', '?')}") if model else "not recorded"
+    first = " (first member)" if scores.combination else ""
     rows = [("method", method), ("projection", projection_label(spec.get("projection")) if spec else "not recorded"),
-            ("model", fingerprint)]
-    if meta.get("checkpoints", 1) > 1:
-        rows.append(("checkpoints", str(meta["checkpoints"])))
+            ("model" + first, fingerprint)]
+    combination = scores.combination
+    if combination:  # the fingerprint above is then the first member's; the models the command used follow
+        rows.append(("combines", combination))
+        models = (meta.get("config") or {}).get("model")
+        if isinstance(models, list) and len(models) > 1:
+            rows.append(("models", ", ".join(_distinct_names([str(m) for m in models]))))
     return rows
+
+
+def _distinct_names(paths: list[str]) -> list[str]:
+    """Each path relative to the folder all of them share (``checkpoint-500``, ``run1/final``)."""
+    try:
+        common = os.path.commonpath(paths)
+    except ValueError:  # relative and absolute mixed, or other drives
+        return paths
+    return [os.path.relpath(p, common) if p != common else os.path.basename(p) for p in paths]
 
 
 def _units(method: str) -> str:

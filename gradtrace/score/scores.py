@@ -115,6 +115,28 @@ class Scores:
         return (len(self.query_ids), len(self.train_ids))
 
     @property
+    def combination(self) -> str | None:
+        """How these scores combine several stores, in words (None: one model's scores).
+
+        ``"ensemble of 3 members (equal weights; each member's scores divided by their mean |score|)"`` for a
+        :class:`~gradtrace.Ensemble`, ``"unrolled over 6 checkpoints"`` for :class:`~gradtrace.Unrolled`,
+        ``"4 checkpoints"`` for a method that sums over checkpoints itself (``tracin``)."""
+        meta = self.meta or {}
+        ensemble, unrolled = meta.get("ensemble"), meta.get("unrolled")
+        if ensemble:
+            weights = [float(w) for w in ensemble.get("weights") or []]
+            equal = all(abs(w - weights[0]) <= 1e-9 for w in weights)
+            weighting = "equal weights" if equal else "weights " + ", ".join(f"{w:.3g}" for w in weights)
+            scaling = ("each member's scores divided by their mean |score|" if ensemble.get("normalize")
+                       else "member scores summed as they are")
+            return f"ensemble of {ensemble.get('members', len(weights))} members ({weighting}; {scaling})"
+        if unrolled:
+            return f"unrolled over {unrolled.get('checkpoints')} checkpoints"
+        if meta.get("checkpoints", 1) > 1:
+            return f"{meta['checkpoints']} checkpoints"
+        return None
+
+    @property
     def has_bottom(self) -> bool:
         """Whether the most harmful examples can be read: the matrix or a bottom-k was kept (an index search
         with ``bottom=False`` keeps the top-k only)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import yaml
 
 import gradtrace
 from tests.cli.conftest import invoke
@@ -22,6 +23,9 @@ def test_ensemble_is_the_weighted_sum_of_normalized_member_scores(ws, runner, st
     ens = gradtrace.Scores.load(fresh / "ens")
     one, two = gradtrace.Scores.load(fresh / "one"), gradtrace.Scores.load(fresh / "two")
     assert ens.meta["ensemble"]["members"] == 2 and ens.meta["ensemble"]["weights"] == [0.75, 0.25]
+    listed = " ".join(invoke(runner, "topk", fresh / "ens", "--k", 1).output.split())
+    assert ("Combines: ensemble of 2 members (weights 0.75, 0.25; each member's scores divided by their mean "
+            "|score|).") in listed
     want = 0.75 * _normalized(one) + 0.25 * _normalized(two)
     torch.testing.assert_close(ens.matrix, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
@@ -58,3 +62,29 @@ def test_ensemble_flags_are_checked(ws, runner, store, fresh):
     result = invoke(runner, "score", store, ws.queries, "--store", store, "--ensemble-weights", 1,
                     "--out", fresh / "s", "--no-progress", code=2)
     assert "1 --ensemble-weights for 2 stores" in " ".join(result.output.split())
+
+
+def test_an_ensembles_resolved_config_replays_it_from_anywhere(ws, runner, store, fresh, monkeypatch):
+    """Every path of the resolved configuration -- the further stores and each member's fit too -- is recorded
+    relative to the scores' folder, so ``score --config`` repeats the ensemble from another working directory."""
+    project = fresh / "project"
+    project.mkdir()
+    monkeypatch.chdir(project)  # every path below is given relative to it
+    invoke(runner, "collect", ws.model2, ws.train, "--out", "store2", "--rank", 4, "--batch-size", 5, "--no-progress")
+    for name, model_dir, source in (("c1", ws.model, store), ("c2", ws.model2, "store2")):
+        invoke(runner, "fit", source, ws.train, "--model", model_dir, "--method", "kfac", "--fisher", "empirical",
+               "--out", name, "--no-progress")
+    invoke(runner, "score", store, ws.queries, "--method", "kfac", "--store", "store2", "--model", ws.model,
+           "--model", ws.model2, "--curvature", "c1", "--member-curvature", "c2", "--out", "ens", "--no-progress")
+    recorded = yaml.safe_load((project / "ens" / "gradtrace-score.yaml").read_text())
+    assert (recorded["checkpoint_stores"], recorded["curvature"], recorded["member_curvature"]) == (
+        ["../store2"], "../c1", ["../c2"])
+    monkeypatch.chdir(fresh)  # elsewhere: the recorded paths are read against the file's folder
+    invoke(runner, "score", "--config", project / "ens" / "gradtrace-score.yaml", "--overwrite", "--no-progress")
+    first = gradtrace.Scores.load(project / "ens")  # replaced by the repeat
+    invoke(runner, "score", "--config", project / "ens" / "gradtrace-score.yaml", "--out", fresh / "again",
+           "--no-progress")
+    again = gradtrace.Scores.load(fresh / "again")
+    assert again.meta["ensemble"]["members"] == 2
+    # the same computation repeated: equal to float32 round-off of the products (rtol as the tests above)
+    torch.testing.assert_close(again.matrix, first.matrix, rtol=1e-4, atol=1e-4 * float(first.matrix.abs().max()))

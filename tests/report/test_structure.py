@@ -89,6 +89,23 @@ def test_header_states_method_projection_fingerprint_and_sign():
     assert "60 training examples" in text and "kept full score matrix" in text
 
 
+def test_header_of_an_ensemble_says_how_it_combines_and_names_the_models():
+    scores, texts, queries = synthetic()
+    scores.meta.update(checkpoints=3, ensemble={"members": 3, "weights": [0.5, 0.25, 0.25], "normalize": True},
+                       config={"model": ["/runs/a/checkpoint-5", "/runs/a/checkpoint-10", "/runs/b/final"]})
+    text = " ".join(parse(render_report(scores, texts, queries)).text.split())
+    assert ("combines ensemble of 3 members (weights 0.5, 0.25, 0.25; each member's scores divided by their mean "
+            "|score|)") in text
+    assert "models a/checkpoint-5, a/checkpoint-10, b/final" in text
+    assert "model (first member) GPT2LMHeadModel" in text
+    scores.meta["ensemble"].update(weights=[1 / 3] * 3, normalize=False)
+    assert scores.combination == "ensemble of 3 members (equal weights; member scores summed as they are)"
+    del scores.meta["ensemble"]
+    assert scores.combination == "3 checkpoints"  # a method that combines checkpoints itself (tracin)
+    scores.meta["checkpoints"] = 1
+    assert scores.combination is None and "combines" not in parse(render_report(scores, texts, queries)).text
+
+
 def test_histogram_bars_and_ticks_are_where_the_values_are():
     values = torch.tensor([0.0, 0.0, 0.0, 1.2, 1.2, 2.0])
     svg = str(histogram_of(values, helpful=[2.0, 1.2], harmful=[0.0], bins=4))
