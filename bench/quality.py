@@ -23,7 +23,11 @@ preconditioned variants follow (``TRACKSTAR_PRECONDITIONED``, with the method's 
 of their results): ``precondition="autocorrelation"`` (TrackStar's own ``R``, the second moment of the normalised
 training gradients) on exact gradients -- refused by the method beyond 32,768 dimensions (tinylm), which the
 table's notes then say -- and on LoGra rank ``--rank`` ones (the paper's setting), and ``precondition="ekfac"``
-on exact gradients.
+on exact gradients. Added later and fixed before any of its results: the autocorrelation per parameter
+(``structure="parameter"``, Bergson's per-module form), on exact and on LoGra rank ``--rank`` gradients; its exact
+row is skipped, with the reason in the notes, where its float64 kernels would not fit the available memory
+(planned from the parameters' sizes before any fit: tinylm's 32,768-entry embedding alone takes 8 GiB, with the
+eigensolver's workspace 32 GiB).
 On tinylm, ``arnoldi`` and ``cg`` (whose Gauss-Newton products need a forward-mode derivative, which the GPT-2's
 CPU scaled-dot-product attention lacks) run on ``TinyLMTask.eager_model()``: the trained weights in an
 eager-attention copy (training with eager attention would end at other weights than the ground truth's recipe).
@@ -103,6 +107,7 @@ from gradtrace.eval import (
     unsupported,
 )
 from gradtrace.eval.benchmark import CHECKPOINTS_AFTER, ENSEMBLES, ensemble_models
+from gradtrace.plan import available_memory
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
 PROJECTED = {"logra", "trak"}  # methods that score LoGra-projected gradients
@@ -133,7 +138,10 @@ class _WithModel:
 
 # TrackStar's preconditioned variants, (precondition, on LoGra-projected gradients?), each a row after the plain
 # ones; added after the plain rows were published and fixed before any of their results (module docstring)
-TRACKSTAR_PRECONDITIONED = (("autocorrelation", False), ("autocorrelation", True), ("ekfac", False))
+TRACKSTAR_PRECONDITIONED = (("autocorrelation", False, "joint"), ("autocorrelation", True, "joint"),
+                            ("ekfac", False, "joint"),
+                            # added later, fixed before any of its results: the autocorrelation per parameter
+                            ("autocorrelation", False, "parameter"), ("autocorrelation", True, "parameter"))
 
 MEMBERS = 6  # models per ensemble (fixed before any ensemble LDS was seen)
 ENSEMBLE_TASKS = ("digits_mlp", "tinylm")  # tasks with an epoch schedule to take checkpoints along
@@ -242,8 +250,22 @@ def member_adam_states(task, kind: str, count: int) -> tuple[list[dict] | None, 
     return states, ""
 
 
-def _specs(task: str, names: list[str], rank: int, optimizer: tuple[dict | None, str] | None = None
-           ) -> tuple[list[MethodSpec], list[str]]:
+def _kernels_fit(model, projected: bool) -> str | None:
+    """Why trackstar's per-parameter autocorrelation of ``model``'s exact gradients cannot be fitted here (None when
+    it can): its float64 kernels and the widest one's eigendecomposition, ``8 (sum D_p^2 + 3 max D_p^2)`` bytes (as
+    ``gradtrace.plan_fit`` plans it), beyond the available memory. Decided from the sizes, before any fit."""
+    if projected or model is None:
+        return None
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    need, have = 8 * (sum(s * s for s in sizes) + 3 * max(sizes) ** 2), available_memory()
+    if have is not None and need > have:
+        return (f"its kernels take {need / 2**30:.1f} GiB (float64; widest parameter {max(sizes):,} dims), beyond "
+                f"the {have / 2**30:.1f} GiB available")
+    return None
+
+
+def _specs(task: str, names: list[str], rank: int, optimizer: tuple[dict | None, str] | None = None,
+           model=None) -> tuple[list[MethodSpec], list[str]]:
     specs, notes = [], []
     for name in names:
         reason = SKIP.get((task, name)) or unsupported(name)
@@ -260,11 +282,19 @@ def _specs(task: str, names: list[str], rank: int, optimizer: tuple[dict | None,
             specs.append(MethodSpec(name, projection=gradtrace.LoGra(rank=rank), fit_options=fit_options,
                                     label=f"{name} (LoGra rank {rank}, second moment mapped into it)"))
         if name == "trackstar":  # the preconditioned variants (TRACKSTAR_PRECONDITIONED)
-            for precondition, projected in TRACKSTAR_PRECONDITIONED:
+            for precondition, projected, structure in TRACKSTAR_PRECONDITIONED:
                 where = f"LoGra rank {rank}, " if projected else ""
-                specs.append(MethodSpec(name, options={"precondition": precondition}, fit_options=fit_options,
-                                        projection=gradtrace.LoGra(rank=rank) if projected else None,
-                                        label=f"{name} ({where}precondition={precondition})"))
+                options = {"precondition": precondition}
+                label = f"{name} ({where}precondition={precondition})"
+                if structure != "joint":
+                    options["structure"] = structure
+                    label = f"{name} ({where}precondition={precondition}, structure={structure})"
+                    too_large = _kernels_fit(model, projected)
+                    if too_large:
+                        notes.append(f"`{label}` skipped: {too_large}")
+                        continue
+                specs.append(MethodSpec(name, options=options, fit_options=fit_options,
+                                        projection=gradtrace.LoGra(rank=rank) if projected else None, label=label))
     return specs, notes
 
 
@@ -388,7 +418,7 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
           f"run(s) each, {meta['seconds_per_model']:.2f} s per model on {meta.get('threads')} threads ({state}; "
           f"{cache}); first training on all the data: {model_seconds:.1f} s")
     optimizer = adam_state(task) if ADAM & set(names) else None
-    specs, notes = _specs(name, names, args.rank, optimizer)
+    specs, notes = _specs(name, names, args.rank, optimizer, model=task.model)
     ensembles = _ensemble_specs(task, names, args.rank, args.ensemble_kinds, notes)
     rows: list[Row] = []
     # one method at a time (one failing method hides no other); an ensemble kind's methods together (its members

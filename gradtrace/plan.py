@@ -185,7 +185,7 @@ def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | N
              method: str = "ekfac", fisher: str = "auto", samples: int = 1, out: str | Path | None = None,
              max_dense: int = 4096, warmup_batches: int = 2, device: Any = None,
              block_rows: int | None = None, precondition: str | None = None, max_dim: int = 32768,
-             mode: str = "auto") -> FitPlan:
+             mode: str = "auto", structure: str = "joint") -> FitPlan:
     """The plan of fitting ``method``'s curvature for ``store`` (a :class:`gradtrace.GradientStore` or its path).
 
     ``kfac``/``ekfac``/``fisher`` fit on ``data`` with ``model`` (as :func:`gradtrace.curvature.fit_curvature`
@@ -195,7 +195,8 @@ def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | N
     the store's first block instead; so do ``trak`` (its ``D x D`` float64 kernel, or with ``mode`` ``"dual"`` --
     ``"auto"``'s choice when the store has fewer rows than dimensions -- its ``N x N`` Gram matrix) and
     ``trackstar`` (its second moment, ``D`` values, and with ``precondition="autocorrelation"`` a kernel like
-    trak's; ``max_dense`` does not apply to them, their own ``max_dim`` does). ``out``: where the fit is saved.
+    trak's -- with ``structure="parameter"`` one per captured parameter; ``max_dense`` does not apply to them, their
+    own ``max_dim`` does, per kernel). ``out``: where the fit is saved.
     """
     from .store import GradientStore
 
@@ -209,7 +210,11 @@ def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | N
         if mode not in ("auto", "primal", "dual") or (mode != "auto" and method != "trak"):
             raise ValueError(f"plan_fit(): mode={mode!r} applies to trak ('auto', 'primal' or 'dual')")
         chosen = mode if mode != "auto" else ("dual" if method == "trak" and len(store) < store.dim else "primal")
-        return _plan_stored_kernel(store, method, kernel, free, max_dim, rows, device, chosen)
+        if structure not in ("joint", "parameter") or (structure != "joint" and not (
+                method == "trackstar" and precondition == "autocorrelation")):
+            raise ValueError(f"plan_fit(): structure={structure!r} applies to trackstar's autocorrelation ('joint' "
+                             "or 'parameter')")
+        return _plan_stored_kernel(store, method, kernel, free, max_dim, rows, device, chosen, structure)
     if method not in ("kfac", "ekfac", "fisher"):
         raise ValueError(f"plan_fit(): method must be kfac, ekfac, fisher, logra, trak or trackstar, got {method!r}")
     if model is None or data is None:
@@ -290,12 +295,13 @@ def _plan_stored_fisher(store: Any, free: int | None, max_dense: int, block_rows
 class KernelTooLarge(ValueError):
     """A ``D x D`` float64 kernel (trak, trackstar's autocorrelation) beyond ``max_dim``."""
 
-    def __init__(self, method: str, dim: int, max_dim: int, dual: bool = False) -> None:
+    def __init__(self, method: str, dim: int, max_dim: int, dual: bool = False, parameter: str | None = None) -> None:
         from .common.units import human_bytes
 
         self.method, self.dim, self.max_dim, self.bytes, self.dual = method, dim, max_dim, 8 * dim * dim, dual
+        self.parameter = parameter  # trackstar's autocorrelation per parameter: the widest one
         self.what = ("trak's Gram matrix" if dual else "trak's kernel") if method == "trak" else \
-            "trackstar's autocorrelation"
+            "trackstar's autocorrelation" + (f" of parameter {parameter}" if parameter else "")
         of = f"{dim:,} training examples" if dual else f"{dim:,}-dimensional gradients"
         super().__init__(f"plan_fit(): {self.what} of {of} takes {human_bytes(self.bytes)} (float64), beyond "
                          f"max_dim={max_dim:,}; collect projected gradients (projection=gradtrace.LoGra(rank=...)) "
@@ -307,25 +313,32 @@ KERNEL_TIMED_DIM = 512
 
 
 def _plan_stored_kernel(store: Any, method: str, kernel: bool, free: int | None, max_dim: int, block_rows: int,
-                        device: Any, mode: str = "primal") -> FitPlan:
+                        device: Any, mode: str = "primal", structure: str = "joint") -> FitPlan:
     """The plan of trak's kernel or trackstar's fit from the stored rows. With a ``D x D`` kernel (``mode``
     ``"primal"``): one pass accumulating ``Phi^T Phi`` (timed on the store's first block); with trak's ``N x N`` Gram
     matrix (``"dual"``): every pair of blocks once (``b (b + 1) / 2`` block products, timed on the first block
     against itself); then one float64 eigendecomposition (timed at :data:`KERNEL_TIMED_DIM`, scaled cubically).
-    trackstar alone reads only the optimizer state."""
+    trackstar's autocorrelation per parameter (``structure="parameter"``): a kernel per parameter, each
+    decomposed in turn. trackstar alone reads only the optimizer state."""
     dim, rows = store.dim, len(store)
     saved = 4 * dim if method == "trackstar" else 0  # the second moment's denominator, float32
     if not kernel:
         return FitPlan(method=method, examples=rows, tokens=None, passes=0, blocks=1, kron_blocks=0,
                        factor_floats=dim, curvature_bytes=saved, free_bytes=free, seconds_per_example=0.0,
                        fixed_seconds=0.0)
-    size = dim if mode == "primal" else rows
+    names = [name for name, _ in store.spec.params] if structure == "parameter" else [None]
+    sizes = [d for _, d in store.spec.params] if structure == "parameter" else [dim if mode == "primal" else rows]
+    size = max(sizes)  # the widest kernel, decomposed alone
     if size > max_dim:
-        raise KernelTooLarge(method, size, max_dim, dual=mode == "dual")
+        raise KernelTooLarge(method, size, max_dim, dual=mode == "dual", parameter=names[sizes.index(size)])
     stop = min(rows, block_rows)
     start = time.perf_counter()
     block = store.read(0, stop, device).to(torch.float64)
-    block.t() @ block if mode == "primal" else block @ block.t()
+    if mode == "dual":
+        block @ block.t()
+    else:
+        for part in block.split(sizes, dim=1):  # the whole row when joint
+            part.t() @ part
     first = time.perf_counter() - start
     blocks = -(-rows // stop)
     passes = 1 if mode == "primal" else blocks  # the most times a row is read (the Gram: once per block pair)
@@ -334,13 +347,14 @@ def _plan_stored_kernel(store: Any, method: str, kernel: bool, free: int | None,
     sample = torch.randn(timed, timed, dtype=torch.float64)
     start = time.perf_counter()
     torch.linalg.eigh(sample @ sample.t())
-    eigh_seconds = (time.perf_counter() - start) * (size / timed) ** 3
-    # peak: the kernel, its eigenvectors and LAPACK's divide-and-conquer workspace (about 2 size^2 more), float64,
-    # next to the float64 block(s) of rows read at once
-    memory = 8 * 4 * size * size + 8 * stop * dim * (1 if mode == "primal" else 2)
-    saved += 8 * (size * size + size)  # (a reweighted dual fit saves N more: the rows' 1 - p, float64)
-    return FitPlan(method=method, examples=rows, tokens=None, passes=passes, blocks=1, kron_blocks=0,
-                   factor_floats=size * size, curvature_bytes=saved, free_bytes=free, seconds_per_example=per_row,
+    eigh_seconds = (time.perf_counter() - start) * sum((s / timed) ** 3 for s in sizes)
+    # peak, float64: every kernel (one when joint), then while the widest is decomposed its eigenvectors and LAPACK's
+    # divide-and-conquer workspace (about 2 size^2 more), next to the block(s) of rows read at once
+    squares = sum(s * s for s in sizes)
+    memory = 8 * (squares + 3 * size * size) + 8 * stop * dim * (1 if mode == "primal" else 2)
+    saved += 8 * (squares + sum(sizes))  # (a reweighted dual fit saves N more: the rows' 1 - p, float64)
+    return FitPlan(method=method, examples=rows, tokens=None, passes=passes, blocks=len(sizes), kron_blocks=0,
+                   factor_floats=squares, curvature_bytes=saved, free_bytes=free, seconds_per_example=per_row,
                    fixed_seconds=eigh_seconds, factor_itemsize=8, memory_bytes=memory,
                    available_bytes=available_memory(device), kernel_mode=mode if method == "trak" else None)
 

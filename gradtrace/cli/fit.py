@@ -73,6 +73,10 @@ class KernelOptions(Group):
     precondition: Literal["none", "autocorrelation"] = field(default="none", metadata=cli(
         "trackstar: none (a cosine of the normalised gradients) or autocorrelation (TrackStar's own R: the "
         "damped second-moment matrix of the normalised training rows; projected stores)."))
+    structure: Literal["joint", "parameter"] = field(default="joint", metadata=cli(
+        "trackstar --precondition autocorrelation: one D x D matrix (joint) or one block per captured parameter "
+        "(parameter: Bergson's per-module autocorrelation, cross-parameter terms dropped; its size grows with the "
+        "widest parameter, not with D)."))
     precondition_curvature: Path | None = field(default=None, metadata=cli(
         "trackstar: precondition with this fitted curvature of the same store instead (gradtrace fit STORE DATA "
         "--method kfac|ekfac|ggn|logra); it is copied into the fit.", metavar="CURVATURE_DIR"))
@@ -220,6 +224,9 @@ def _check_method_flags(opts: FitOptions) -> None:
         raise CliError(f"--max-dim applies to trak and trackstar (their D x D kernel), not {cv.method}")
     if cv.method != "trak" and kv.mode != "auto":
         raise CliError(f"--mode applies to trak (its primal or dual form), not {cv.method}")
+    if kv.structure != "joint" and (cv.method != "trackstar" or kv.precondition != "autocorrelation"):
+        raise CliError("--structure applies to --method trackstar --precondition autocorrelation (the blocks of its "
+                       "matrix)")
     if cv.method in SAVED_FIT_METHODS and opts.data is not None:
         source = "the stored gradients and --optimizer" if cv.method == "trackstar" else "the stored gradients"
         raise CliError(f"--method {cv.method} fits from {source} alone (a causal LM needs no 1 - p weights): drop "
@@ -254,12 +261,13 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
         try:
             planned = gradtrace.plan_fit(store, method=cv.method, precondition=precondition, out=cv.out,
                                          device=device, max_dim=kv.max_dim,
-                                         mode=kv.mode if cv.method == "trak" else "auto")
+                                         mode=kv.mode if cv.method == "trak" else "auto", structure=kv.structure)
         except KernelTooLarge as err:
             size = f"{err.dim:,} examples" if err.dual else f"{err.dim:,} dims"
             fix = ("--mode primal with a store of fewer dimensions (a lower --rank)" if err.dual else
                    "collect with a lower --rank or fewer --layers" +
                    (", or --mode dual when the store has fewer examples than dimensions" if cv.method == "trak"
+                    else ", or --structure parameter (a block per parameter)" if kv.structure == "joint"
                     else ""))
             raise CliError(f"{err.what} of store {store.root} ({size}) takes {human_bytes(err.bytes)} (float64), "
                            f"beyond --max-dim {err.max_dim:,}: {fix}, or raise --max-dim where the memory is "
@@ -280,7 +288,7 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
                 precondition.bind(store.spec)
             except ValueError as err:
                 raise CliError(f"--precondition-curvature {kv.precondition_curvature}: {err}") from None
-        settings["precondition"] = precondition
+        settings.update(precondition=precondition, structure=kv.structure)
         model_dir = model_dir or _recorded_model(store)
         with phases("load model"):
             fit_args = {"model": load_model(model_dir, "cpu", opts.model_options.model_dtype),

@@ -20,11 +20,14 @@ LoGra's Kronecker projection ``P_rows G P_cols^T`` is ``(P_rows**2) V (P_cols**2
 vector). On exact gradients the normalisation is TrackStar's exactly.
 
 ``precondition``: None (``R = I``), ``"autocorrelation"`` (TrackStar's own ``R``: the second-moment matrix of the
-normalised training rows, ``N^T N + lambda I``, ``lambda = damping * mean eigenvalue``; ``D x D``, for projected
-stores), a curvature method's name (``"kfac"``, ``"ekfac"``, ``"ggn"``, ...: fitted in :meth:`fit` from the same
-model and data) or an already fitted :class:`~gradtrace.methods.Method` whose query transform is used as ``R^-1``.
-A method's curvature is the one of the raw gradients (as fitted for that method); only ``"autocorrelation"`` is
-the curvature of the normalised ones. Positive = helpful; scores are cosines in ``[-1, 1]``.
+normalised training rows, ``N^T N + lambda I``, ``lambda = damping * mean eigenvalue``; with ``structure="joint"``
+one ``D x D`` matrix, for projected stores; with ``structure="parameter"`` one block per captured parameter,
+``N_p^T N_p + lambda_p I`` with each block's own mean eigenvalue, cross-parameter terms dropped -- Bergson's
+per-module autocorrelation, which scales with the largest parameter instead of ``D``), a curvature method's name
+(``"kfac"``, ``"ekfac"``, ``"ggn"``, ...: fitted in :meth:`fit` from the same model and data) or an already fitted
+:class:`~gradtrace.methods.Method` whose query transform is used as ``R^-1``. A method's curvature is the one of
+the raw gradients (as fitted for that method); only ``"autocorrelation"`` is the curvature of the normalised ones.
+Positive = helpful; scores are cosines in ``[-1, 1]``.
 """
 
 from __future__ import annotations
@@ -179,6 +182,10 @@ def _load_preconditioner(saved: dict[str, Any], directory: Path, damping: float 
                       damping_mode=saved.get("damping_mode") if damping_mode is None else damping_mode)
 
 
+STRUCTURES = ("joint", "parameter")
+"""``structure=`` of the autocorrelation: one ``D x D`` matrix, or one block per captured parameter."""
+
+
 def _unit(rows: Tensor, eps: float = 1e-12) -> Tensor:
     return rows / rows.norm(dim=1, keepdim=True).clamp(min=eps)
 
@@ -189,9 +196,12 @@ class TrackStar(Method):
 
     eps: Adam's epsilon, added to ``sqrt(v_hat)`` (None: the optimizer's own).
     precondition: None, ``"autocorrelation"``, a curvature method's name or a fitted method.
-    damping: relative damping of ``"autocorrelation"`` (times the mean eigenvalue).
+    damping: relative damping of ``"autocorrelation"`` (times the mean eigenvalue, of each block).
     precondition_options: options of the curvature method named by ``precondition``.
-    max_dim: refuse ``"autocorrelation"`` for more dimensions (its matrix is ``D x D``).
+    max_dim: refuse ``"autocorrelation"`` for more dimensions (per block: ``D`` joint, a parameter's dimensions
+        per parameter).
+    structure: of ``"autocorrelation"``: ``"joint"`` (one ``D x D`` matrix) or ``"parameter"`` (one block per
+        captured parameter).
     """
 
     name = "trackstar"
@@ -200,16 +210,22 @@ class TrackStar(Method):
     description = "TrackStar: Adam second-moment normalisation, optional curvature, unit-normalised (cosine)"
 
     def __init__(self, eps: float | None = None, precondition: str | Method | None = None, damping: float = 0.1,
-                 precondition_options: dict[str, Any] | None = None, max_dim: int = 32768) -> None:
+                 precondition_options: dict[str, Any] | None = None, max_dim: int = 32768,
+                 structure: str = "joint") -> None:
         if damping < 0:
             raise ValueError("trackstar: damping must be >= 0")
-        self.eps, self.damping, self.max_dim = eps, damping, max_dim
+        if structure not in STRUCTURES:
+            raise ValueError(f"trackstar: structure must be one of {', '.join(STRUCTURES)}, got {structure!r}")
+        if structure != "joint" and precondition != "autocorrelation":
+            raise ValueError(f"trackstar: structure={structure!r} is the autocorrelation's; it applies with "
+                             "precondition='autocorrelation' only")
+        self.eps, self.damping, self.max_dim, self.structure = eps, damping, max_dim, structure
         self.precondition = precondition
         self.precondition_options = dict(precondition_options or {})
         self.curvature: Method | None = precondition if isinstance(precondition, Method) else None
         self.denominator: Tensor | None = None
-        self.values: Tensor | None = None
-        self.vectors: Tensor | None = None
+        self.values: Tensor | None = None  # [D] float64: every block's eigenvalues, in the parameters' order
+        self.vectors: list[Tensor] | None = None  # one float64 eigenbasis per block (one block when joint)
         self.spec: GradientSpec | None = None
 
     def fit(self, attributor: Any, model: Any = None, data: Any = None, loss_fn: Any = None, *,
@@ -240,19 +256,38 @@ class TrackStar(Method):
             raise ValueError(f"trackstar: precondition must be None, 'autocorrelation', a method name or a fitted "
                              f"method, got {self.precondition!r}")
 
+    def _bounds(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each autocorrelation block in a row: the whole row, or each parameter's slice."""
+        if self.structure == "joint":
+            return [(0, self.spec.dim)]
+        return list(self.spec.offsets().values())
+
     def _fit_autocorrelation(self, attributor: Any) -> None:
-        dim = self.spec.dim
-        if dim > self.max_dim:
-            raise CurvatureError(f"trackstar: precondition='autocorrelation' of {dim:,}-dimensional gradients takes "
-                                 f"{human_bytes(8 * dim * dim)} (float64), beyond max_dim={self.max_dim:,}; collect "
-                                 "projected gradients (projection=gradtrace.LoGra(rank=...)) or raise max_dim=")
+        bounds = self._bounds()
+        widest = max(range(len(bounds)), key=lambda b: bounds[b][1] - bounds[b][0])
+        size = bounds[widest][1] - bounds[widest][0]
+        if size > self.max_dim:
+            what = (f"{size:,}-dimensional gradients" if self.structure == "joint" else
+                    f"parameter {self.spec.params[widest][0]} ({size:,} dimensions)")
+            raise CurvatureError(f"trackstar: precondition='autocorrelation' of {what} takes "
+                                 f"{human_bytes(8 * size * size)} (float64), beyond max_dim={self.max_dim:,}; collect "
+                                 "projected gradients (projection=gradtrace.LoGra(rank=...))"
+                                 + (", use structure='parameter' (a block per parameter)"
+                                    if self.structure == "joint" and len(self.spec.params) > 1 else "")
+                                 + " or raise max_dim=")
         source = attributor.train[0]
-        kernel = torch.zeros(dim, dim, dtype=torch.float64, device=attributor.device)
+        kernels = [torch.zeros(b - a, b - a, dtype=torch.float64, device=attributor.device) for a, b in bounds]
         for _, block in source.iter_blocks(attributor.block_rows, attributor.device):
             normalized = (block.to(torch.float32) / self.denominator).to(torch.float64)
-            kernel += normalized.t() @ normalized
-        values, self.vectors = torch.linalg.eigh(kernel)
-        self.values = values.clamp(min=0)
+            for (start, stop), kernel in zip(bounds, kernels):  # a loop over parameters, not examples
+                part = normalized[:, start:stop]
+                kernel += part.t() @ part
+        values, self.vectors = [], []
+        while kernels:  # each kernel freed once decomposed: the peak holds one eigendecomposition's workspace
+            block_values, block_vectors = torch.linalg.eigh(kernels.pop(0))
+            values.append(block_values.clamp(min=0))
+            self.vectors.append(block_vectors)
+        self.values = torch.cat(values)
 
     def check_ready(self) -> None:
         if self.denominator is None:
@@ -271,13 +306,17 @@ class TrackStar(Method):
     def _inverse(self, normalized: Tensor, checkpoint: int) -> Tensor | None:
         """``R^-1 n`` (None when ``R = I``)."""
         if self.values is not None:
-            lam = self.damping * float(self.values.mean())
-            if float(self.values.min()) + lam <= 0:
-                raise CurvatureError("trackstar: the autocorrelation matrix is singular and damping is 0; use "
-                                     "damping > 0")
-            vectors = self.vectors.to(normalized.device)
-            rotated = normalized.to(torch.float64) @ vectors
-            return ((rotated / (self.values.to(normalized.device) + lam)) @ vectors.t()).to(torch.float32)
+            rows = normalized.to(torch.float64)
+            out = torch.empty_like(rows)
+            for (start, stop), vectors in zip(self._bounds(), self.vectors):  # one block per parameter at most
+                values = self.values[start:stop].to(normalized.device)
+                lam = self.damping * float(values.mean())
+                if float(values.min()) + lam <= 0:
+                    raise CurvatureError("trackstar: the autocorrelation matrix is singular and damping is 0; use "
+                                         "damping > 0")
+                vectors = vectors.to(normalized.device)
+                out[:, start:stop] = ((rows[:, start:stop] @ vectors) / (values + lam)) @ vectors.t()
+            return out.to(torch.float32)
         if self.curvature is not None:
             return self.curvature.prepare_queries(normalized, checkpoint)
         return None
@@ -315,8 +354,10 @@ class TrackStar(Method):
         preconditioner saved as its curvature in ``path/precondition`` (see :mod:`gradtrace.methods.saved`)."""
         tensors = {"denominator": self.denominator}
         if self.values is not None:
-            tensors.update(values=self.values, vectors=self.vectors)
-        fields = {"eps": self.eps, "damping": self.damping, "max_dim": self.max_dim, "spec": self.spec.to_dict(),
+            tensors["values"] = self.values
+            tensors.update(zip(_vector_keys(self.structure, len(self.vectors)), self.vectors))
+        fields = {"eps": self.eps, "damping": self.damping, "max_dim": self.max_dim, "structure": self.structure,
+                  "spec": self.spec.to_dict(),
                   "precondition": self.precondition if isinstance(self.precondition, str) else None,
                   "preconditioner": None}
         if self.curvature is not None:
@@ -333,6 +374,7 @@ class TrackStar(Method):
         try:
             precondition, saved_curvature = fields["precondition"], fields["preconditioner"]
             eps, saved_damping, max_dim = fields["eps"], float(fields["damping"]), int(fields["max_dim"])
+            structure = fields.get("structure", "joint")  # fits saved before structure= are joint
         except (KeyError, TypeError, ValueError) as err:
             raise FitError(f"{path / 'fit.json'} is malformed ({err!r}); fit again") from None
         if precondition is None and saved_curvature is None and (damping is not None or damping_mode is not None):
@@ -344,14 +386,21 @@ class TrackStar(Method):
         if saved_curvature is not None:
             curvature = _load_preconditioner(saved_curvature, path / PRECONDITION_DIR, damping, damping_mode)
         own_damping = damping if precondition == "autocorrelation" and damping is not None else saved_damping
+        if structure not in STRUCTURES or (structure != "joint" and precondition != "autocorrelation"):
+            raise FitError(f"{path / 'fit.json'} records structure={structure!r}, which this fit cannot have; fit "
+                           "again")
         method = cls(eps=eps, precondition=curvature if curvature is not None else precondition,
-                     damping=own_damping, max_dim=max_dim)
+                     damping=own_damping, max_dim=max_dim, structure=structure)
         used = {"denominator"}
         method.denominator = check_tensor(tensors, "denominator", (spec.dim,), torch.float32, path)
         if precondition == "autocorrelation":
+            method.spec = spec
+            bounds = method._bounds()
             method.values = check_tensor(tensors, "values", (spec.dim,), torch.float64, path)
-            method.vectors = check_tensor(tensors, "vectors", (spec.dim, spec.dim), torch.float64, path)
-            used |= {"values", "vectors"}
+            keys = _vector_keys(structure, len(bounds))
+            method.vectors = [check_tensor(tensors, key, (b - a, b - a), torch.float64, path)
+                              for key, (a, b) in zip(keys, bounds)]
+            used |= {"values", *keys}
         refuse_unused(tensors, used, path)
         if bool((method.denominator <= 0).any()):
             raise FitError(f"{path}: the second moment's denominator has non-positive entries (sqrt(v) + eps > 0 "
@@ -362,5 +411,14 @@ class TrackStar(Method):
     def options(self) -> dict[str, Any]:
         name = self.precondition if self.precondition is None or isinstance(self.precondition, str) else \
             self.precondition.name
-        return {"eps": self.eps, "precondition": name, "damping": self.damping,
-                "precondition_options": self.precondition_options}
+        options = {"eps": self.eps, "precondition": name, "damping": self.damping,
+                   "precondition_options": self.precondition_options}
+        if self.structure != "joint":
+            options["structure"] = self.structure
+        return options
+
+
+def _vector_keys(structure: str, count: int) -> list[str]:
+    """The saved fit's tensor names of the autocorrelation's eigenbases: ``vectors`` (joint, as fits saved before
+    ``structure=``), ``vectors.0``, ``vectors.1``, ... (one per parameter, in the store's parameter order)."""
+    return ["vectors"] if structure == "joint" else [f"vectors.{b}" for b in range(count)]

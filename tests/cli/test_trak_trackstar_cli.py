@@ -105,15 +105,18 @@ def test_trak_fit_and_score_equal_the_dense_formula(ws, store, runner, tmp_path)
                                atol=1e-3 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("precondition", ["none", "autocorrelation", "curvature"])
+@pytest.mark.parametrize("precondition", ["none", "autocorrelation", "parameter", "curvature"])
 def test_trackstar_fit_and_score_equal_the_python_api(ws, store, runner, tmp_path, adam, precondition):
     checkpoint, state = adam
     args = ["fit", store, "--method", "trackstar", "--optimizer", checkpoint, "--out", tmp_path / "fit",
             "--no-progress"]
-    python_precondition = None
-    if precondition == "autocorrelation":
+    python_precondition, structure = None, "joint"
+    if precondition in ("autocorrelation", "parameter"):
         args += ["--precondition", "autocorrelation"]
         python_precondition = "autocorrelation"
+        if precondition == "parameter":
+            args += ["--structure", "parameter"]
+            structure = "parameter"
     elif precondition == "curvature":
         invoke(runner, "fit", store, "--method", "logra", "--out", tmp_path / "logra", "--no-progress")
         args += ["--precondition-curvature", tmp_path / "logra"]
@@ -124,8 +127,9 @@ def test_trackstar_fit_and_score_equal_the_python_api(ws, store, runner, tmp_pat
            "--out", tmp_path / "scores", "--no-progress")
     got = gradtrace.Scores.load(tmp_path / "scores").matrix
     train = gradtrace.GradientStore.open(store)
-    attr = gradtrace.Attributor("trackstar", train, precondition=python_precondition)
+    attr = gradtrace.Attributor("trackstar", train, precondition=python_precondition, structure=structure)
     attr.fit(_model(ws.model), optimizer=state)
+    assert gradtrace.load_fit(tmp_path / "fit").options() == attr.method.options()
     want = attr.score(_queries(ws, ws.model), matrix=True).matrix
     # cosines in [-1, 1] from float32 query gradients taken in two passes (see the trak test for the preconditioned)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
@@ -177,6 +181,12 @@ def test_trak_and_trackstar_errors_name_the_fix(ws, store, runner, tmp_path, ada
     assert "--max-dim applies to trak and trackstar" in error(
         "fit", store, ws.train, "--method", "kfac", "--max-dim", 9, "--out", tmp_path / "f")
     assert "pass --optimizer OPTIMIZER" in error("fit", store, "--method", "trackstar", "--out", tmp_path / "f")
+    assert "--structure applies to --method trackstar --precondition autocorrelation" in error(
+        "fit", store, "--method", "trackstar", "--optimizer", adam[0], "--structure", "parameter", "--out",
+        tmp_path / "f")
+    assert "or --structure parameter" in error("fit", store, "--method", "trackstar", "--optimizer", adam[0],
+                                               "--precondition", "autocorrelation", "--max-dim", 10, "--out",
+                                               tmp_path / "f")
     assert "choose one" in error("fit", store, "--method", "trackstar", "--optimizer", adam[0], "--precondition",
                                  "autocorrelation", "--precondition-curvature", tmp_path, "--out", tmp_path / "f")
     other = tmp_path / "other-store"

@@ -59,13 +59,15 @@ def test_a_saved_trak_kernel_scores_exactly_as_the_fitted_one(tmp_path):
         gradtrace.Attributor(loaded, other).score(query)
 
 
-@pytest.mark.parametrize("precondition", [None, "autocorrelation", "kfac"])
+@pytest.mark.parametrize("precondition", [None, "autocorrelation", "autocorrelation-parameter", "kfac"])
 def test_a_saved_trackstar_fit_scores_exactly_as_the_fitted_one(tmp_path, precondition):
     model, optimizer, batches, queries, *_ = trackstar_setup(seed=6)
     logra = gradtrace.LoGra(rank=2, seed=4)
     train = gradtrace.collect(model, batches, classification_loss, projection=logra)
     query = gradtrace.collect(model, queries, classification_loss, projection=logra)
-    attr = gradtrace.Attributor("trackstar", train, precondition=precondition)
+    structure = "parameter" if precondition == "autocorrelation-parameter" else "joint"
+    precondition = "autocorrelation" if structure == "parameter" else precondition
+    attr = gradtrace.Attributor("trackstar", train, precondition=precondition, structure=structure)
     attr.fit(model, batches, classification_loss, optimizer=optimizer)
     want = attr.score(query, matrix=True).matrix
     save_fit(attr.method, tmp_path / "fit")
@@ -73,6 +75,11 @@ def test_a_saved_trackstar_fit_scores_exactly_as_the_fitted_one(tmp_path, precon
     loaded = load_fit(tmp_path / "fit", "trackstar")
     # no arithmetic between the two: the safetensors file holds the tensor's bytes
     torch.testing.assert_close(loaded.denominator, attr.method.denominator, rtol=0, atol=0)
+    assert loaded.structure == structure and loaded.options() == attr.method.options()
+    if precondition == "autocorrelation":
+        assert len(loaded.vectors) == (len(train.spec.params) if structure == "parameter" else 1)
+        for a, b in zip(loaded.vectors, attr.method.vectors):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
     _assert_same_scores(_scores(loaded, train, query), want, attr.method, train, query)
     if precondition is None:
         with pytest.raises(ValueError, match="no preconditioner, so there is no damping"):
@@ -154,6 +161,29 @@ def test_a_fit_whose_tensors_do_not_match_its_spec_is_refused(tmp_path):
                        bad)
         with pytest.raises(FitError, match=match):
             load_fit(tmp_path / "bad")
+
+
+def test_a_per_parameter_autocorrelation_fit_checks_every_block(tmp_path):
+    from gradtrace.store.artifact import write_artifact
+
+    model, optimizer, batches, *_ = trackstar_setup(seed=8)
+    train = gradtrace.collect(model, batches, classification_loss)
+    attr = gradtrace.Attributor("trackstar", train, precondition="autocorrelation", structure="parameter")
+    attr.fit(model, optimizer=optimizer)
+    fields, tensors = attr.method.fit_state(tmp_path)
+    assert sorted(k for k in tensors if k.startswith("vectors")) == [f"vectors.{b}" for b in range(4)]
+    short = tensors["vectors.1"][:-1]
+    for bad, match in (({**tensors, "vectors.1": short}, r"vectors\.1 is torch\.float64"),
+                       ({k: v for k, v in tensors.items() if k != "vectors.3"}, "lacks its 'vectors.3' tensor"),
+                       ({**tensors, "vectors": tensors["vectors.0"]}, "does not use")):
+        write_artifact(tmp_path / "bad", "fit", "gradtrace-method-fit", 2,
+                       {"method": "trackstar", **fields, "meta": {}}, bad)
+        with pytest.raises(FitError, match=match):
+            load_fit(tmp_path / "bad")
+    write_artifact(tmp_path / "bad", "fit", "gradtrace-method-fit", 2,
+                   {"method": "trackstar", **fields, "precondition": None, "meta": {}}, tensors)
+    with pytest.raises(FitError, match="records structure='parameter', which this fit cannot have"):
+        load_fit(tmp_path / "bad")
 
 
 def test_a_dual_trak_fit_reads_its_store_and_refuses_another(tmp_path):

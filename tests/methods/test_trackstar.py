@@ -117,6 +117,55 @@ def test_trackstar_autocorrelation_preconditioning_equals_the_hand_computation()
     assert float(got.abs().max()) <= 1 + 1e-5
 
 
+@pytest.mark.parametrize("projected", [False, True])
+def test_trackstar_autocorrelation_per_parameter_is_the_block_diagonal_hand_computation(projected):
+    """``structure="parameter"``: ``R = blockdiag(N_p^T N_p + lambda_p I)``, each block damped by its own mean
+    eigenvalue, cross-parameter terms dropped (Bergson's per-module autocorrelation)."""
+    model, optimizer, batches, queries, x, y, qx, qy = _setup(3)
+    logra = gradtrace.LoGra(rank=2, seed=2) if projected else None
+    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
+    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    attr = gradtrace.Attributor("trackstar", train, precondition="autocorrelation", structure="parameter",
+                                damping=0.1)
+    attr.fit(model, optimizer=optimizer)
+    got = attr.score(query).matrix.double()
+    denominator = attr.method.denominator.double()
+    train_n, query_n = train.vectors.double() / denominator, query.vectors.double() / denominator
+    inverse = torch.zeros(train.spec.dim, train.spec.dim, dtype=torch.float64)
+    for start, stop in train.spec.offsets().values():
+        part = train_n[:, start:stop]
+        kernel = part.t() @ part
+        lam = 0.1 * torch.linalg.eigvalsh(kernel).clamp(min=0).mean()
+        eye = torch.eye(stop - start, dtype=torch.float64)
+        inverse[start:stop, start:stop] = torch.linalg.inv(kernel + lam * eye)
+    assert len(train.spec.params) == 4 and len(attr.method.vectors) == 4  # two weights, two biases
+    norm_q = ((query_n @ inverse) * query_n).sum(1).sqrt()
+    norm_i = ((train_n @ inverse) * train_n).sum(1).sqrt()
+    want = (query_n @ inverse @ train_n.t()) / norm_q[:, None] / norm_i[None, :]
+    # as the joint test: float32 gradients and their normalisation, O(1) cosines
+    torch.testing.assert_close(got, want, rtol=0, atol=5e-5)
+    joint = gradtrace.Attributor("trackstar", train, precondition="autocorrelation", damping=0.1)
+    joint.fit(model, optimizer=optimizer)
+    assert float((joint.score(query).matrix.double() - got).abs().max()) > 1e-3  # another metric indeed
+
+
+def test_trackstar_structure_refusals():
+    model, optimizer, batches, *_ = _setup(4)
+    train = gradtrace.collect(model, batches, classification_loss)
+    with pytest.raises(ValueError, match="structure must be one of joint, parameter"):
+        gradtrace.Attributor("trackstar", train, precondition="autocorrelation", structure="layer")
+    with pytest.raises(ValueError, match="applies with precondition='autocorrelation' only"):
+        gradtrace.Attributor("trackstar", train, structure="parameter")
+    widest = max(train.spec.params, key=lambda p: p[1])
+    attr = gradtrace.Attributor("trackstar", train, precondition="autocorrelation", structure="parameter",
+                                max_dim=widest[1] - 1)
+    with pytest.raises(gradtrace.curvature.CurvatureError, match=f"parameter {widest[0]} "):
+        attr.fit(model, optimizer=optimizer)
+    joint = gradtrace.Attributor("trackstar", train, precondition="autocorrelation", max_dim=train.spec.dim - 1)
+    with pytest.raises(gradtrace.curvature.CurvatureError, match="use structure='parameter'"):
+        joint.fit(model, optimizer=optimizer)
+
+
 def test_trackstar_with_a_curvature_method_uses_its_inverse_as_the_metric():
     model, optimizer, batches, queries, *_ = _setup(3)
     train = gradtrace.collect(model, batches, classification_loss)

@@ -94,28 +94,34 @@ def test_plan_fit_logra_from_the_store(tmp_path):
 
 
 @pytest.mark.parametrize("method, precondition", [("trak", "primal"), ("trak", "dual"), ("trackstar", None),
-                                                  ("trackstar", "autocorrelation")])
+                                                  ("trackstar", "autocorrelation"), ("trackstar", "parameter")])
 def test_plan_fit_of_a_saved_method_fit_from_the_store(tmp_path, method, precondition):
     """trak's kernel (and trackstar's autocorrelation): D^2 float64 factor values, D^2 + D saved; trak's dual Gram
-    matrix: N^2, N^2 + N; trackstar's denominator: D float32 values. The plan's size is what
-    save_fit writes."""
+    matrix: N^2, N^2 + N; trackstar's autocorrelation per parameter: sum_p D_p^2, sum_p D_p^2 + D; trackstar's
+    denominator: D float32 values. The plan's size is what save_fit writes."""
     torch.manual_seed(0)
     model = tiny.MLP()
     data = _mlp_data()
     store = gradtrace.collect(model, data, store=tmp_path / "s")
     dim = store.dim
     mode = precondition if method == "trak" else "auto"
+    structure = "parameter" if precondition == "parameter" else "joint"
+    precondition = "autocorrelation" if structure == "parameter" else precondition
     got = gradtrace.plan_fit(store, method=method, precondition=None if method == "trak" else precondition,
-                             out=tmp_path / "f", mode=mode)
+                             out=tmp_path / "f", mode=mode, structure=structure)
     kernel = method == "trak" or precondition == "autocorrelation"
-    size = 12 if mode == "dual" else dim  # the Gram matrix of the 12 rows, else the D x D kernel
-    assert (got.examples, got.passes, got.blocks, got.kron_blocks) == (12, int(kernel), 1, 0)
-    assert got.factor_floats == (size * size if kernel else dim) and got.factor_itemsize == (8 if kernel else 4)
+    # the kernels: the Gram matrix of the 12 rows, one per parameter, else the D x D kernel
+    sizes = [12] if mode == "dual" else [d for _, d in store.spec.params] if structure == "parameter" else [dim]
+    squares, widest = sum(s * s for s in sizes), max(sizes)
+    assert (got.examples, got.passes, got.blocks, got.kron_blocks) == (12, int(kernel), len(sizes) if kernel else 1,
+                                                                        0)
+    assert got.factor_floats == (squares if kernel else dim) and got.factor_itemsize == (8 if kernel else 4)
     assert got.curvature_bytes == (4 * dim if method == "trackstar" else 0) + \
-        (8 * (size * size + size) if kernel else 0)
-    # peak memory of a kernel fit: kernel + eigenvectors + the eigensolver's ~2 size^2 workspace, and the blocks of
-    # rows read at once (one; the Gram: two)
-    assert got.memory_bytes == (8 * 4 * size * size + 8 * 12 * dim * (2 if mode == "dual" else 1) if kernel else None)
+        (8 * (squares + sum(sizes)) if kernel else 0)
+    # peak memory of a kernel fit: the kernels + the widest one's eigenvectors and the eigensolver's ~2 size^2
+    # workspace, and the blocks of rows read at once (one; the Gram: two)
+    assert got.memory_bytes == (8 * (squares + 3 * widest * widest) + 8 * 12 * dim * (2 if mode == "dual" else 1)
+                                if kernel else None)
     assert got.kernel_mode == (mode if method == "trak" else None)
     if method == "trak":
         attr = gradtrace.Attributor("trak", store, reweight=False, mode=mode).fit()
@@ -126,7 +132,8 @@ def test_plan_fit_of_a_saved_method_fit_from_the_store(tmp_path, method, precond
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(inputs), labels).backward()
             optimizer.step()
-        attr = gradtrace.Attributor("trackstar", store, precondition=precondition).fit(model, optimizer=optimizer)
+        attr = gradtrace.Attributor("trackstar", store, precondition=precondition, structure=structure)
+        attr.fit(model, optimizer=optimizer)
     gradtrace.save_fit(attr, tmp_path / "f")
     from safetensors import safe_open
 
