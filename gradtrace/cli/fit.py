@@ -21,12 +21,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import options as api
-from ..provenance import resolve_paths
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
 from .groups import DataOptions, ModelOptions
-from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
+from .models import load_model, load_tokenizer, pad_id, recorded_model, resolve_device, resolve_max_length
 from .options import Group, cli, progress_flag, resolved
 from .report import Phases, console
 
@@ -156,7 +155,7 @@ def run(opts: FitOptions) -> None:
     else:
         if opts.data is None:
             raise CliError(f"--method {cv.method} fits on data: give DATA (usually the training examples)")
-        model_dir = model_dir or _recorded_model(store)
+        model_dir = model_dir or recorded_model(store)
         projection = projection_from_dict(store.spec.projection, expect=LoGra,
                                           what=f"the gradients of store {store.root}")
         with phases("load model"):
@@ -201,14 +200,6 @@ def run(opts: FitOptions) -> None:
 
 SAVED_FIT_METHODS = ("trak", "trackstar")
 """Methods whose fit is saved as a method fit (gradtrace.methods.saved), not a curvature."""
-
-
-def _recorded_model(store: Any) -> Path:
-    """The model directory ``store`` records (the one it was collected with), when ``--model`` is not given."""
-    recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
-    if not recorded:
-        raise CliError(f"store {store.root} does not record its model: pass --model MODEL_DIR")
-    return Path(recorded)
 
 
 def _check_method_flags(opts: FitOptions) -> None:
@@ -289,7 +280,7 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
             except ValueError as err:
                 raise CliError(f"--precondition-curvature {kv.precondition_curvature}: {err}") from None
         settings.update(precondition=precondition, structure=kv.structure)
-        model_dir = model_dir or _recorded_model(store)
+        model_dir = model_dir or recorded_model(store)
         with phases("load model"):
             fit_args = {"model": load_model(model_dir, "cpu", opts.model_options.model_dtype),
                         "optimizer": kv.optimizer}

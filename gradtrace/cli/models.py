@@ -15,6 +15,23 @@ from .errors import CliError
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]
 
 
+def recorded_model(store: Any) -> Path:
+    """The model directory ``store`` records (the one it was collected with), for a command given no ``--model``.
+
+    A store a ``GradtraceCallback`` wrote records the Trainer's output directory, which holds a model only once the
+    final one is saved there: without it the error names the two fixes."""
+    from ..provenance import resolve_paths
+
+    recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
+    if not recorded:
+        raise CliError(f"store {store.root} does not record the model it was collected with: pass --model MODEL_DIR")
+    if (store.manifest.get("config") or {}).get("trainer") and not (Path(recorded) / "config.json").exists():
+        raise CliError(f"store {store.root} was written during training with output dir {recorded}, which holds "
+                       "no saved model: save the final model there (trainer.save_model() after train()) or pass "
+                       f"--model {recorded}/checkpoint-STEP")
+    return Path(recorded)
+
+
 def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Module:
     """The causal LM of model directory ``path`` (:func:`gradtrace.common.model_dir.load_causal_lm`: local files
     only, pickles refused) on ``device``; a model with a NaN/inf parameter is refused (every gradient through it

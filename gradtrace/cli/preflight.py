@@ -39,8 +39,10 @@ def fit_plan_lines(planned: Any, out: Path) -> str:
         f"({human_bytes(itemsize * planned.factor_floats)})",
         f"  {what:<11} about {human_bytes(planned.curvature_bytes)} in {out}{free}",
         *([] if planned.memory_bytes is None else [
-            f"  memory      about {human_bytes(planned.memory_bytes)} at the peak (the kernel, its eigenvectors and "
-            "the eigensolver's workspace)" + ("" if planned.available_bytes is None else
+            f"  memory      about {human_bytes(planned.memory_bytes)} at the peak ("
+            + ("the kernel, its eigenvectors" if planned.blocks == 1 else
+               f"the {planned.blocks:,} kernels, the widest one's eigenvectors")
+            + " and the eigensolver's workspace)" + ("" if planned.available_bytes is None else
                                                f" ({human_bytes(planned.available_bytes)} available)")]),
         f"  time        about {planned.seconds:,.0f} s ({planned.seconds_per_example * 1e3:,.2f} ms/example over "
         f"every pass + {planned.fixed_seconds:,.1f} s of eigendecompositions, from a warm-up)"])

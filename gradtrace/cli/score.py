@@ -21,14 +21,13 @@ from typing import Any, Literal
 
 from ..methods import available_methods, get_method, method_class
 from ..projection import LoGra, projection_from_dict
-from ..provenance import resolve_paths
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .ensemble import EnsembleOptions, check_ensemble, is_ensemble, score_ensemble
 from .errors import CliError
 from .fitted import fitted_methods
 from .groups import DataOptions, GenerateOptions, ModelOptions
-from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
+from .models import load_model, load_tokenizer, pad_id, recorded_model, resolve_device, resolve_max_length
 from .options import Group, cli, progress_flag, resolved
 from .report import Phases, console
 
@@ -393,18 +392,7 @@ def _models(given: list[Path], stores: list[Any]) -> list[Path]:
         if len(given) != len(stores):
             raise CliError(f"{len(given)} --model for {len(stores)} stores: give one --model per store, in order")
         return list(given)
-    models = []
-    for store in stores:
-        recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
-        if not recorded:
-            raise CliError(f"store {store.root} does not record the model it was collected with: pass --model "
-                           "MODEL_DIR")
-        if (store.manifest.get("config") or {}).get("trainer") and not (Path(recorded) / "config.json").exists():
-            raise CliError(f"store {store.root} was written during training with output dir {recorded}, which holds "
-                           "no saved model: save the final model there (trainer.save_model() after train()) or pass "
-                           f"--model {recorded}/checkpoint-STEP")
-        models.append(Path(recorded))
-    return models
+    return [recorded_model(store) for store in stores]
 
 
 def _check_match(store: Any, queries: Any, model_dir: Path) -> None:

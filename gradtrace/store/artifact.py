@@ -1,7 +1,8 @@
 """The one format helper of gradtrace's artifacts: checksums, atomic writes, and the manifest + tensors layout.
 
 Gradient stores (:mod:`gradtrace.store.layout`: manifest, shard records, rank files, locks), fitted curvature
-and saved scores all write through :func:`atomic_write_bytes` / :func:`create_exclusive` and checksum with
+and saved scores all write through :func:`atomic_write_bytes` / :func:`create_exclusive` (tensor files through
+:func:`write_tensors` and a rename) and checksum with
 :func:`checksum` (blake2b-128). Curvature and scores are directory artifacts: a JSON manifest beside one
 safetensors file, written atomically and verified on load (:func:`write_artifact`, :func:`read_artifact`).
 
@@ -158,26 +159,39 @@ def _tensor_file_pattern(stem: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.safetensors")
 
 
+def write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
+    """Write ``tensors`` (contiguous, on the CPU) to the safetensors file ``path`` from their own memory, fsynced."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fields: dict[str, Any],
                    tensors: dict[str, Tensor]) -> Path:
     """Save ``tensors`` and the JSON-able ``fields`` as the artifact ``directory/stem.json``; returns its path.
 
-    The save holds one serialized copy of the tensors in memory while it writes. I/O errors (a full disk)
-    propagate as :class:`OSError` after the previous artifact, if any, was left intact.
+    The tensors are written straight from their memory (``safetensors.torch.save_file``: no serialized copy, so a
+    save needs no memory beyond the tensors themselves) to a temporary file, fsynced, hashed by reading it back in
+    blocks, and renamed to its content-addressed name. I/O errors (a full disk) propagate as :class:`OSError` after
+    the previous artifact, if any, was left intact.
     """
-    from safetensors.torch import save
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-    data = save(tensors)
-    digest = checksum(data)
-    tensor_file = directory / f"{stem}-{digest[:16]}.safetensors"
-    # a re-save of equal tensors reuses the file the old manifest names -- unless that file was damaged since
-    created = not (tensor_file.exists() and file_checksum(tensor_file) == digest)
-    if created:
-        atomic_write_bytes(tensor_file, data)
-    del data
+    tmp = directory / f".tmp-{stem}-{os.getpid()}-{threading.get_ident()}.safetensors"
+    try:
+        write_tensors(tmp, tensors)
+        digest = file_checksum(tmp)
+        tensor_file = directory / f"{stem}-{digest[:16]}.safetensors"
+        # a re-save of equal tensors reuses the file the old manifest names -- unless that file was damaged since
+        created = not (tensor_file.exists() and file_checksum(tensor_file) == digest)
+        if created:
+            os.replace(tmp, tensor_file)
+            fsync_dir(directory)
+    finally:
+        tmp.unlink(missing_ok=True)
     index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in sorted(tensors.items())}
     try:
         record = {"format": fmt, "version": version, "environment": environment(), **fields}

@@ -112,18 +112,27 @@ def _refused_edits(source: Path, stem: str, cases: dict, load, error: type[Excep
 
 
 def _disk_full_at(monkeypatch, target: str) -> None:
-    """Make the atomic write of the ``target`` file (suffix ``.safetensors`` or ``.json``) fail with ENOSPC after
-    writing part of its temporary file, as a full disk does."""
-    real = artifact.atomic_write_bytes
+    """Make the write of the ``target`` file (suffix ``.safetensors``: the tensors, written to a temporary file; or
+    ``.json``: the manifest's atomic write) fail with ENOSPC after writing part of it, as a full disk does."""
+    real_bytes, real_tensors = artifact.atomic_write_bytes, artifact.write_tensors
 
     def write(path: Path, data) -> None:
         if path.name.endswith(target):
             path.with_name(f".tmp-{path.name}").write_bytes(bytes(data)[: len(data) // 2])
             path.with_name(f".tmp-{path.name}").unlink()
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path, data)
+        real_bytes(path, data)
+
+    def write_tensors(path: Path, tensors) -> None:
+        if target == ".safetensors":
+            real_tensors(path, tensors)  # then cut short: the partial temporary file is left for the save to remove
+            with open(path, "r+b") as f:
+                f.truncate(path.stat().st_size // 2)
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_tensors(path, tensors)
 
     monkeypatch.setattr(artifact, "atomic_write_bytes", write)
+    monkeypatch.setattr(artifact, "write_tensors", write_tensors)
 
 
 # -- curvature ---------------------------------------------------------------------------------------
