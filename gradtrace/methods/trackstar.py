@@ -286,7 +286,8 @@ class TrackStar(Method):
         while kernels:  # each kernel freed once decomposed: the peak holds one eigendecomposition's workspace
             block_values, block_vectors = torch.linalg.eigh(kernels.pop(0))
             values.append(block_values.clamp(min=0))
-            self.vectors.append(block_vectors)
+            # row-major as a saved-then-loaded copy is: the same BLAS paths before and after a load, no copy at save
+            self.vectors.append(block_vectors.contiguous())
         self.values = torch.cat(values)
 
     def check_ready(self) -> None:

@@ -149,8 +149,10 @@ class TRAK(Method):
             kernel = _gram(source, weights, attributor.block_rows, attributor.device)
             self.rows, self.row_weights = source, weights
         self.trace = float(kernel.diagonal().sum())
-        values, self.vectors = torch.linalg.eigh(kernel)  # kept in float64: small in the projected space
-        self.values = values.clamp(min=0)
+        values, vectors = torch.linalg.eigh(kernel)  # kept in float64: small in the projected space
+        del kernel
+        # row-major as a saved-then-loaded copy is: the same BLAS paths before and after a load, no copy at save
+        self.values, self.vectors = values.clamp(min=0), vectors.contiguous()
         self.spec, self.examples, self.mode_used = spec, len(source), mode
 
     def _weights(self, source: Any, model: Any, data: Any, loss_fn: Any) -> Tensor | None:

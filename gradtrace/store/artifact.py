@@ -159,6 +159,18 @@ def _tensor_file_pattern(stem: str) -> re.Pattern[str]:
     return re.compile(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.safetensors")
 
 
+def _own_memory(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``tensors`` contiguous on the CPU, each in memory of its own (safetensors refuses two names for one storage):
+    a tensor sharing its storage with an earlier one is copied; the others are used as they are."""
+    out, storages = {}, set()
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().contiguous().cpu()
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if storage in storages else tensor
+        storages.add(storage)
+    return out
+
+
 def write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
     """Write ``tensors`` (contiguous, on the CPU) to the safetensors file ``path`` from their own memory, fsynced."""
     from safetensors.torch import save_file
@@ -179,7 +191,7 @@ def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fie
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
+    tensors = _own_memory(tensors)
     tmp = directory / f".tmp-{stem}-{os.getpid()}-{threading.get_ident()}.safetensors"
     try:
         write_tensors(tmp, tensors)

@@ -356,6 +356,18 @@ def test_a_save_that_fails_on_a_full_disk_keeps_the_previous_artifact(fit, tmp_p
     assert same(load(tmp_path / "a"), first)
 
 
+def test_tensors_sharing_memory_are_saved_each_with_its_own_bytes(tmp_path):
+    """safetensors refuses two names for one storage; write_artifact copies the later ones (views, repeats, a
+    transposed eigenbasis) and writes the others from their own memory."""
+    base = torch.arange(12.0).reshape(3, 4)
+    tensors = {"a": base, "view": base[1:], "again": base, "transposed": base.t()}
+    artifact.write_artifact(tmp_path / "x", "x", "gradtrace-test", 2, {}, tensors)
+    _, loaded = artifact.read_artifact(tmp_path / "x", "x", "gradtrace-test", 2, what="test")
+    for name, tensor in tensors.items():  # bytes read back: no arithmetic between the sides
+        assert torch.equal(loaded[name], tensor), name
+    assert not list((tmp_path / "x").glob(".tmp-*"))  # the temporary file was renamed
+
+
 # -- the scoring engine ------------------------------------------------------------------------------
 def test_engine_refuses_non_finite_scores_naming_queries_and_training_rows():
     model = tiny.MLP()
