@@ -12,7 +12,8 @@ from ..common.model_dir import load_causal_lm, load_tokenizer
 from ..common.models import context_limit
 from .errors import CliError
 
-__all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "resolve_device", "resolve_max_length"]
+__all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "recorded_model", "resolve_device",
+           "resolve_max_length"]
 
 
 def recorded_model(store: Any) -> Path:
