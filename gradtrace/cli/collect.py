@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 from collections.abc import Iterator
@@ -47,7 +48,12 @@ class CollectOptions:
     models: list[Path] = field(default_factory=list, metadata=cli(
         "Model directory, one store each (repeat: checkpoints or models; MODEL_DIR, when given, is the first). With "
         "several, --out is the directory the stores go in, one per model named after its directory.", "--model",
-        "-m", metavar="MODEL_DIR"))
+        "-m", "--checkpoint", metavar="MODEL_DIR"))
+    checkpoints_of: Path | None = field(default=None, metadata=cli(
+        "A training run's output directory: its Trainer checkpoints (checkpoint-N directories, in step order) "
+        "after the --model ones, one store each.", metavar="RUN_DIR"))
+    last: int | None = field(default=None, metadata=cli(
+        "With --checkpoints-of: only its last K checkpoints (default: all).", min=1, metavar="K"))
     store_options: StoreGroup
     data_options: DataOptions
     projection_options: ProjectionOptions
@@ -90,7 +96,7 @@ def run(opts: CollectOptions) -> None:
     models, data = _models_and_data(opts)
     targets = _targets(models, store_opts)
     with phases("load model"):
-        tokenizer = load_tokenizer(models[0])
+        tokenizer = load_tokenizer(model_opts.tokenizer or models[0])
         device = resolve_device(model_opts.device)
         model = load_model(models[0], device, model_opts.model_dtype)
     with phases("read data"):
@@ -115,7 +121,7 @@ def run(opts: CollectOptions) -> None:
         raise CliError(f"the store{'s need' if len(targets) > 1 else ' needs'} about {human_bytes(total)} but "
                        f"{store_opts.out} has {human_bytes(planned.free_bytes)} free: free space, choose another "
                        "--out, store --dtype int8 or a smaller --rank, or pass --force")
-    final = replace(opts, model=None, models=[], data=data,
+    final = replace(opts, model=None, models=[], checkpoints_of=None, last=None, data=data,
                     data_options=replace(data_opts, max_length=max_length),
                     model_options=replace(model_opts, device=device))
     stores = []
@@ -135,15 +141,32 @@ def run(opts: CollectOptions) -> None:
 
 
 def _models_and_data(opts: CollectOptions) -> tuple[list[Path], Path]:
-    """The model directories in order (MODEL_DIR, then each --model) and the data: with --model and one argument,
-    that argument is DATA."""
-    if opts.data is None and opts.model is not None and opts.models:
-        return list(opts.models), opts.model
+    """The model directories in order (MODEL_DIR, then each --model, then the --checkpoints-of ones) and the data:
+    with --model or --checkpoints-of and one argument, that argument is DATA."""
+    if opts.last is not None and opts.checkpoints_of is None:
+        raise CliError("--last K takes the last K checkpoints of --checkpoints-of RUN_DIR: give the run directory")
+    run = run_checkpoints(opts.checkpoints_of, opts.last) if opts.checkpoints_of is not None else []
+    if opts.data is None and opts.model is not None and (opts.models or run):
+        return [*opts.models, *run], opts.model
     if opts.data is None:
         raise CliError("give the model and the data: gradtrace collect MODEL_DIR DATA --out STORE, or gradtrace "
                        "collect --model MODEL_DIR [--model MODEL_DIR_2 ...] DATA --out DIR")
     assert opts.model is not None  # a second argument implies the first
-    return [opts.model, *opts.models], opts.data
+    return [opts.model, *opts.models, *run], opts.data
+
+
+def run_checkpoints(run: Path, last: int | None = None) -> list[Path]:
+    """The Trainer checkpoints of the run output directory ``run`` (its ``checkpoint-N`` directories) in step
+    order; with ``last``, the last ``last`` of them. Each is then checked as a model directory like a --model."""
+    if not run.is_dir():
+        raise CliError(f"--checkpoints-of {run} is not a directory")
+    found = sorted((int(p.name.removeprefix("checkpoint-")), p) for p in run.iterdir()
+                   if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name))
+    if not found:
+        raise CliError(f"--checkpoints-of {run} holds no Trainer checkpoint (checkpoint-N directories): give the "
+                       "run's output_dir, or the checkpoints with --model")
+    paths = [path for _, path in found]
+    return paths[-last:] if last else paths
 
 
 def _targets(models: list[Path], store_opts: StoreGroup) -> list[_Target]:
@@ -172,7 +195,8 @@ def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, fina
     settings = final.store_options.settings
     out, capture_options = target.out, final.projection_options.capture_options()
     values = resolved(replace(final, model=target.model, store_options=replace(final.store_options, out=out)))
-    values.pop("models")
+    for key in ("models", "checkpoints_of", "last"):  # each store records its own model (MODEL_DIR)
+        values.pop(key)
     with phases("gradients"), _interrupt_reported(out):
         store = gradtrace.collect(model, batches, options=capture_options, store=out, store_options=settings,
                                   device=final.model_options.device, progress=progress,

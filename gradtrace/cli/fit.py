@@ -25,7 +25,15 @@ from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
 from .groups import DataOptions, ModelOptions
-from .models import load_model, load_tokenizer, pad_id, recorded_model, resolve_device, resolve_max_length
+from .models import (
+    load_model,
+    load_tokenizer,
+    pad_id,
+    recorded_model,
+    resolve_device,
+    resolve_max_length,
+    tokenizer_dir,
+)
 from .options import Group, cli, progress_flag, resolved
 from .report import Phases, console
 
@@ -159,7 +167,7 @@ def run(opts: FitOptions) -> None:
         projection = projection_from_dict(store.spec.projection, expect=LoGra,
                                           what=f"the gradients of store {store.root}")
         with phases("load model"):
-            tokenizer = load_tokenizer(model_dir)
+            tokenizer = load_tokenizer(tokenizer_dir(model_opts.tokenizer, store, model_dir))
             model = load_model(model_dir, device, model_opts.model_dtype)
         with phases("read data"):
             max_length = resolve_max_length(data_opts.max_length, model)

@@ -25,6 +25,10 @@ class ModelOptions(Group):
         "Device to run the model on: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."))
     model_dtype: Literal["float32", "bfloat16", "float16", "auto"] = field(default="float32", metadata=cli(
         "Precision the model is loaded in (auto: as saved); captured gradients are float32."))
+    tokenizer: Path | None = field(default=None, metadata=cli(
+        "Tokenizer directory (tokenizer.save_pretrained), for model directories without one -- a Trainer's "
+        "checkpoint-N saved without processing_class. Default: the one the store records, else the model's.",
+        metavar="TOKENIZER_DIR"))
 
 
 @dataclass(kw_only=True)

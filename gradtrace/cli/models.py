@@ -13,7 +13,7 @@ from ..common.models import context_limit
 from .errors import CliError
 
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "recorded_model", "resolve_device",
-           "resolve_max_length"]
+           "resolve_max_length", "tokenizer_dir"]
 
 
 def recorded_model(store: Any) -> Path:
@@ -31,6 +31,20 @@ def recorded_model(store: Any) -> Path:
                        "no saved model: save the final model there (trainer.save_model() after train()) or pass "
                        f"--model {recorded}/checkpoint-STEP")
     return Path(recorded)
+
+
+def tokenizer_dir(given: Path | None, store: Any, model_dir: Path) -> Path:
+    """The directory whose tokenizer a command reads text with: ``--tokenizer`` when given, else the one ``store``
+    records (``gradtrace collect --tokenizer``: the same tokenization as its gradients), else the model's."""
+    if given is not None:
+        return given
+    if store is not None:
+        from ..provenance import resolve_paths
+
+        recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("tokenizer")
+        if recorded:
+            return Path(recorded)
+    return model_dir
 
 
 def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Module:

@@ -46,13 +46,15 @@ def _token_strings(dataset: Any, ids: list[str], tokenizer: Any) -> dict[str, li
 
 
 def token_attributions(attributor: Any, queries: Any, query_data: Any, scores: Any, *, store: Any, model_dir: Path,
-                       projection: Any, device: str, model_dtype: str, k: int, progress: bool) -> None:
-    """Record ``scores.meta["tokens"]`` for the top and bottom ``k`` pairs of every query (both sides)."""
+                       projection: Any, device: str, model_dtype: str, k: int, progress: bool,
+                       tokenizer_dir: Path | None = None) -> None:
+    """Record ``scores.meta["tokens"]`` for the top and bottom ``k`` pairs of every query (both sides);
+    ``tokenizer_dir``: where the tokenizer is (default the model's)."""
     import gradtrace
     from gradtrace.score.pairs import pair_rows
 
     data_path, data_opts = recorded_data(store)
-    tokenizer = load_tokenizer(model_dir)
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
     train_data = read_dataset(data_path, tokenizer, data_opts, data_opts.max_length, pad_id(tokenizer),
                               what="training data")
     pairs = pair_rows(scores, k)

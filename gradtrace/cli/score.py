@@ -27,7 +27,15 @@ from .ensemble import EnsembleOptions, check_ensemble, is_ensemble, score_ensemb
 from .errors import CliError
 from .fitted import fitted_methods
 from .groups import DataOptions, GenerateOptions, ModelOptions
-from .models import load_model, load_tokenizer, pad_id, recorded_model, resolve_device, resolve_max_length
+from .models import (
+    load_model,
+    load_tokenizer,
+    pad_id,
+    recorded_model,
+    resolve_device,
+    resolve_max_length,
+    tokenizer_dir,
+)
 from .options import Group, cli, progress_flag, resolved
 from .report import Phases, console
 
@@ -230,12 +238,14 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
 
         with phases("tokens"):  # every rank: the same pairs re-captured, no collective
             token_attributions(attributor, query_sets[0], query_data, scores, store=stores[0], model_dir=models[0],
+                               tokenizer_dir=tokenizer_dir(model_opts.tokenizer, stores[0], models[0]),
                                projection=projection_from_dict(stores[0].spec.projection, expect=LoGra,
                                                                what=f"the gradients of store {stores[0].root}"),
                                device=device, model_dtype=model_opts.model_dtype, k=sc.topk,
                                progress=opts.progress and rank == 0)
+    used = tokenizer_dir(model_opts.tokenizer, stores[0], models[0])  # recorded when not the model's own
     final = replace(opts, model=list(models), data_options=replace(data_opts, max_length=max_length),
-                    model_options=replace(model_opts, device=device))
+                    model_options=replace(model_opts, device=device, tokenizer=None if used == models[0] else used))
     values = resolved(final)
     scores.meta["config"] = {META_KEY: provenance("score", opts.queries, len(scores.query_ids)), **values}
     if dropped:
@@ -318,7 +328,7 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
     projections = [projection_from_dict(s.spec.projection, expect=LoGra, what=f"the gradients of store {s.root}")
                    for s in stores]
     with phases("read queries"):
-        tokenizer = load_tokenizer(models[0])
+        tokenizer = load_tokenizer(tokenizer_dir(opts.model_options.tokenizer, stores[0], models[0]))
     query_sets, max_length, batches = [], None, None
     for store, model_dir, projection in zip(stores, models, projections):
         with phases("load model"):

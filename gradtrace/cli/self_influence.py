@@ -85,9 +85,9 @@ def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
     path = opts.data or (Path(recorded["data"]) if recorded.get("data") else None)
     if path is None or not path.exists():
         return {}
-    tokenizer = None
-    if recorded.get("model") and Path(recorded["model"]).exists():
-        tokenizer = load_tokenizer(Path(recorded["model"]))
+    tokenizer, source = None, recorded.get("tokenizer") or recorded.get("model")  # as collect tokenized it
+    if source and Path(source).exists():
+        tokenizer = load_tokenizer(Path(source))
     return dataset_texts(path, tokenizer, recorded, text_field=recorded.get("text_field") or "text",
                          id_field=recorded.get("id_field") or "id", what="data")
 

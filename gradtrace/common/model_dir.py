@@ -71,7 +71,8 @@ def load_tokenizer(path: Path) -> Any:
     if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise UsageError(f"model directory {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES[:2])}, ...); "
                          "save one there with tokenizer.save_pretrained() (a Trainer saves it in every "
-                         "checkpoint-N when given processing_class=tokenizer)")
+                         "checkpoint-N when given processing_class=tokenizer), or pass --tokenizer DIR on the command "
+                         "line")
     from transformers import AutoTokenizer
 
     try:

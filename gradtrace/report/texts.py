@@ -74,7 +74,7 @@ def _source(config: dict[str, Any], key: str) -> DataSource | None:
     path = config.get(key)
     if not path:
         return None
-    model = _first(config.get("model"))
+    model = config.get("tokenizer") or _first(config.get("model"))  # the directory the command tokenized with
     return DataSource(Path(path), config.get("text_field") or "text", config.get("id_field") or "id",
                       Path(model) if model else None, config.get("max_length"), config)
 

@@ -83,3 +83,40 @@ def test_resume_and_refusals_apply_per_store(ws, runner, fresh):
     # a single --model is today's command: --out is the store
     invoke(runner, "collect", "--model", ws.model, ws.train, "--out", fresh / "one", *COLLECT)
     assert gradtrace.GradientStore.open(fresh / "one").complete
+
+
+def test_checkpoints_of_a_run_directory_in_step_order(ws, runner, fresh):
+    """--checkpoints-of RUN_DIR takes its checkpoint-N directories in step order (10 before 100, not by name),
+    --last K the last K; --checkpoint is --model by its other name."""
+    run = fresh / "run"
+    for step, source in ((5, ws.model), (10, ws.model2), (100, ws.model)):
+        shutil.copytree(source, run / f"checkpoint-{step}")
+    (run / "checkpoint-final").mkdir()  # not a checkpoint-N directory: ignored, as a file would be
+    (run / "trainer_state.json").write_text("{}")
+    result = invoke(runner, "collect", "--checkpoints-of", run, "--last", 2, ws.train, "--out", fresh / "stores",
+                    "--dry-run", *COLLECT)
+    assert "2 stores x" in flat(result.output)
+    invoke(runner, "collect", "--checkpoint", run / "checkpoint-5", "--checkpoints-of", run, "--last", 2, ws.train,
+           "--out", fresh / "stores", *COLLECT)
+    assert sorted(p.name for p in (fresh / "stores").iterdir()) == ["checkpoint-10", "checkpoint-100", "checkpoint-5"]
+    for name in ("checkpoint-10", "checkpoint-100"):
+        recorded = yaml_config(fresh / "stores" / name)
+        assert (fresh / "stores" / name / recorded["model"]).resolve() == (run / name).resolve()
+        assert "checkpoints_of" not in recorded and "last" not in recorded  # each store records its own model
+    assert "--last K takes the last K checkpoints of --checkpoints-of" in error_line(
+        invoke(runner, "collect", "--model", run / "checkpoint-5", "--last", 1, ws.train, "--out", fresh / "x",
+               *COLLECT, code=2))
+    (fresh / "empty").mkdir()
+    assert "holds no Trainer checkpoint" in error_line(
+        invoke(runner, "collect", "--checkpoints-of", fresh / "empty", ws.train, "--out", fresh / "x", *COLLECT,
+               code=2))
+    # checkpoint-N directories that are not models (here: stores named after checkpoints) are refused, not skipped
+    assert "is not a Hugging Face model directory" in error_line(
+        invoke(runner, "collect", "--checkpoints-of", fresh / "stores", ws.train, "--out", fresh / "x", *COLLECT,
+               code=2))
+
+
+def yaml_config(store):
+    import yaml
+
+    return yaml.safe_load((store / "gradtrace-collect.yaml").read_text())
