@@ -17,12 +17,15 @@ set at scoring).
 ``trackstar`` needs Adam's second moment: one Adam step per batch over the data is taken before collecting
 (not timed), and its ``fit`` reads that state. ``trackstar`` alone runs on exact gradients without
 preconditioning; ``trackstar+autocorrelation`` on LoGra rank 32 gradients with TrackStar's own ``R`` (the paper's
-setting); ``trackstar+ekfac`` on exact gradients with an EK-FAC fitted inside (empirical Fisher, as ``ekfac``).
+setting); ``trackstar+autocorrelation-parameter`` the same with ``R`` one block per parameter
+(``structure="parameter"``); ``trackstar+ekfac`` on exact gradients with an EK-FAC fitted inside (empirical Fisher,
+as ``ekfac``).
 
     python bench/curvature.py
     python bench/curvature.py --methods arnoldi cg trak --sizes 64x1024,128x1024,256x256,256x1024
     python bench/curvature.py --methods trak trak+dual --sizes 64x1024,128x1024,256x256,256x1024
     python bench/curvature.py --methods trackstar trackstar+autocorrelation trackstar+ekfac
+    python bench/curvature.py --methods trackstar+autocorrelation trackstar+autocorrelation-parameter
 """
 
 from __future__ import annotations
@@ -66,13 +69,15 @@ def _measure(method: str, width: int, n: int) -> tuple[float, float, int]:
     model, data, queries = _setup(width, n)
     name, _, precondition = method.partition("+")
     fit_options = {"optimizer": _adam(model, data)} if name == "trackstar" else {}
-    projected = name in ("logra", "trak") or precondition == "autocorrelation"
+    projected = name in ("logra", "trak") or precondition.startswith("autocorrelation")
     projection = gradtrace.LoGra(rank=32) if projected else None
     train = gradtrace.collect(model, data, classification_loss, projection=projection)
     q = gradtrace.collect(model, queries, classification_loss, projection=projection)
     if name == "trackstar":
         options = {"precondition": precondition or None}
-        if precondition not in ("", "autocorrelation"):
+        if precondition == "autocorrelation-parameter":
+            options = {"precondition": "autocorrelation", "structure": "parameter"}
+        elif precondition not in ("", "autocorrelation"):
             options["precondition_options"] = {"fisher": "empirical"}
     elif name == "trak":  # "trak": the D x D kernel (the rows published first); "trak+dual": the N x N Gram matrix
         options = {"mode": precondition or "primal"}
@@ -99,13 +104,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# {platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} threads; MLP "
           "width->width->width->10, batch 64, 64 queries, fp32")
-    print(f"{'method':<26}{'width':>7}{'N':>7}{'dim':>10}{'fit s':>9}{'score s':>9}{'fit us/example':>16}")
+    print(f"{'method':<36}{'width':>7}{'N':>7}{'dim':>10}{'fit s':>9}{'score s':>9}{'fit us/example':>16}")
     for method in args.methods:
         sizes = ([tuple(int(v) for v in item.split("x")) for item in args.sizes.split(",")] if args.sizes
                  else SIZES)
         for width, n in sizes:
             fit, score, dim = _measure(method, width, n)
-            print(f"{method:<26}{width:>7}{n:>7}{dim:>10,}{fit:>9.2f}{score:>9.2f}{fit / n * 1e6:>16.0f}", flush=True)
+            print(f"{method:<36}{width:>7}{n:>7}{dim:>10,}{fit:>9.2f}{score:>9.2f}{fit / n * 1e6:>16.0f}", flush=True)
 
 
 if __name__ == "__main__":
