@@ -1,5 +1,7 @@
 """``gradtrace self-influence STORE``: the training examples with the highest self-influence (each example scored
-against itself), likely mislabeled or outlying, with their ids and texts."""
+against itself), likely mislabeled or outlying, with their ids and texts. Further ``--store`` s (checkpoints of one
+run, or other models, over the same examples) make an ensemble (:meth:`gradtrace.Ensemble.self_scores`): each
+member's self-influence divided by its mean absolute value, combined with ``--ensemble-weights``."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from .ensemble import EnsembleOptions, check_ensemble
 from .errors import CliError
 from .fitted import load_fitted
 from .options import cli
@@ -39,6 +42,10 @@ class SelfInfluenceOptions:
     data: Path | None = field(default=None, metadata=cli(
         "Training data to show texts from (default: the data the store records, when it exists)."))
     width: int = field(default=70, metadata=cli("Characters of text shown per example.", min=10))
+    member_stores: list[Path] = field(default_factory=list, metadata=cli(
+        "Another store of the same examples, one per further checkpoint or model (repeat): an ensemble.",
+        "--store", metavar="STORE"))
+    ensemble_options: EnsembleOptions
 
 
 OPTIONS = SelfInfluenceOptions
@@ -56,13 +63,26 @@ def run(opts: SelfInfluenceOptions) -> None:
         raise CliError(f"--out {opts.out}: write a .csv or .json file")
     if not (opts.store / "manifest.json").exists():
         raise CliError(f"{opts.store} holds no gradient store (no manifest.json); write one with gradtrace collect")
-    store = GradientStore.open(opts.store)
-    fitted = load_fitted(opts.method, opts.curvature, [], opts.store, damping=opts.damping)  # gradtrace.cli.fitted
+    paths = [opts.store, *opts.member_stores]
+    for path in opts.member_stores:
+        if not (path / "manifest.json").exists():
+            raise CliError(f"--store {path} holds no gradient store (no manifest.json); write one with gradtrace "
+                           "collect")
+    ens = opts.ensemble_options
+    check_ensemble(opts.method, ens, len(paths), curvature=opts.curvature, index=None, tokens=False, world=1)
+    stores = [GradientStore.open(path) for path in paths]
+    fitted = load_fitted(opts.method, opts.curvature, list(ens.member_curvature), opts.store,
+                         damping=opts.damping)  # gradtrace.cli.fitted
+    method = fitted if fitted else opts.method
     try:
-        scores = gradtrace.Attributor(fitted[0] if fitted else opts.method, store).self_scores(
-            normalize=opts.normalize)
-    except ValueError as err:
+        if len(stores) > 1:  # members matched by id; scores in STORE's order
+            attributor = gradtrace.Ensemble(method, stores, weights=ens.ensemble_weights or None)
+        else:
+            attributor = gradtrace.Attributor(method[0] if fitted else method, stores[0])
+        scores = attributor.self_scores(normalize=opts.normalize)
+    except ValueError as err:  # EnsembleError, a store without num_targets for --normalize length, ...
         raise CliError(str(err)) from None
+    store = stores[0]
     order = scores.argsort(descending=True).tolist()
     counts = store.field("num_targets")
     rows = [{"rank": r + 1, "id": store.ids[i], "self_influence": float(scores[i]), "num_targets": counts[i]}
@@ -107,7 +127,9 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> None:
 def _print(opts: SelfInfluenceOptions, rows: list[dict[str, Any]], total: int) -> None:
     out = console()
     kind = "mean loss per target token" if opts.normalize == "length" else "summed loss"
-    out.print(f"Highest self-influence ({opts.method}, {kind}) of {total:,} training examples in {opts.store}:",
+    members = len(opts.member_stores) + 1
+    where = f"{opts.store}" if members == 1 else f"{opts.store} and {members - 1} more store(s), an ensemble"
+    out.print(f"Highest self-influence ({opts.method}, {kind}) of {total:,} training examples in {where}:",
               markup=False, highlight=False)
     for row in rows:
         text = row.get("text")

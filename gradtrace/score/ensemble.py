@@ -376,6 +376,24 @@ class Ensemble:
                                    "member_options": [m.method.options() for m in self.members]}
         return scores
 
+    def self_scores(self, normalize: str = "none") -> Tensor:
+        """``[N]`` self-influence of every training example, combined over the members as scores are:
+        ``sum_c w_c s_c[i] / m_c`` with ``s_c`` member ``c``'s own :meth:`Attributor.self_scores` and ``m_c`` their
+        mean absolute value (``normalize=False`` at construction: unnormalised), in member 0's id order.
+        ``normalize``: as :meth:`Attributor.self_scores` (``"length"``: per target token)."""
+        total = torch.zeros(len(self.train_ids), dtype=torch.float64)
+        for c, (member, weight) in enumerate(zip(self.members, self.weights)):
+            own = member.self_scores(normalize=normalize).to(torch.float64)
+            aligned = self.engine.train[c]
+            if isinstance(aligned, _Aligned):  # this member's store holds the ids in another order
+                own = own[aligned.order]
+            scale = float(own.abs().mean()) if self.normalize else 1.0
+            if scale == 0:
+                raise EnsembleError(f"member {c}'s self-influence is zero for every example, so it cannot be "
+                                    "normalised; check its gradients (or pass normalize=False)")
+            total += weight / scale * own
+        return total.to(torch.float32)
+
     def _scales(self, prepared: list[Tensor], query_ids: Sequence[str]) -> list[float]:
         """``m_c``: the mean absolute score of every member, from one streamed pass (float64 sums)."""
         engine, name = self.engine, self.method.name

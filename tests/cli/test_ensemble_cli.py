@@ -30,14 +30,20 @@ def test_ensemble_is_the_weighted_sum_of_normalized_member_scores(ws, runner, st
     torch.testing.assert_close(ens.matrix, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
-def test_ensemble_of_a_curvature_method_takes_a_curvature_per_member(ws, runner, store, fresh):
+def _kfac_members(ws, runner, store, fresh):
+    """A second member (ws.model2's store) and each member's kfac fit: ``(store2, [fit of store, fit of store2])``."""
     store2 = fresh / "store2"
     invoke(runner, "collect", ws.model2, ws.train, "--out", store2, "--rank", 4, "--batch-size", 5, "--no-progress")
-    curvatures = []
+    fits = []
     for name, model_dir, source in (("c1", ws.model, store), ("c2", ws.model2, store2)):
         invoke(runner, "fit", source, ws.train, "--model", model_dir, "--method", "kfac", "--fisher", "empirical",
                "--out", fresh / name, "--no-progress")
-        curvatures.append(fresh / name)
+        fits.append(fresh / name)
+    return store2, fits
+
+
+def test_ensemble_of_a_curvature_method_takes_a_curvature_per_member(ws, runner, store, fresh):
+    store2, curvatures = _kfac_members(ws, runner, store, fresh)
     result = invoke(runner, "score", store, ws.queries, "--method", "kfac", "--store", store2, "--model", ws.model,
                     "--model", ws.model2, "--curvature", curvatures[0], "--out", fresh / "bad", "--no-progress", code=2)
     assert "--member-curvature" in " ".join(result.output.split())
@@ -88,3 +94,29 @@ def test_an_ensembles_resolved_config_replays_it_from_anywhere(ws, runner, store
     assert again.meta["ensemble"]["members"] == 2
     # the same computation repeated: equal to float32 round-off of the products (rtol as the tests above)
     torch.testing.assert_close(again.matrix, first.matrix, rtol=1e-4, atol=1e-4 * float(first.matrix.abs().max()))
+
+
+def test_self_influence_of_an_ensemble_is_the_weighted_sum_of_normalized_members(ws, runner, store, fresh):
+    import json
+
+    store2, fits = _kfac_members(ws, runner, store, fresh)
+
+    def self_influence(path, *args):
+        invoke(runner, "self-influence", *args, "--out", path)
+        return {r["id"]: r["self_influence"] for r in json.loads(path.read_text())}
+
+    members = [self_influence(fresh / f"m{c}.json", source, "--method", "kfac", "--fit", fit)
+               for c, (source, fit) in enumerate(zip((store, store2), fits))]
+    got = self_influence(fresh / "ens.json", store, "--store", store2, "--method", "kfac", "--fit", fits[0],
+                         "--member-fit", fits[1], "--ensemble-weights", 3, "--ensemble-weights", 1)
+    ids = sorted(got)
+    scales = [sum(abs(v) for v in m.values()) / len(m) for m in members]
+    want = torch.tensor([0.75 * members[0][i] / scales[0] + 0.25 * members[1][i] / scales[1] for i in ids])
+    # each member's self-influence computed twice (alone, in the ensemble) in float32: the ensemble test's bound
+    torch.testing.assert_close(torch.tensor([got[i] for i in ids]), want, rtol=1e-4,
+                               atol=1e-4 * float(want.abs().max()))
+    listed = " ".join(invoke(runner, "self-influence", store, "--store", store2, "--method", "kfac", "--fit",
+                             fits[0], "--member-fit", fits[1]).output.split())
+    assert "and 1 more store(s), an ensemble" in listed
+    result = invoke(runner, "self-influence", store, "--store", store2, "--method", "kfac", "--fit", fits[0], code=2)
+    assert "one --member-curvature per further --store" in " ".join(result.output.split())

@@ -132,6 +132,36 @@ def test_ensemble_equals_the_normalised_weighted_sum(method, projection, options
         assert top.ids == [[kept.train_ids[j] for j in row] for row in index.tolist()]
 
 
+@pytest.mark.parametrize("method", ["grad_dot", "kfac", "trak"])
+def test_ensemble_self_influence_is_the_normalised_weighted_sum_of_the_members(method):
+    """``Ensemble.self_scores``: each member's own self-influence, divided by its mean absolute value, weighted,
+    in member 0's id order (member 1's store holds the rows reversed)."""
+    projection = gradtrace.LoGra(rank=2, seed=1) if method == "trak" else None
+    models, batches, trains, qsets, singles = _members(method, projection)
+    ensemble = gradtrace.Ensemble(method, trains, weights=[1.0, 0.4, 0.6], block_rows=4)
+    ensemble.fit(None, batches, classification_loss, models=models)
+    got = ensemble.self_scores().double()
+    order = list(trains[0].ids)
+    want, bound, plain_want, plain_bound = 0, 0, 0, 0
+    for single, train, weight in zip(singles, trains, [0.5, 0.2, 0.3]):
+        where = {ident: row for row, ident in enumerate(train.ids)}
+        rows = [where[i] for i in order]
+        own = single.self_scores().double()[rows]
+        # each self-score q'_i . g'_i is a float32 product of length D, computed in both paths:
+        # gamma_D |q'_i| |g'_i| each (Higham), then the float64 combination and one float32 rounding
+        q = single.method.prepare_queries(train.vectors).double()[rows]
+        g = single.method.prepare_train(train.vectors).double()[rows]
+        error = 2 * train.dim * EPS * q.norm(dim=1) * g.norm(dim=1) + EPS * own.abs()
+        factor = weight / float(own.abs().mean())
+        want, bound = want + factor * own, bound + factor * error
+        plain_want, plain_bound = plain_want + own / 3, plain_bound + error / 3
+    gap = (got - want).abs()
+    assert bool((gap <= 2 * bound).all()), f"{float(gap.max()):.3g} > {float(bound[gap.argmax()]):.3g}"
+    plain = gradtrace.Ensemble(method, trains, normalize=False, block_rows=4)
+    plain.fit(None, batches, classification_loss, models=models)
+    assert bool(((plain.self_scores().double() - plain_want).abs() <= 2 * plain_bound).all())
+
+
 def test_weights_scale_and_unnormalised_sum():
     models, batches, trains, qsets, singles = _members("grad_dot")
     plain = gradtrace.Ensemble("grad_dot", trains, weights=[2, 0, 2], normalize=False).score(qsets, matrix=True)
