@@ -72,10 +72,11 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
         from ..score import Scores
 
         scores = Scores.load(path)
+        combines = {"combines": scores.combination} if scores.combination else {}  # several stores: how
         return {"kind": "scores", "path": str(path), "method": scores.method, "queries": len(scores.query_ids),
                 "train": len(scores.train_ids), "matrix": scores.matrix is not None,
                 "top_k": int(scores.top[0].shape[1]) if scores.top is not None else None,
-                "bottom_k": int(scores.bottom[0].shape[1]) if scores.bottom is not None else None,
+                "bottom_k": int(scores.bottom[0].shape[1]) if scores.bottom is not None else None, **combines,
                 "meta": scores.meta, "environment": _environment_of(path / "scores.json")}
     if (path / "curvature.json").exists():
         from ..curvature import Curvature
@@ -157,6 +158,8 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
         rows = [("method", info["method"]),
                 ("shape", f"{info['queries']:,} queries x {info['train']:,} training examples"),
                 ("kept", ", ".join(k for k in kept if k)), ("sign", str(meta.pop("sign", "")))]
+        if info.get("combines"):
+            rows.append(("combines", info["combines"]))
         spec = meta.pop("spec", {}) or {}
         if spec:
             rows.append(("projection", projection_label(spec.get("projection"))))

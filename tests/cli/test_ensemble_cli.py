@@ -26,6 +26,8 @@ def test_ensemble_is_the_weighted_sum_of_normalized_member_scores(ws, runner, st
     listed = " ".join(invoke(runner, "topk", fresh / "ens", "--k", 1).output.split())
     assert ("Combines: ensemble of 2 members (weights 0.75, 0.25; each member's scores divided by their mean "
             "|score|).") in listed
+    shown = " ".join(invoke(runner, "inspect", fresh / "ens").output.split())
+    assert "combines ensemble of 2 members (weights 0.75, 0.25;" in shown
     want = 0.75 * _normalized(one) + 0.25 * _normalized(two)
     torch.testing.assert_close(ens.matrix, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
