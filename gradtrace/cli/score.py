@@ -209,10 +209,11 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         fitted = fitted_methods(sc, store_paths[0], opts.ensemble_options)  # gradtrace.cli.fitted
         index = _open_index(sc, stores[0], multi or ensemble, world)
         models = _models(opts.model, stores)
+        text_with = tokenizer_dir(model_opts.tokenizer, stores[0], models[0])  # --tokenizer, recorded, or the model's
         if not _preflight(opts, stores, device, phases, rank):  # gradtrace.cli.preflight
             return
-        query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, device, phases,
-                                                                       opts.progress and rank == 0)
+        query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, text_with,
+                                                                       device, phases, opts.progress and rank == 0)
     with phases("score"):
         matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
         if ensemble:  # several stores of a single-checkpoint method: one member each (gradtrace.cli.ensemble)
@@ -238,14 +239,14 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
 
         with phases("tokens"):  # every rank: the same pairs re-captured, no collective
             token_attributions(attributor, query_sets[0], query_data, scores, store=stores[0], model_dir=models[0],
-                               tokenizer_dir=tokenizer_dir(model_opts.tokenizer, stores[0], models[0]),
+                               tokenizer_dir=text_with,
                                projection=projection_from_dict(stores[0].spec.projection, expect=LoGra,
                                                                what=f"the gradients of store {stores[0].root}"),
                                device=device, model_dtype=model_opts.model_dtype, k=sc.topk,
                                progress=opts.progress and rank == 0)
-    used = tokenizer_dir(model_opts.tokenizer, stores[0], models[0])  # recorded when not the model's own
     final = replace(opts, model=list(models), data_options=replace(data_opts, max_length=max_length),
-                    model_options=replace(model_opts, device=device, tokenizer=None if used == models[0] else used))
+                    model_options=replace(model_opts, device=device,  # recorded when not the model's own
+                                          tokenizer=None if text_with == models[0] else text_with))
     values = resolved(final)
     scores.meta["config"] = {META_KEY: provenance("score", opts.queries, len(scores.query_ids)), **values}
     if dropped:
@@ -313,13 +314,13 @@ def _preflight(opts: ScoreOptions, stores: list[Any], device: str, phases: Phase
     return True
 
 
-def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], device: str,
+def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], text_with: Path, device: str,
                      phases: Phases, progress: bool
                      ) -> tuple[list[Any], int | None, list[str], dict[str, str] | None, Any]:
     """The queries' gradients at every checkpoint, each with its store's projection; the resolved
     ``--max-length``; the ids of the queries left out for NaN/inf gradients (an error unless
     ``--allow-partial``); with --generate, the first model's answer to each query by id; the tokenized queries.
-    The queries are tokenized (and answered) once, with the first model's tokenizer; with --tokens their
+    The queries are tokenized (and answered) once, with the tokenizer in ``text_with``; with --tokens their
     gradients keep their token-level factors."""
     import gradtrace
     from gradtrace.collect import NonFiniteError
@@ -328,7 +329,7 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
     projections = [projection_from_dict(s.spec.projection, expect=LoGra, what=f"the gradients of store {s.root}")
                    for s in stores]
     with phases("read queries"):
-        tokenizer = load_tokenizer(tokenizer_dir(opts.model_options.tokenizer, stores[0], models[0]))
+        tokenizer = load_tokenizer(text_with)
     query_sets, max_length, batches = [], None, None
     for store, model_dir, projection in zip(stores, models, projections):
         with phases("load model"):
