@@ -35,4 +35,4 @@ top = scores.topk(3)
 for rank, (train_id, value) in enumerate(zip(top.ids[0], top.values[0].tolist()), start=1):
     text = next(d["text"] for d in docs if d["id"] == train_id)
     print(f"{rank}. {value:+.3f}  {train_id:<28} {text[:60]}")
-scores.save("runs/api-scores")
+scores.save("runs/api-scores", overwrite=True)  # a re-run replaces its own scores

@@ -30,10 +30,11 @@ def fail(message: str, exit_code: int = BAD_INPUT_EXIT) -> typer.Exit:
 def _input_errors() -> tuple[type[BaseException], ...]:
     from ..methods import MissingStage
     from ..store.layout import StoreError
+    from ..store.locking import LockedError
     from ..store.spec import SpecMismatch
 
-    return (StoreError, SpecMismatch, MissingStage, ValueError, KeyError, FileNotFoundError, NotADirectoryError,
-            IsADirectoryError, PermissionError)
+    return (StoreError, LockedError, SpecMismatch, MissingStage, ValueError, KeyError, FileNotFoundError,
+            NotADirectoryError, IsADirectoryError, PermissionError)
 
 
 @contextmanager

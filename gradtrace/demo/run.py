@@ -133,7 +133,7 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
             say(f"  {rank_i}. {value:+.3f}  {tid:<32} {_snippet(texts[tid])}{mark}")
     recall = hits / len(PLANTED)
     scores_dir = out / "scores"
-    scores.save(scores_dir)
+    scores.save(scores_dir, overwrite=True)  # each run rebuilds the demo folder (its store too)
     scores.export(scores_dir / "top.csv", k=topk)
     report_started = time.perf_counter()  # self-influence: |g|^2 (grad_dot), since every cosine with itself is 1
     report = scores.to_html(out / "report.html", texts=texts, queries=dict(zip(queries.ids, queries.texts or [])),

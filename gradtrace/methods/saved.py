@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..store.artifact import read_artifact, write_artifact
+from ..store.artifact import ArtifactExists, read_artifact, write_artifact
+from ..store.locking import directory_lock
 from ..store.spec import GradientSpec
 from .base import Method, available_methods, method_class
 
@@ -58,11 +59,12 @@ def is_saved_fit(path: str | Path) -> bool:
     return (Path(path) / f"{STEM}.json").is_file()
 
 
-def save_fit(method: Any, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
+def save_fit(method: Any, path: str | Path, meta: dict[str, Any] | None = None, *, overwrite: bool = False) -> Path:
     """Save the fitted state of ``method`` (a :class:`Method` or an :class:`~gradtrace.Attributor`) in directory
     ``path``; returns ``path``. Written atomically: a failed save leaves a previous fit there intact -- except that
     trackstar's curvature preconditioner is written first, into ``path/precondition``: a save failing after it
-    leaves the previous fit refused on load (the preconditioner's checksum no longer matches), never mixed.
+    leaves the previous fit refused on load (the preconditioner's checksum no longer matches), never mixed. A fit
+    already saved in ``path`` is replaced only with ``overwrite``; the save holds the directory's write lock.
 
     Raises :class:`MissingStage` when the method has not been fitted, and :class:`TypeError` for a method whose
     state lives elsewhere (a curvature method: ``attr.method.curvature.save(path)``) or that has none.
@@ -75,9 +77,13 @@ def save_fit(method: Any, path: str | Path, meta: dict[str, Any] | None = None) 
                 "it has no fitted state to save")
         raise TypeError(f"method {method.name!r} is not saved with save_fit(): {hint}")
     method.check_ready()
-    fields, tensors = method.fit_state(Path(path))
-    info = {"method": method.name, **fields, "meta": dict(meta or {})}
-    write_artifact(path, STEM, FORMAT, VERSION, info, tensors)
+    with directory_lock(path, "a method fit"):
+        if not overwrite and (Path(path) / f"{STEM}.json").exists():
+            raise ArtifactExists(f"{path} already holds a saved method fit: pass overwrite=True (--overwrite) to "
+                                 "replace it")
+        fields, tensors = method.fit_state(Path(path))
+        info = {"method": method.name, **fields, "meta": dict(meta or {})}
+        write_artifact(path, STEM, FORMAT, VERSION, info, tensors, what="method fit")
     return Path(path)
 
 

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..common.checkpoints import saved_optimizer_parameter_names
+from ..common.checks import at_least, count
 from ..common.units import human_bytes
 from ..curvature.curvature import CurvatureError
 from ..projection.logra import LoGra
@@ -141,11 +142,11 @@ def _save_preconditioner(method: Method, directory: Path) -> dict[str, Any]:
 
     curvature = getattr(method, "curvature", None)
     if "curvature" in method.needs and curvature is not None:
-        curvature.save(directory)
+        curvature.save(directory, overwrite=True)  # part of the fit being saved (its overwrite was checked)
         manifest = directory / "curvature.json"
         settings = {"damping": method.damping, "damping_mode": method.damping_mode}
     elif saves_fit(method):
-        save_fit(method, directory)
+        save_fit(method, directory, overwrite=True)
         manifest, settings = directory / "fit.json", {}
     else:
         raise TypeError(f"trackstar: a {method.name!r} preconditioner cannot be saved (its state is neither a "
@@ -212,8 +213,10 @@ class TrackStar(Method):
     def __init__(self, eps: float | None = None, precondition: str | Method | None = None, damping: float = 0.1,
                  precondition_options: dict[str, Any] | None = None, max_dim: int = 32768,
                  structure: str = "joint") -> None:
-        if damping < 0:
-            raise ValueError("trackstar: damping must be >= 0")
+        at_least(damping, "trackstar damping", 0)
+        count(max_dim, "trackstar max_dim")
+        if eps is not None:  # Adam's: added to sqrt(v_hat), which may be 0 (torch.optim.Adam takes eps >= 0 too)
+            at_least(eps, "trackstar eps", 0)
         if structure not in STRUCTURES:
             raise ValueError(f"trackstar: structure must be one of {', '.join(STRUCTURES)}, got {structure!r}")
         if structure != "joint" and precondition != "autocorrelation":

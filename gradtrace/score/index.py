@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..store.artifact import atomic_write_json
+from ..store.artifact import (
+    ArtifactError,
+    ArtifactExists,
+    UncheckedArtifactWarning,
+    artifact_file,
+    artifact_kind,
+    read_artifact,
+    refuse_inside_artifact,
+    write_artifact,
+)
 from ..store.fingerprint import fingerprint_difference, store_fingerprint
 from ..store.layout import StoreError
-from .row_norms import NORMS_FILE, block_norms, read_row_norms, store_row_norms, write_row_norms
+from .row_norms import NORMS_FILE, block_norms, read_row_norms, store_row_norms
 
 __all__ = [
     "INDEX_FORMAT",
@@ -61,10 +70,33 @@ __all__ = [
 ]
 
 INDEX_FORMAT = "gradtrace-index"
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+"""2: one checksummed artifact (manifest, FAISS data and row norms under content-addressed names)."""
+_LEGACY_VERSION = 1
+"""Indexes saved before checksums: ``index.json``, ``index.faiss`` and ``row_norms.npy`` (loaded with a warning)."""
 KINDS = ("flat", "ivfpq")
+_STEM = "index"
 _META = "index.json"
 _DATA = "index.faiss"
+"""The FAISS file of a version-1 index."""
+
+
+def _faiss_layout(faiss_index: Any) -> dict[str, Any]:
+    """What a FAISS index is: ``{"kind", "metric"}``, and for IVF-PQ ``nlist``, ``m``, ``nbits``, ``fast_scan``."""
+    faiss = _faiss()
+    layout: dict[str, Any] = {"metric": int(faiss_index.metric_type)}
+    if isinstance(faiss_index, faiss.IndexFlat):
+        return {"kind": "flat", **layout}
+    try:
+        ivf = faiss.extract_index_ivf(faiss_index)
+    except RuntimeError:
+        return {"kind": type(faiss_index).__name__, **layout}
+    ivf = faiss.downcast_index(ivf)
+    pq = getattr(ivf, "pq", None)
+    if pq is None:
+        return {"kind": type(ivf).__name__, **layout}
+    return {"kind": "ivfpq", **layout, "nlist": int(ivf.nlist), "m": int(pq.M), "nbits": int(pq.nbits),
+            "fast_scan": isinstance(ivf, faiss.IndexIVFPQFastScan)}
 
 
 class IndexMismatch(StoreError):
@@ -207,9 +239,7 @@ class Index:
         norms = store_row_norms(store, block_rows, progress)
         self.row_norms = norms
         if self.path is not None:
-            info = json.loads((self.path / _META).read_text())
-            info["row_norms"] = write_row_norms(self.path, norms)
-            atomic_write_json(self.path / _META, info)
+            self.save(self.path, overwrite=True)
         return norms
 
     def search(self, query_vectors: Tensor, r: int, *, nprobe: int | None = None) -> tuple[Tensor, Tensor]:
@@ -247,84 +277,127 @@ class Index:
 
     # -- persistence -------------------------------------------------------------------------------
     def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
-        """Write ``path/index.faiss``, ``path/row_norms.npy`` (when the index has norms) then ``path/index.json``
-        (each atomically; the JSON last, so a directory with ``index.json`` always holds a whole index). An
-        existing index is replaced only with ``overwrite``."""
+        """Save the index in directory ``path`` as one artifact (:func:`gradtrace.store.artifact.write_artifact`):
+        ``index.json`` (parameters, the store's fingerprint, and the size and checksum of every file),
+        ``index-faiss-<hash>.faiss`` (the FAISS data) and ``index-<hash>.safetensors`` (the row norms, when the
+        index has them). Every file is written under a temporary name and the manifest is replaced last, in one
+        rename, under the directory's write lock: a save that fails or is killed at any point leaves the previous
+        index whole, and it loads and searches as before. An existing index is replaced only with ``overwrite``;
+        a directory that is a gradient store or another artifact, or lies inside one, is refused."""
         faiss = _faiss()
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise IndexMismatch(f"{path} exists and is not a directory")
-        if (path / "manifest.json").exists():
+        kind = artifact_kind(path) if path.is_dir() else None
+        if kind == "a gradient store":
             raise IndexMismatch(f"{path} is a gradient store; save the index in another directory")
-        if (path / _META).exists() and not overwrite:
-            raise IndexMismatch(f"{path} already holds an index: pass overwrite=True (--overwrite) to replace it")
-        path.mkdir(parents=True, exist_ok=True)
-        tmp = path / f".tmp-{_DATA}"
+        if kind not in (None, "an index"):
+            raise IndexMismatch(f"{path} holds {kind}; save the index in another directory")
         try:
-            faiss.write_index(self.faiss_index, str(tmp))
-            os.replace(tmp, path / _DATA)
-        finally:
-            tmp.unlink(missing_ok=True)
-        info = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "params": asdict(self.params), "rows": len(self),
-                "dim": self.dim, "metric": "inner_product", "fingerprint": self.fingerprint, "meta": self.meta}
-        if self.row_norms is not None:
-            info["row_norms"] = write_row_norms(path, self.row_norms)
-        atomic_write_json(path / _META, info)
-        if self.row_norms is None:
-            (path / NORMS_FILE).unlink(missing_ok=True)  # a replaced index's norms, no longer recorded
+            refuse_inside_artifact(path, "the index directory")
+        except ArtifactError as err:
+            raise IndexMismatch(str(err)) from None
+        info = {"kind": self.params.kind, "params": asdict(self.params), "rows": len(self), "dim": self.dim,
+                "metric": "inner_product", "fingerprint": self.fingerprint, "meta": self.meta}
+        tensors = {} if self.row_norms is None else {"row_norms": self.row_norms.detach().to("cpu", torch.float32)}
+        files = {"faiss": (".faiss", lambda tmp: faiss.write_index(self.faiss_index, str(tmp)))}
+        try:
+            write_artifact(path, _STEM, INDEX_FORMAT, INDEX_VERSION, info, tensors, files=files, overwrite=overwrite,
+                           what="an index", legacy_files=(_DATA, NORMS_FILE))
+        except ArtifactExists:
+            raise IndexMismatch(f"{path} already holds an index: pass overwrite=True (--overwrite) to replace "
+                                "it") from None
         self.path = path
         return path
 
     @classmethod
     def load(cls, path: str | Path, *, row_norms: bool = True) -> Index:
-        """Open an index saved by :meth:`save` (:class:`IndexMismatch` when it is not one or is damaged, its row
-        norms included; an index saved before norms were recorded loads with ``row_norms=None``).
-        ``row_norms=False`` leaves the saved norms unread (``row_norms=None``): to rewrite damaged ones."""
+        """Open an index saved by :meth:`save`, verified: the manifest's checksum, the size and checksum of the
+        FAISS data and of the row norms, and that the FAISS data is an index of the recorded kind, parameters,
+        rows and dimension (:class:`IndexMismatch` naming the file otherwise). An index saved by gradtrace before
+        checksums (version 1: ``index.faiss`` beside ``index.json``) loads with an ``UncheckedArtifactWarning``:
+        only its kind, shape and row norms can be checked. ``row_norms=False`` leaves the saved norms unused
+        (``row_norms=None``)."""
         path = Path(path)
         meta_path = path / _META
         if not meta_path.is_file():
             raise IndexMismatch(f"{path} holds no gradtrace index ({_META} missing): build one with gradtrace index "
                                 "STORE --out INDEX")
+        rebuild = f"rebuild it: gradtrace index STORE --out {path} --overwrite"
         try:
-            info = json.loads(meta_path.read_text())
+            head = json.loads(meta_path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise IndexMismatch(f"{meta_path} is corrupted ({err}); {rebuild}") from None
+        version = head.get("version") if isinstance(head, dict) else None
+        if isinstance(head, dict) and head.get("format") == INDEX_FORMAT and version == _LEGACY_VERSION:
+            return cls._load_v1(path, head, row_norms)
+        try:
+            info, tensors = read_artifact(path, _STEM, INDEX_FORMAT, INDEX_VERSION, what="index",
+                                          error=IndexMismatch)
+        except IndexMismatch as err:
+            raise IndexMismatch(str(err).replace("the index must be saved again", rebuild)) from None
+        try:
             params = IndexParams(**info["params"])
             fingerprint = dict(info["fingerprint"])
-        except (ValueError, KeyError, TypeError) as err:
-            raise IndexMismatch(f"{meta_path} is corrupted: {err!r}") from None
-        if info.get("format") != INDEX_FORMAT:
-            raise IndexMismatch(f"{path} is not a gradtrace index (format {info.get('format')!r})")
-        if info.get("version") != INDEX_VERSION:
-            raise IndexMismatch(f"{path} has index version {info.get('version')}, this gradtrace reads "
-                                f"{INDEX_VERSION}: rebuild it with gradtrace index")
+        except (KeyError, TypeError, ValueError) as err:
+            raise IndexMismatch(f"{meta_path} is malformed ({err!r}); {rebuild}") from None
+        data = artifact_file(path, info, "faiss")
+        index = cls(cls._read_faiss(data, path, info, params, fingerprint), params, fingerprint, info.get("meta"),
+                    path)
+        norms = tensors.get("row_norms")
+        if norms is not None and (norms.dtype != torch.float32 or tuple(norms.shape) != (len(index),)):
+            raise IndexMismatch(f"index {path}: its row norms are {norms.dtype} {tuple(norms.shape)}, not float32 "
+                                f"({len(index)},); {rebuild}")
+        index.row_norms = norms if row_norms else None
+        return index
+
+    @classmethod
+    def _read_faiss(cls, data: Path, path: Path, info: dict[str, Any], params: IndexParams,
+                    fingerprint: dict[str, Any]) -> Any:
+        """Read FAISS data and check that it is the index ``info`` describes: kind and parameters, metric, rows and
+        dimension (those of the store's fingerprint too)."""
         faiss = _faiss()
-        data = path / _DATA
+        rebuild = f"rebuild it: gradtrace index STORE --out {path} --overwrite"
         if not data.is_file():
-            raise IndexMismatch(f"index {path}: {_DATA} is missing; rebuild it with gradtrace index")
+            raise IndexMismatch(f"index {path}: {data.name} is missing; {rebuild}")
         try:
             faiss_index = faiss.read_index(str(data))
         except RuntimeError as err:
-            raise IndexMismatch(f"index {path}: {_DATA} is damaged ({str(err).splitlines()[0]}); rebuild it") from None
+            raise IndexMismatch(f"index {path}: {data.name} is damaged ({str(err).splitlines()[0]}); "
+                                f"{rebuild}") from None
         if faiss_index.ntotal != info.get("rows") or faiss_index.d != info.get("dim") \
                 or faiss_index.ntotal != fingerprint.get("rows"):
-            raise IndexMismatch(f"index {path}: {_DATA} holds {faiss_index.ntotal} x {faiss_index.d} rows, "
-                                f"{_META} says {info.get('rows')} x {info.get('dim')}; rebuild it")
-        index = cls(faiss_index, params, fingerprint, info.get("meta"), path)
-        if row_norms:
-            index.row_norms = index.saved_row_norms()
-        return index
+            raise IndexMismatch(f"index {path}: {data.name} holds {faiss_index.ntotal} x {faiss_index.d} rows, "
+                                f"{_META} says {info.get('rows')} x {info.get('dim')}; {rebuild}")
+        found = _faiss_layout(faiss_index)
+        expected = {"kind": params.kind, "metric": faiss.METRIC_INNER_PRODUCT}
+        if params.kind == "ivfpq":
+            expected.update(nlist=params.nlist, m=params.m, nbits=params.nbits, fast_scan=params.fast_scan)
+        if found != expected:
+            raise IndexMismatch(f"index {path}: {data.name} is not the index {_META} describes (it is {found}, the "
+                                f"manifest records {expected}); {rebuild}")
+        return faiss_index
 
-    def saved_row_norms(self) -> Tensor | None:
-        """The row norms recorded in ``path/index.json`` (None when it records none), read and checked
-        (:class:`IndexMismatch` when the file is missing, damaged or of another size)."""
-        if self.path is None:
-            return None
-        record = json.loads((self.path / _META).read_text()).get("row_norms")
-        if record is None:
-            return None
+    @classmethod
+    def _load_v1(cls, path: Path, info: dict[str, Any], row_norms: bool) -> Index:
+        """An index of version 1 (no checksums): kind, shape and row norms checked, with a warning."""
         try:
-            return read_row_norms(self.path, record, len(self), str(self.meta.get("store", "STORE")))
-        except StoreError as err:
-            raise IndexMismatch(str(err)) from None
+            params = IndexParams(**info["params"])
+            fingerprint = dict(info["fingerprint"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise IndexMismatch(f"{path / _META} is corrupted: {err!r}") from None
+        warnings.warn(f"index {path} was saved by an older gradtrace (version {_LEGACY_VERSION}) without checksums: "
+                      f"a damaged or replaced {_DATA} cannot be detected; rebuild it (gradtrace index STORE --out "
+                      f"{path} --overwrite) to add them", UncheckedArtifactWarning, stacklevel=3)
+        faiss_index = cls._read_faiss(path / _DATA, path, info, params, fingerprint)
+        index = cls(faiss_index, params, fingerprint, info.get("meta"), path)
+        record = info.get("row_norms")
+        if row_norms and record is not None:
+            try:
+                index.row_norms = read_row_norms(path, record, len(index), str(index.meta.get("store", "STORE")))
+            except StoreError as err:
+                raise IndexMismatch(str(err)) from None
+        return index
 
     def __repr__(self) -> str:
         where = f", path={str(self.path)!r}" if self.path else ""

@@ -5,9 +5,10 @@ directions, and a query's most *negative* rows are mostly large-norm rows whose 
 it, spread over many IVF cells that a search with ``-q`` does not visit (cells gather rows by direction, not by
 norm). Scoring the ``N`` rows of largest norm exactly for every query (``norm_rows=N``) puts them back in reach.
 
-On disk: ``INDEX/row_norms.npy``, float32 ``[rows]`` (4 bytes per row; norms of the *raw* stored rows, also
-for an index of normalized rows), written atomically; ``index.json`` records its size and checksum
-(:func:`write_row_norms`), and :func:`read_row_norms` refuses a file that does not match them.
+On disk: the tensor ``row_norms``, float32 ``[rows]`` (4 bytes per row; norms of the *raw* stored rows, also for
+an index of normalized rows), in the index's checksummed tensor file (:meth:`gradtrace.score.Index.save`).
+Indexes of version 1 kept them in ``INDEX/row_norms.npy`` with a size and checksum in ``index.json``;
+:func:`read_row_norms` reads those and refuses a file that does not match the record.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..store.artifact import atomic_write_bytes, checksum
+from ..store.artifact import checksum
 from ..store.layout import StoreError
 
-__all__ = ["NORMS_FILE", "block_norms", "largest_norm_rows", "read_row_norms", "store_row_norms",
-           "write_row_norms"]
+__all__ = ["NORMS_FILE", "block_norms", "largest_norm_rows", "read_row_norms", "store_row_norms"]
 
 NORMS_FILE = "row_norms.npy"
 
@@ -48,18 +48,8 @@ def store_row_norms(store: Any, block_rows: int = 65536, progress: bool = False)
     return norms
 
 
-def write_row_norms(directory: Path, norms: Tensor) -> dict[str, Any]:
-    """Write ``directory/row_norms.npy`` atomically; returns the record ``index.json`` keeps of it
-    (``{"file", "rows", "bytes", "blake2b"}``)."""
-    buffer = io.BytesIO()
-    np.save(buffer, norms.detach().to("cpu", torch.float32).numpy(), allow_pickle=False)
-    data = buffer.getvalue()
-    atomic_write_bytes(directory / NORMS_FILE, data)
-    return {"file": NORMS_FILE, "rows": len(norms), "bytes": len(data), "blake2b": checksum(data)}
-
-
 def read_row_norms(directory: Path, record: dict[str, Any], rows: int, store_hint: str = "STORE") -> Tensor:
-    """The norms saved by :func:`write_row_norms`, checked against ``record`` (size, checksum) and ``rows``.
+    """The norms a version-1 index saved in ``row_norms.npy``, checked against ``record`` (size, checksum) and ``rows``.
 
     A missing, truncated, edited or misshapen file is a :class:`StoreError` naming the command that rewrites it.
     """

@@ -20,7 +20,14 @@ from torch import Tensor
 from ..methods.base import SIGN_CONVENTION
 from ..options import RECORD_KEY
 from ..provenance import record_paths, resolve_paths
-from ..store.artifact import ArtifactError, read_artifact, write_artifact
+from ..store.artifact import (
+    ArtifactError,
+    atomic_output,
+    atomic_write_bytes,
+    read_artifact,
+    refuse_inside_artifact,
+    write_artifact,
+)
 
 __all__ = ["Scores", "ScoresError", "TopK", "scoring_meta"]
 
@@ -214,7 +221,7 @@ class Scores:
     def to_csv(self, path: str | Path, k: int | None = 10, largest: bool = True) -> Path:
         path = Path(path)
         records = self.to_records(k, largest)
-        with open(path, "w", newline="") as f:
+        with atomic_output(path) as tmp, open(tmp, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(records[0]) if records else ["query_id", "train_id", "score"])
             writer.writeheader()
             writer.writerows(records)
@@ -222,8 +229,8 @@ class Scores:
 
     def to_json(self, path: str | Path, k: int | None = 10, largest: bool = True) -> Path:
         path = Path(path)
-        path.write_text(json.dumps({"method": self.method, "meta": self.meta,
-                                    "scores": self.to_records(k, largest)}, indent=1))
+        text = json.dumps({"method": self.method, "meta": self.meta, "scores": self.to_records(k, largest)}, indent=1)
+        atomic_write_bytes(path, text.encode())
         return path
 
     def to_parquet(self, path: str | Path, k: int | None = 10, largest: bool = True) -> Path:
@@ -235,11 +242,16 @@ class Scores:
         path = Path(path)
         table = pa.Table.from_pylist(self.to_records(k, largest))
         table = table.replace_schema_metadata({"gradtrace": json.dumps({"method": self.method, "meta": self.meta})})
-        pq.write_table(table, path)
+        with atomic_output(path) as tmp:
+            pq.write_table(table, tmp)
         return path
 
     def export(self, path: str | Path, k: int | None = 10) -> Path:
-        """Export by file extension: ``.csv``, ``.json``, ``.parquet``."""
+        """Export by file extension: ``.csv``, ``.json``, ``.parquet``. Every export is written to a temporary file
+        and renamed into place (a failure leaves an existing file as it was); a path inside a gradient store, or
+        with the name of an artifact's file in an artifact's directory (``scores.json``), is refused
+        (:func:`~gradtrace.store.artifact.refuse_inside_artifact`)."""
+        refuse_inside_artifact(path, "the export", kinds=("a gradient store",))
         suffix = Path(path).suffix.lower()
         exporters = {".csv": self.to_csv, ".json": self.to_json, ".parquet": self.to_parquet}
         if suffix not in exporters:
@@ -247,12 +259,15 @@ class Scores:
         return exporters[suffix](path, k)
 
     # -- persistence -------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """Write ``path/scores.json`` (ids, method, meta, checksums) and ``path/scores-<hash>.safetensors``
-        (tensors), atomically: a failed save (a full disk raises :class:`OSError`) leaves previous scores in
-        ``path`` intact. The paths of the recorded configuration (``meta["config"]``: store, queries, model, ...)
-        are written relative to ``path`` where they lie under or beside it, and read back against it by
-        :meth:`load` (:func:`gradtrace.provenance.record_paths`): copied scores point at the copy's files."""
+        (tensors), atomically and under the directory's write lock: a failed save (a full disk raises
+        :class:`OSError`) leaves previous scores in ``path`` intact, and a second process saving there at the same
+        time is refused (``LockedError``). Scores already saved in ``path`` are replaced only with ``overwrite``
+        (else :class:`~gradtrace.store.artifact.ArtifactExists`). The paths of the recorded configuration
+        (``meta["config"]``: store, queries, model, ...) are written relative to ``path`` where they lie under or
+        beside it, and read back against it by :meth:`load` (:func:`gradtrace.provenance.record_paths`): copied
+        scores point at the copy's files."""
         tensors = {}
         if self.matrix is not None:
             tensors["matrix"] = self.matrix
@@ -264,7 +279,7 @@ class Scores:
         if isinstance(meta.get("config"), dict):
             meta["config"] = record_paths(meta["config"], path)
         info = {"method": self.method, "meta": meta, "query_ids": self.query_ids, "train_ids": self.train_ids}
-        write_artifact(path, "scores", FORMAT, VERSION, info, tensors)
+        write_artifact(path, "scores", FORMAT, VERSION, info, tensors, overwrite=overwrite, what="scores")
         return Path(path)
 
     @classmethod

@@ -33,19 +33,29 @@ import hashlib
 import json
 import os
 import re
-import threading
+import socket
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..provenance import environment
+from .atomic import (
+    atomic_output,
+    atomic_write_bytes,
+    atomic_write_json,
+    create_exclusive,
+    fsync_dir,
+    temporary_name,
+)
+from .locking import directory_lock, lock_is_stale
 
-__all__ = ["ArtifactError", "UncheckedArtifactWarning", "atomic_write_bytes", "atomic_write_json", "canonical_json",
-           "checksum", "create_exclusive", "file_checksum", "fsync_dir", "json_bytes", "read_artifact",
-           "write_artifact"]
+__all__ = ["ArtifactError", "ArtifactExists", "UncheckedArtifactWarning", "artifact_file", "atomic_output",
+           "atomic_write_bytes", "atomic_write_json", "canonical_json", "checksum", "create_exclusive", "file_checksum",
+           "fsync_dir", "json_bytes", "read_artifact", "temporary_name", "write_artifact"]
 
 LEGACY_VERSION = 1
 """The version that carried no checksums (read with a warning)."""
@@ -82,70 +92,6 @@ def file_checksum(path: Path, block: int = 16 * 2**20) -> str:
     return h.hexdigest()
 
 
-def fsync_dir(path: Path) -> None:
-    """Fsync a directory (a rename inside it is durable after this); best effort where it cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_synced(handle: IO[bytes], data: bytes | memoryview) -> None:
-    """Write ``data`` to an open file and flush it to the disk."""
-    handle.write(data)
-    handle.flush()
-    os.fsync(handle.fileno())
-
-
-def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync, rename: readers see all or nothing."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    try:
-        with open(tmp, "wb") as f:
-            _write_synced(f, data)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: Path, data: Any) -> None:
-    """:func:`atomic_write_bytes` of :func:`json_bytes` ``(data)``."""
-    atomic_write_bytes(path, json_bytes(data))
-
-
-def create_exclusive(path: Path, data: bytes) -> bool:
-    """Create ``path`` holding ``data`` unless it exists; False if it did. Other processes never see the
-    file half-written: the content is written to a temporary file first and hard-linked into place."""
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}.{threading.get_ident()}")
-    try:
-        with open(tmp, "wb") as f:
-            _write_synced(f, data)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            return False
-        except OSError:  # no hard links on this file system: exclusive create, then write (not atomic)
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                _write_synced(f, data)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
-    return True
-
-
-
 def canonical_json(data: Any) -> bytes:
     """The bytes a checksum of JSON data is taken over: sorted keys, no whitespace, ASCII."""
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
@@ -153,10 +99,6 @@ def canonical_json(data: Any) -> bytes:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _tensor_file_pattern(stem: str) -> re.Pattern[str]:
-    return re.compile(rf"{re.escape(stem)}-[0-9a-f]{{16}}\.safetensors")
 
 
 def _own_memory(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -180,70 +122,154 @@ def write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
         os.fsync(f.fileno())
 
 
-def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fields: dict[str, Any],
-                   tensors: dict[str, Tensor]) -> Path:
-    """Save ``tensors`` and the JSON-able ``fields`` as the artifact ``directory/stem.json``; returns its path.
+FileWriter = Callable[[Path], None]
+"""Writes one file of an artifact to the (temporary) path it is given."""
 
-    The tensors are written straight from their memory (``safetensors.torch.save_file``: no serialized copy, so a
-    save needs no memory beyond the tensors themselves) to a temporary file, fsynced, hashed by reading it back in
-    blocks, and renamed to its content-addressed name. I/O errors (a full disk) propagate as :class:`OSError` after
-    the previous artifact, if any, was left intact.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = _own_memory(tensors)
-    tmp = directory / f".tmp-{stem}-{os.getpid()}-{threading.get_ident()}.safetensors"
+
+class ArtifactExists(ArtifactError):
+    """A save without ``overwrite`` found an artifact already saved where it was to write."""
+
+
+def _publish(directory: Path, name: str, suffix: str, writer: FileWriter, created: list[Path]) -> dict[str, Any]:
+    """Write one file through ``writer`` to a temporary name of its own, fsync it, hash it and rename it to its
+    content-addressed name ``name-<16 hex>suffix``; returns ``{file, bytes, blake2b}``. A file of that name and
+    checksum already there (a re-save of equal contents) is kept; a file this call creates is added to
+    ``created`` (the caller removes them when the save fails before it is published)."""
+    tmp = temporary_name(directory / f"{name}{suffix}")
     try:
-        write_tensors(tmp, tensors)
+        writer(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         digest = file_checksum(tmp)
-        tensor_file = directory / f"{stem}-{digest[:16]}.safetensors"
-        # a re-save of equal tensors reuses the file the old manifest names -- unless that file was damaged since
-        created = not (tensor_file.exists() and file_checksum(tensor_file) == digest)
-        if created:
-            os.replace(tmp, tensor_file)
+        final = directory / f"{name}-{digest[:16]}{suffix}"
+        # a re-save of equal contents reuses the file the old manifest names -- unless that file was damaged since
+        if not (final.is_file() and file_checksum(final) == digest):
+            os.replace(tmp, final)
+            created.append(final)
             fsync_dir(directory)
     finally:
         tmp.unlink(missing_ok=True)
-    index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in sorted(tensors.items())}
-    try:
-        record = {"format": fmt, "version": version, "environment": environment(), **fields}
-        manifest = json.loads(json.dumps(record))  # keys as they read back
-        manifest["tensors"] = {"file": tensor_file.name, "bytes": tensor_file.stat().st_size, "blake2b": digest,
-                               "index": index}
-        manifest["manifest_blake2b"] = checksum(canonical_json(manifest))
-        atomic_write_bytes(directory / f"{stem}.json", json.dumps(manifest, indent=1).encode())
-    except BaseException:
-        if created:
-            tensor_file.unlink(missing_ok=True)
-        raise
-    _remove_stale(directory, stem, keep=tensor_file.name)
-    return directory / f"{stem}.json"
+    return {"file": final.name, "bytes": final.stat().st_size, "blake2b": digest}
 
 
-def _remove_stale(directory: Path, stem: str, keep: str) -> None:
-    """Remove tensor files of earlier saves (best effort: a leftover file is harmless, never read)."""
-    pattern = _tensor_file_pattern(stem)
+def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fields: dict[str, Any],
+                   tensors: dict[str, Tensor], *, files: dict[str, tuple[str, FileWriter]] | None = None,
+                   overwrite: bool = True, what: str | None = None, legacy_files: tuple[str, ...] = ()) -> Path:
+    """Save ``tensors``, the files ``files`` writes and the JSON-able ``fields`` as the artifact
+    ``directory/stem.json``; returns its path.
+
+    The whole save holds the directory's write lock (:func:`gradtrace.store.locking.directory_lock`: a second
+    writer is refused, naming the first). Every file is written under a temporary name of its own, fsynced,
+    hashed and renamed to its content-addressed name (``stem-<hash>.safetensors`` for the tensors,
+    ``stem-<role>-<hash><suffix>`` for each ``files[role] = (suffix, writer)``); then the manifest, which lists
+    each with its size and checksum, is replaced in one rename: the step that publishes the new artifact. Only
+    then are the files of the previous save (and ``legacy_files``, names an older layout used) removed. A save
+    that fails at any point -- a full disk, a kill -- leaves the previous artifact whole and loadable, and no
+    file of its own behind but temporaries the next save removes.
+
+    The tensors are written straight from their memory (``safetensors.torch.save_file``: no serialized copy).
+    ``overwrite=False`` refuses (:class:`ArtifactExists`) when ``stem.json`` is already there, checked under
+    the lock. ``what`` names the artifact in messages (default ``stem``). I/O errors propagate as
+    :class:`OSError`.
+    """
+    directory = Path(directory)
+    what = what or stem
+    files = dict(files or {})
+    manifest_path = directory / f"{stem}.json"
+    with directory_lock(directory, what):
+        if not overwrite and manifest_path.exists():
+            raise ArtifactExists(f"{directory} already holds saved {what}: pass overwrite=True (--overwrite) to "
+                                 "replace them")
+        tensors = _own_memory(tensors)
+        created: list[Path] = []
+        try:
+            entry = _publish(directory, stem, ".safetensors", lambda tmp: write_tensors(tmp, tensors), created)
+            extra = {role: _publish(directory, f"{stem}-{role}", suffix, writer, created)
+                     for role, (suffix, writer) in sorted(files.items())}
+            index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+                     for name, t in sorted(tensors.items())}
+            record = {"format": fmt, "version": version, "environment": environment(), **fields}
+            manifest = json.loads(json.dumps(record))  # keys as they read back
+            manifest["tensors"] = {**entry, "index": index}
+            if extra:
+                manifest["files"] = extra
+            manifest["manifest_blake2b"] = checksum(canonical_json(manifest))
+            atomic_write_bytes(manifest_path, json.dumps(manifest, indent=1).encode())
+        except BaseException:
+            for path in created:
+                path.unlink(missing_ok=True)
+            raise
+        keep = {entry["file"], *(e["file"] for e in extra.values())}
+        _remove_stale(directory, stem, keep, (f"{stem}.safetensors", *legacy_files))
+    return manifest_path
+
+
+def _remove_stale(directory: Path, stem: str, keep: set[str], legacy: tuple[str, ...]) -> None:
+    """Remove what earlier saves left (under the directory's lock, so no other writer's files): their
+    content-addressed files, the files of an older layout and temporaries of interrupted saves. Best effort: a
+    leftover file is harmless, never read."""
+    pattern = re.compile(rf"{re.escape(stem)}(-[a-z_]+)?-[0-9a-f]{{16}}\.[a-z]+")
     for path in directory.iterdir():
-        if path.name != keep and (pattern.fullmatch(path.name) or path.name == f"{stem}.safetensors"):
+        name = path.name
+        if name in keep:
+            continue
+        dead_lock_temp = name.startswith(".tmp-.gradtrace-write.lock.") and _dead_writer(name)
+        if pattern.fullmatch(name) or name in legacy or name.startswith((f".tmp-{stem}.", f".tmp-{stem}-")) \
+                or dead_lock_temp:
             with contextlib.suppress(OSError):
                 path.unlink()
 
 
+def _dead_writer(temporary: str) -> bool:
+    """Whether the process that made :func:`temporary_name` file ``temporary`` (pid after the file's name) is gone."""
+    parts = temporary.rsplit(".", 3)
+    return len(parts) == 4 and parts[1].isdigit() and lock_is_stale({"pid": int(parts[1]),
+                                                                     "host": socket.gethostname()})
+
+
+def artifact_file(directory: str | Path, manifest: dict[str, Any], role: str) -> Path:
+    """The path of file ``role`` of an artifact read by :func:`read_artifact` (checked there)."""
+    return Path(directory) / manifest["files"][role]["file"]
+
+
 def read_artifact(directory: str | Path, stem: str, fmt: str, version: int, *, what: str, noun: str | None = None,
                   error: type[Exception] = ArtifactError) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """The manifest and tensors of the artifact ``directory/stem.json``, verified (see the module docstring).
+    """The manifest and tensors of the artifact ``directory/stem.json``, verified (see the module docstring);
+    every other file the manifest lists (``files``: :func:`artifact_file`) is checked too (size, checksum).
 
     what: how messages name the artifact (``"scores"``), noun: as an adjective (``"score"``, default ``what``);
     error: the exception type raised for a corrupted artifact. A missing manifest raises
-    :class:`FileNotFoundError`.
+    :class:`FileNotFoundError`. A save that publishes a new artifact while this read runs (the manifest changed
+    under it) makes the read start again with the new manifest rather than fail.
     """
     directory = Path(directory)
     manifest_path = directory / f"{stem}.json"
-    if not manifest_path.exists():
-        raise FileNotFoundError(f"{directory} holds no saved {what} ({manifest_path.name} missing)")
+    for attempt in range(3):
+        if not manifest_path.exists():
+            raise FileNotFoundError(f"{directory} holds no saved {what} ({manifest_path.name} missing)")
+        try:
+            raw = manifest_path.read_bytes()
+        except OSError as err:
+            raise error(f"{manifest_path} is not readable ({err.strerror or err}); the {what} must be saved "
+                        "again") from None
+        try:
+            return _read_verified(directory, stem, raw, fmt, version, what, noun, error)
+        except error:
+            try:
+                replaced = manifest_path.read_bytes() != raw
+            except OSError:
+                replaced = False
+            if not replaced or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _read_verified(directory: Path, stem: str, raw: bytes, fmt: str, version: int, what: str, noun: str | None,
+                   error: type[Exception]) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    manifest_path = directory / f"{stem}.json"
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as err:
+        manifest = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as err:
         raise error(f"{manifest_path} is not readable JSON ({err}); the {what} must be saved again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise error(f"{directory} is not a gradtrace {noun or what} file ({manifest_path.name} has no format {fmt!r})")
@@ -251,12 +277,14 @@ def read_artifact(directory: str | Path, stem: str, fmt: str, version: int, *, w
     if found == LEGACY_VERSION:
         warnings.warn(f"{directory}: {what} saved by an older gradtrace (version {LEGACY_VERSION}) carry no "
                       "checksums, so corruption cannot be detected; save them again to add checksums",
-                      UncheckedArtifactWarning, stacklevel=3)
+                      UncheckedArtifactWarning, stacklevel=4)
         return manifest, _load_tensors(directory / f"{stem}.safetensors", what, error)
     if found != version:
         raise error(f"{manifest_path}: {what} of version {found!r}; this gradtrace reads versions "
                     f"{LEGACY_VERSION} and {version} (use the gradtrace that saved them)")
     _check_manifest(manifest_path, manifest, what, error)
+    for entry in (manifest.get("files") or {}).values():
+        _check_tensor_file(directory / entry["file"], entry, what, error)
     entry = manifest["tensors"]
     tensor_path = directory / entry["file"]
     _check_tensor_file(tensor_path, entry, what, error)
@@ -277,9 +305,13 @@ def _check_manifest(path: Path, manifest: dict[str, Any], what: str, error: type
     entry = manifest.get("tensors")
     if not isinstance(entry, dict) or not {"file", "bytes", "blake2b", "index"} <= set(entry):
         raise error(f"{path} lists no tensor file; the {what} must be saved again")
-    name = entry["file"]
-    if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
-        raise error(f"{path} names the tensor file {name!r}, which is not a file of {path.parent}; refused")
+    files = manifest.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(e, dict) and {"file", "bytes", "blake2b"} <= set(e)
+                                              for e in files.values()):
+        raise error(f"{path} lists its files malformed; the {what} must be saved again")
+    for role, name in (("tensor", entry["file"]), *((r, e["file"]) for r, e in files.items())):
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise error(f"{path} names the {role} file {name!r}, which is not a file of {path.parent}; refused")
 
 
 def _check_tensor_file(path: Path, entry: dict[str, Any], what: str, error: type[Exception]) -> None:
@@ -306,3 +338,52 @@ def _load_tensors(path: Path, what: str, error: type[Exception]) -> dict[str, Te
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise error(f"{path} is not a readable safetensors file ({' '.join(str(err).split())}); the {what} must "
                     "be saved again") from None
+
+
+# -- where outputs may go ---------------------------------------------------------------------------
+ARTIFACT_MANIFESTS = {"manifest.json": "a gradient store", "scores.json": "saved scores",
+                      "curvature.json": "a fitted curvature", "fit.json": "a method fit", "index.json": "an index"}
+"""The manifest file of each kind of gradtrace artifact directory, and what it makes the directory."""
+
+_ARTIFACT_FILE = re.compile(r"(scores|curvature|fit|index)(-[a-z_]+)?-[0-9a-f]{16}\.[a-z]+|\.gradtrace-write\.lock"
+                            r"|rank-\d{5}\.(json|lock)|gradtrace-[a-z-]+\.yaml")
+
+
+def artifact_kind(directory: Path) -> str | None:
+    """What gradtrace artifact ``directory`` is (``"a gradient store"``, ``"saved scores"``, ...), or None.
+
+    A directory is one when it holds one of :data:`ARTIFACT_MANIFESTS` whose first bytes name a gradtrace
+    format (only the first kilobyte is read: a manifest starts with its format)."""
+    for name, kind in ARTIFACT_MANIFESTS.items():
+        try:
+            with open(directory / name, "rb") as f:
+                head = f.read(1024)
+        except OSError:
+            continue
+        if b'"gradtrace-' in head:
+            return kind
+    return None
+
+
+def refuse_inside_artifact(path: str | Path, what: str, *, own: str | Path | None = None,
+                           kinds: tuple[str, ...] | None = None) -> None:
+    """Raise :class:`ArtifactError` when writing file ``path`` would put it inside a gradient store or a saved
+    artifact (any folder above it), or give it the name of one of an artifact's files.
+
+    ``own``: the directory of the artifact this output belongs to (a report beside its scores), where the file
+    may go as long as its name is not one an artifact uses (``scores.json``, ``scores-<hash>.safetensors``, ...).
+    ``kinds``: only enclosing artifacts of these kinds (:data:`ARTIFACT_MANIFESTS`' values) are refused (default
+    all). Symbolic links are followed, so a link into a store is refused too."""
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    own_dir = Path(os.path.realpath(Path(own).expanduser())) if own is not None else None
+    reserved = target.name in ARTIFACT_MANIFESTS or _ARTIFACT_FILE.fullmatch(target.name)
+    if reserved and ((own_dir is not None and target.parent == own_dir) or artifact_kind(target.parent)):
+        raise ArtifactError(f"{what} {path} would replace a file of a gradtrace artifact ({target.name}); "
+                                "choose another file name or folder")
+    for folder in target.parents:
+        if own_dir is not None and folder == own_dir:
+            continue
+        kind = artifact_kind(folder)
+        if kind is not None and (kinds is None or kind in kinds):
+            raise ArtifactError(f"{what} {path} lies inside {folder}, which is {kind}: gradtrace never writes "
+                                "into another artifact; choose a path outside it")

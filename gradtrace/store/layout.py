@@ -30,15 +30,12 @@ data checksums); it cannot be resumed.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import socket
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .artifact import canonical_json, checksum, create_exclusive
+from .artifact import canonical_json, checksum
+from .locking import LockedError, acquire, lock_is_stale, read_holder, release
 
 __all__ = [
     "DTYPES",
@@ -99,76 +96,23 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     return checksum(canonical_json(body))
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def read_lock(root: Path, rank: int) -> dict[str, Any] | None:
     """The holder recorded in the lock file of ``rank`` (``{"pid", "host"}``), or None when unlocked."""
-    try:
-        holder = json.loads(lock_file(root, rank).read_text() or "{}")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
-        return {}
-    return holder if isinstance(holder, dict) else {}
-
-
-def lock_is_stale(holder: dict[str, Any]) -> bool:
-    """Whether a lock was left by a process of this host that no longer runs."""
-    pid = holder.get("pid")
-    return holder.get("host") == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid)
-
-
-@contextmanager
-def _takeover_guard(root: Path):
-    """Serialize stale-lock takeovers on this host (two resuming runs must not both remove a lock and each
-    create their own). Best effort where the file system has no ``flock``."""
-    fd = None
-    try:
-        import fcntl
-
-        fd = os.open(root, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except (ImportError, OSError):
-        pass
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # releases the flock
+    return read_holder(lock_file(root, rank))
 
 
 def acquire_lock(root: Path, rank: int) -> Path:
     """Take the write lock of ``rank``; a lock left by a dead process on this host is taken over."""
     path = lock_file(root, rank)
-    me = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
-    for _ in range(3):
-        if create_exclusive(path, me):
-            return path
-        holder = read_lock(root, rank)
-        if holder is None:
-            continue  # released meanwhile
-        if lock_is_stale(holder):
-            with _takeover_guard(root):
-                if read_lock(root, rank) == holder:  # still the dead process's lock, not a new taker's
-                    path.unlink(missing_ok=True)
-            continue
-        raise StoreError(
-            f"{root} (rank {rank}) is being written by another run (pid {holder.get('pid')} on "
-            f"{holder.get('host')}); two runs cannot write the same store. If that run is gone, delete {path}."
-        )
-    raise StoreError(f"could not take the write lock {path}")
+    try:
+        acquire(path, f"rank {rank} of a gradient store",
+                f"{root} (rank {rank}) is being written by another run ({{holder}}); two runs cannot write the "
+                "same store.")
+    except LockedError as err:
+        raise StoreError(str(err)) from None
+    return path
 
 
 def release_lock(root: Path, rank: int) -> None:
     """Remove the lock of ``rank`` if this process holds it."""
-    holder = read_lock(root, rank)
-    if holder is not None and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
-        lock_file(root, rank).unlink(missing_ok=True)
+    release(lock_file(root, rank))

@@ -4,6 +4,7 @@ covers it, and one clear error line for a changed or another store, a mismatched
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -13,8 +14,9 @@ import yaml
 
 import gradtrace
 from gradtrace.provenance import relative_path
-from gradtrace.store.artifact import checksum
+from gradtrace.store.artifact import artifact_file, checksum
 from tests.cli.conftest import copy_store, error_line, flat, invoke
+from tests.score.legacy_index import save_v1
 from tests.store.common import reseal_record
 
 pytest.importorskip("faiss")
@@ -147,11 +149,10 @@ def test_missing_faiss_names_the_extra(ws, runner, store, fresh, monkeypatch):
 
 
 def _strip_norms(index_dir) -> None:
-    """Make ``index_dir`` look like an index saved before row norms were recorded."""
-    (index_dir / "row_norms.npy").unlink()
-    info = json.loads((index_dir / "index.json").read_text())
-    del info["row_norms"]
-    (index_dir / "index.json").write_text(json.dumps(info))
+    """Make ``index_dir`` an index as saved before row norms were recorded (version 1, no row_norms.npy)."""
+    index = gradtrace.score.Index.load(index_dir)
+    shutil.rmtree(index_dir)
+    save_v1(index, index_dir, norms=False)
 
 
 def test_add_norms_upgrades_an_old_index_and_norm_rows_scores_through_it(ws, runner, store, scores_dir, fresh):
@@ -167,8 +168,8 @@ def test_add_norms_upgrades_an_old_index_and_norm_rows_scores_through_it(ws, run
     assert "records no row norms" in line and f"--out {out} --add-norms" in line
     assert "Added the L2 norms of 24 rows" in flat(invoke(runner, "index", store, "--out", out, "--add-norms",
                                                           "--no-progress").stdout)
-    assert (out / "index.faiss").read_bytes() == faiss_bytes
-    loaded = gradtrace.score.Index.load(out)
+    loaded = gradtrace.score.Index.load(out)  # saved again, now checksummed; the FAISS data as it was
+    assert artifact_file(out, json.loads((out / "index.json").read_text()), "faiss").read_bytes() == faiss_bytes
     dim = gradtrace.GradientStore.open(store).dim
     torch.testing.assert_close(loaded.row_norms, built, rtol=(dim + 2) * 2.0**-24, atol=0)
     assert "nothing to do" in invoke(runner, "index", store, "--out", out, "--add-norms", "--no-progress").stdout

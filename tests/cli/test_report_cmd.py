@@ -105,7 +105,7 @@ def test_non_finite_scores(runner, scores_dir, fresh):
     scores.save(fresh / "s")
     out = fresh / "r.html"
     out.write_text("old report")
-    line = error_line(invoke(runner, "report", fresh / "s", "--out", out, code=2))
+    line = error_line(invoke(runner, "report", fresh / "s", "--out", out, "--overwrite", code=2))
     # refused by the report (naming the pair), or already by Scores.load where it checks values (naming the query)
     assert re.search(r"non-finite|NaN/inf", line) and scores.query_ids[0] in line
     assert out.read_text() == "old report"

@@ -102,7 +102,7 @@ def test_a_trackstar_fit_whose_preconditioner_was_replaced_is_refused(tmp_path):
     save_fit(attr, tmp_path / "fit")
     # another curvature saved over the preconditioner (a later save that stopped before its fit.json)
     other = gradtrace.Attributor("kfac", train, damping=0.3).fit(model, batches[:2], classification_loss)
-    other.method.curvature.save(tmp_path / "fit" / "precondition")
+    other.method.curvature.save(tmp_path / "fit" / "precondition", overwrite=True)
     with pytest.raises(FitError, match="another preconditioner than the fit"):
         load_fit(tmp_path / "fit")
 
@@ -135,7 +135,7 @@ def test_bad_fits_are_refused_with_the_fix(tmp_path):
     tensor_file.write_bytes(bytes(data))
     with pytest.raises(FitError, match="corrupted or was replaced"):
         load_fit(tmp_path / "fit")
-    save_fit(attr, tmp_path / "fit")  # saved again: readable again
+    save_fit(attr, tmp_path / "fit", overwrite=True)  # saved again: readable again
     load_fit(tmp_path / "fit")
     info = json.loads(manifest.read_text())
     info["damping"] = 5.0  # edited by hand

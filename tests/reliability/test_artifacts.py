@@ -143,7 +143,8 @@ def test_saved_curvature_is_checksummed_and_scores_exactly_as_in_memory(fit, tmp
     assert manifest["tensors"]["file"] == _tensor_file(tmp_path / "c", "curvature").name
     loaded = gradtrace.Attributor("kfac", fit["train"], curvature=tmp_path / "c").score(fit["queries"]).matrix
     assert torch.equal(loaded, fit["scores"])  # same contiguous eigendata: same BLAS paths, same bits
-    fit["curvature"].with_damping(0.5).save(tmp_path / "c")  # a re-save replaces the tensor file, leaves none behind
+    # a re-save replaces the tensor file, leaves none behind
+    fit["curvature"].with_damping(0.5).save(tmp_path / "c", overwrite=True)
     assert Curvature.load(tmp_path / "c").damping == 0.5 and _tensor_file(tmp_path / "c", "curvature")
 
 
@@ -171,7 +172,7 @@ def test_saving_equal_tensors_again_repairs_a_damaged_tensor_file(fit, tmp_path)
     _flip_bit(path, path.stat().st_size - 2, 0x01)
     with pytest.raises(CurvatureError, match="corrupted or was replaced"):
         Curvature.load(tmp_path / "c")
-    fit["curvature"].save(tmp_path / "c")
+    fit["curvature"].save(tmp_path / "c", overwrite=True)
     assert _tensor_file(tmp_path / "c", "curvature") == path
     loaded = Curvature.load(tmp_path / "c")
     for name, eig in fit["curvature"].blocks.items():
@@ -351,7 +352,7 @@ def test_a_save_that_fails_on_a_full_disk_keeps_the_previous_artifact(fit, tmp_p
     before = sorted(p.name for p in (tmp_path / "a").iterdir())
     _disk_full_at(monkeypatch, fails_at)
     with pytest.raises(OSError, match="No space left on device"):
-        second.save(tmp_path / "a")
+        second.save(tmp_path / "a", overwrite=True)
     assert sorted(p.name for p in (tmp_path / "a").iterdir()) == before  # nothing half-written left behind
     assert same(load(tmp_path / "a"), first)
 

@@ -18,7 +18,8 @@ from gradtrace.curvature import Curvature
 from gradtrace.score.index import FaissMissing, Index, IndexMismatch, build_index, store_fingerprint
 from gradtrace.score.shortlist import score_with_index
 from gradtrace.store import GradientStore, ShardWriter
-from gradtrace.store.artifact import checksum
+from gradtrace.store.artifact import UncheckedArtifactWarning, artifact_file, checksum
+from tests.score.legacy_index import save_v1
 from tests.store.common import reseal_record
 
 pytest.importorskip("faiss")
@@ -279,9 +280,14 @@ def test_damaged_or_missing_index_is_refused(flat, tmp_path):
     with pytest.raises(IndexMismatch, match="holds no gradtrace index"):
         Index.load(tmp_path / "nothing")
     flat.save(tmp_path / "index")
-    (tmp_path / "index" / "index.faiss").write_bytes(b"not an index")
-    with pytest.raises(IndexMismatch, match=r"index\.faiss is damaged"):
+    data = artifact_file(tmp_path / "index", json.loads((tmp_path / "index" / "index.json").read_text()), "faiss")
+    data.write_bytes(b"not an index")
+    with pytest.raises(IndexMismatch, match=r"index-faiss-.*truncated or replaced.*rebuild it"):
         Index.load(tmp_path / "index")
+    save_v1(flat, tmp_path / "old")
+    (tmp_path / "old" / "index.faiss").write_bytes(b"not an index")
+    with pytest.warns(UncheckedArtifactWarning), pytest.raises(IndexMismatch, match=r"index\.faiss is damaged"):
+        Index.load(tmp_path / "old")
 
 
 def test_bad_parameters_are_refused(store):

@@ -14,6 +14,8 @@ from gradtrace.score import shortlist
 from gradtrace.score.index import Index, IndexMismatch, build_index
 from gradtrace.score.shortlist import score_with_index
 from gradtrace.store import GradientSpec
+from gradtrace.store.artifact import UncheckedArtifactWarning, artifact_file
+from tests.score.legacy_index import save_v1
 
 pytest.importorskip("faiss")
 
@@ -136,8 +138,8 @@ def test_saved_norms_equal_a_direct_computation(data, ivf, tmp_path):
     store = data[0]
     ivf.save(tmp_path / "index")
     info = json.loads((tmp_path / "index" / "index.json").read_text())
-    assert info["row_norms"]["file"] == "row_norms.npy" and info["row_norms"]["rows"] == ROWS
-    assert (tmp_path / "index" / "row_norms.npy").stat().st_size == info["row_norms"]["bytes"] <= 4 * ROWS + 128
+    assert info["tensors"]["index"] == {"row_norms": {"dtype": "float32", "shape": [ROWS]}}
+    assert (tmp_path / "index" / info["tensors"]["file"]).stat().st_size == info["tensors"]["bytes"] <= 4 * ROWS + 256
     loaded = Index.load(tmp_path / "index")
     # two float32 sums of DIM squares: each within (DIM / 2 + 1) u of the true norm
     torch.testing.assert_close(loaded.row_norms, _float32_norms(store), rtol=(DIM + 2) * U, atol=0)
@@ -153,12 +155,8 @@ def test_normalized_index_records_raw_norms_and_refuses_norm_rows(data):
 
 
 def _old_style(index: Index, where) -> None:
-    """Save ``index`` as gradtrace saved it before norms were recorded: no row_norms.npy, no entry in index.json."""
-    index.save(where)
-    (where / "row_norms.npy").unlink()
-    info = json.loads((where / "index.json").read_text())
-    del info["row_norms"]
-    (where / "index.json").write_text(json.dumps(info))
+    """Save ``index`` as gradtrace saved it before norms were recorded: version 1, no row_norms.npy."""
+    save_v1(index, where, norms=False)
 
 
 def test_attach_row_norms_upgrades_an_old_index(data, ivf, tmp_path):
@@ -166,7 +164,8 @@ def test_attach_row_norms_upgrades_an_old_index(data, ivf, tmp_path):
     where = tmp_path / "old"
     _old_style(ivf, where)
     faiss_bytes = (where / "index.faiss").read_bytes()
-    old = Index.load(where)
+    with pytest.warns(UncheckedArtifactWarning, match="without checksums"):
+        old = Index.load(where)
     assert old.row_norms is None
     attr = gradtrace.Attributor("grad_dot", store)
     plain = score_with_index(attr, queries, old, rerank=20, topk=K)  # works as before
@@ -175,8 +174,9 @@ def test_attach_row_norms_upgrades_an_old_index(data, ivf, tmp_path):
         score_with_index(attr, queries, old, topk=K, norm_rows=10)
     norms = old.attach_row_norms(store, block_rows=50)
     torch.testing.assert_close(norms, ivf.row_norms, rtol=(DIM + 2) * U, atol=0)
-    assert (where / "index.faiss").read_bytes() == faiss_bytes  # no rebuild, FAISS data untouched
-    again = Index.load(where)
+    again = Index.load(where)  # saved again as a checksummed index: no warning
+    assert artifact_file(where, json.loads((where / "index.json").read_text()), "faiss").read_bytes() == faiss_bytes
+    assert not (where / "index.faiss").exists()  # no rebuild: the FAISS data moved as it was
     assert torch.equal(again.row_norms, norms)
     _assert_exact(score_with_index(attr, queries, again, rerank=20, topk=K, norm_rows=OUTLIERS), exact, store,
                   queries)
@@ -192,9 +192,9 @@ def test_attach_refuses_another_store_before_reading_it(data, ivf, tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
-def test_damaged_norms_file_is_refused(ivf, tmp_path, damage):
+def test_damaged_norms_file_of_a_version_1_index_is_refused(ivf, tmp_path, damage):
     where = tmp_path / "index"
-    ivf.save(where)
+    save_v1(ivf, where)
     path = where / "row_norms.npy"
     data = bytearray(path.read_bytes())
     if damage == "delete":
@@ -206,9 +206,27 @@ def test_damaged_norms_file_is_refused(ivf, tmp_path, damage):
             data[-1] ^= 0x40
         path.write_bytes(bytes(data))
     what = "missing" if damage == "delete" else "damaged"
-    with pytest.raises(IndexMismatch, match=rf"row_norms.npy.*{what}.*--add-norms"):
+    with pytest.warns(UncheckedArtifactWarning), \
+            pytest.raises(IndexMismatch, match=rf"row_norms.npy.*{what}.*--add-norms"):
         Index.load(where)
-    assert Index.load(where, row_norms=False).row_norms is None  # the rest of the index still opens
+    with pytest.warns(UncheckedArtifactWarning):
+        assert Index.load(where, row_norms=False).row_norms is None  # the rest of the index still opens
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_damaged_norms_of_an_index_are_refused(ivf, tmp_path, damage):
+    where = tmp_path / "index"
+    ivf.save(where)
+    path = where / json.loads((where / "index.json").read_text())["tensors"]["file"]
+    data = bytearray(path.read_bytes())
+    if damage == "delete":
+        path.unlink()
+    else:
+        path.write_bytes(bytes(data[:-4] if damage == "truncate" else data[:-1] + bytes([data[-1] ^ 0x40])))
+    what = {"delete": "is missing", "truncate": "truncated or replaced", "flip": "corrupted or was replaced"}[damage]
+    for norms in (True, False):  # the norms are part of the checksummed index: refused either way
+        with pytest.raises(IndexMismatch, match=rf"{what}.*rebuild it: gradtrace index STORE --out"):
+            Index.load(where, row_norms=norms)
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, True])

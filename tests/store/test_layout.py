@@ -43,7 +43,8 @@ def test_exactly_one_of_many_concurrent_takers_gets_the_lock(tmp_path, stale):
     winners = [r for r in results if not isinstance(r, StoreError)]
     assert len(winners) == 1, results
     assert all(f"pid {os.getpid()}" in str(r) for r in results if isinstance(r, StoreError))
-    assert json.loads(lock_file(tmp_path, 0).read_text()) == {"pid": os.getpid(), "host": socket.gethostname()}
+    holder = json.loads(lock_file(tmp_path, 0).read_text())
+    assert (holder["pid"], holder["host"]) == (os.getpid(), socket.gethostname())
     release_lock(tmp_path, 0)
     assert not lock_file(tmp_path, 0).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no temporary files left
