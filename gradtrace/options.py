@@ -13,8 +13,11 @@ the artifacts (:func:`with_record`: ``config.gradtrace.options`` in a store's ``
 curvature's ``meta``), and the command line builds the same objects (``gradtrace.cli``). A field's ``help``
 metadata (on the fields the command line exposes) is also their ``--help`` text.
 
-This module sits on the floor of the package: it imports only the standard library, torch and
-:mod:`gradtrace.projection`.
+Numeric fields are checked when an object is made (:func:`gradtrace.common.checks.check_fields`: a field's ``min`` /
+``max`` / ``valid`` metadata; floats finite), so a bad number is refused before any work, on one line naming it.
+
+This module sits on the floor of the package: it imports only the standard library, torch,
+:mod:`gradtrace.common` and :mod:`gradtrace.projection`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
+from .common.checks import SEED, check_fields, nonzero
 from .projection.logra import LoGra
 
 __all__ = ["RECORD_KEY", "CaptureOptions", "FitOptions", "StoreOptions", "record", "takes_options", "with_record"]
@@ -59,8 +63,9 @@ class CaptureOptions:
         example_loss: the loss each captured gradient belongs to: ``"sum"`` over the example's target
             tokens (default) or the per-token ``"mean"``.
         loss_scale: any other constant the loop multiplied its loss by (e.g. ``1/accumulation_steps``,
-            an AMP ``GradScaler`` scale); a callable is evaluated at every forward call; None: 1 (derived from
-            the Trainer by ``GradtraceCallback``).
+            an AMP ``GradScaler`` scale): finite and not 0, since gradients are divided by it; a callable is evaluated
+            at every forward call (its value checked likewise); None: 1 (derived from the Trainer by
+            ``GradtraceCallback``).
         projection: ``gradtrace.LoGra(...)`` (or its dict form) to project at capture time, or None for exact
             gradients.
         packing: split packed rows into documents using ``position_ids`` restarts.
@@ -112,6 +117,12 @@ class CaptureOptions:
             raise ValueError(f"broadcast must be 'expand' or 'skip', got {self.broadcast!r}")
         if self.nonfinite not in ("flag", "raise"):
             raise ValueError(f"nonfinite must be 'flag' or 'raise', got {self.nonfinite!r}")
+        if self.loss_scale is not None and not callable(self.loss_scale):  # a 0-dim tensor too: as its float
+            scale = self.loss_scale
+            nonzero(float(scale) if hasattr(scale, "__float__") and not isinstance(scale, bool) else scale,
+                    "loss_scale")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
+            raise ValueError(f"ignore_index must be an integer, got {self.ignore_index!r}")
         if isinstance(self.projection, dict):  # a spec's dict form (a store's manifest records it so)
             object.__setattr__(self, "projection", LoGra.from_dict(self.projection))
         if self.projection is not None and not isinstance(self.projection, LoGra):
@@ -139,6 +150,7 @@ class StoreOptions:
             raise ValueError(f"dtype must be one of {sorted(STORE_DTYPES)}, got {self.dtype!r}")
         if self.resume and self.overwrite:
             raise ValueError("resume=True and overwrite=True contradict each other; pass one of them")
+        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,24 +163,27 @@ class FitOptions:
         fisher: ``"empirical"``, ``"true"`` (``samples`` label draws per example), ``"exact"`` or ``"auto"``
             (exact for classifiers / regressors with few outputs, else true: see
             :func:`gradtrace.curvature.fisher.resolve_fisher`); the choice made is the curvature's ``fisher``.
-        samples, seed: label draws per example for ``fisher="true"``, and their seed.
-        max_dense: dense blocks larger than this are kept diagonal.
-        damping, damping_mode: stored defaults (changeable later with ``Curvature.with_damping``).
+        samples, seed: label draws per example for ``fisher="true"`` (>= 1), and their seed (a 64-bit integer).
+        max_dense: dense blocks larger than this are kept diagonal (>= 0; 0: every block diagonal).
+        damping, damping_mode: stored defaults (changeable later with ``Curvature.with_damping``); damping is a finite
+            number >= 0 (0: undamped, refused when the curvature is used if it is singular).
         join_bias: join a module's bias to its weight's Kronecker block (K-FAC's ``[a; 1]``); False keeps
             biases as dense blocks (pure weight factors, as a PCA projection basis needs).
     """
 
     kind: str = "ekfac"
     fisher: str = "empirical"
-    samples: int = 1
-    seed: int = 0
-    max_dense: int = 4096
-    damping: float = 0.1
+    samples: int = field(default=1, metadata={"min": 1})
+    seed: int = field(default=0, metadata={"valid": SEED})
+    max_dense: int = field(default=4096, metadata={"min": 0})
+    damping: float = field(default=0.1, metadata={"min": 0})
     damping_mode: str = "relative"
     join_bias: bool = True
 
     def __post_init__(self) -> None:
         _choice(self.kind, "kind", CURVATURE_KINDS)
+        _choice(self.damping_mode, "damping_mode", ("relative", "absolute"))
+        check_fields(self)
 
 
 def record(options: Any) -> dict[str, Any]:

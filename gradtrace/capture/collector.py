@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..common.checks import nonzero
 from ..common.models import unwrap
 from ..grad.batch import GradientBatch
 from ..losses import LossConvention
@@ -334,8 +335,10 @@ class Capture:
         merged = BatchInfo(ids=info.ids, labels=pick("labels", info.labels),
                            attention_mask=pick("attention_mask", info.attention_mask), doc_ids=info.doc_ids,
                            num_items=num_items, position_ids=pick("position_ids", info.position_ids))
-        scale = self.loss_scale() if callable(self.loss_scale) else self.loss_scale
-        settings = ContextSettings(self.convention, float(scale), self.causal_lm, self.ignore_index, self.packing)
+        scale = float(self.loss_scale()) if callable(self.loss_scale) else float(self.loss_scale)
+        if callable(self.loss_scale):  # a fixed one was checked by CaptureOptions; gradients are divided by it
+            nonzero(scale, "loss_scale (the value its callable returned)")
+        settings = ContextSettings(self.convention, scale, self.causal_lm, self.ignore_index, self.packing)
         content = input_ids if input_ids is not None else primary
         return ForwardContext(len(self._contexts), batch_size=primary.shape[0], seq_len=seq_len,
                               content=content, info=merged, settings=settings)

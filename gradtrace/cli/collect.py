@@ -4,7 +4,6 @@ with several ``--model``, one store per model under ``--out`` (checkpoints for a
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import signal
@@ -22,6 +21,7 @@ from .errors import CliError
 from .groups import DATA_HELP, DataOptions, ModelOptions, ProjectionOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .options import Group, cli, progress_flag, resolved
+from .outputs import check_writable
 from .report import Phases, console, human_bytes
 
 __all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "projection_label", "run"]
@@ -281,7 +281,7 @@ def _check_target(store_opts: StoreGroup) -> int:
         raise CliError("--shard-rows and --shard-bytes both size the shards; pass one of them")
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
-    _check_writable(out, "--out")
+    check_writable(out, "--out")
     _check_not_locked(out)
     if not (out / "manifest.json").exists():
         return 0
@@ -293,25 +293,6 @@ def _check_target(store_opts: StoreGroup) -> int:
     from ..store import GradientStore
 
     return len(GradientStore.open(out, verify=False, allow_incomplete=True))
-
-
-def _check_writable(out: Path, flag: str) -> None:
-    """Refuse, before any model work, an output directory that cannot be written: a temporary file is created
-    (and removed) in it, or in its nearest existing parent when it does not exist yet; nothing is left behind."""
-    import tempfile
-
-    folder = out.absolute()
-    while not folder.exists() and folder != folder.parent:
-        folder = folder.parent
-    try:
-        if not folder.is_dir():
-            raise NotADirectoryError(f"{folder} is not a directory")
-        handle, probe = tempfile.mkstemp(prefix=".tmp-gradtrace-probe-", dir=folder)
-        os.close(handle)
-        os.unlink(probe)
-    except OSError as err:
-        raise CliError(f"cannot write {flag} {out}: {folder} is not writable ({err.strerror or err}); choose another "
-                       f"{flag} or fix the directory's permissions") from None
 
 
 def _check_not_locked(out: Path) -> None:

@@ -11,6 +11,9 @@ A config file holds option values under their option names (``batch_size`` or ``
 
 Values from the file replace the option defaults; options given on the command line win over the file.
 Relative paths in the file are relative to the file's folder (not to the working directory).
+A config file is checked before it is parsed: a regular file (a FIFO or a device is refused unopened) of at
+most 1 MiB, in UTF-8 (an error names the byte offset); YAML anchors and aliases (``&a``, ``*a``) are refused, so
+a few hundred bytes cannot expand into gigabytes, and so is nesting deeper than 32 levels.
 A key that no command knows is an error (with a suggestion); a shared key that only some commands know is
 ignored by the others. Every command writes its fully resolved configuration next to its output
 (``gradtrace-<command>.yaml``), in the same format and with paths relative to its folder, so a run can be
@@ -21,6 +24,7 @@ STORE/gradtrace-<command>.yaml --overwrite`` (the command its header prints).
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import sys
@@ -30,8 +34,8 @@ from typing import Any
 
 from .errors import CliError
 
-__all__ = ["CONFIG_HELP", "META_KEY", "load_config", "read_resolved", "resolve_against", "resolved_name",
-           "write_resolved"]
+__all__ = ["CONFIG_HELP", "MAX_CONFIG_BYTES", "META_KEY", "load_config", "load_yaml", "read_resolved",
+           "resolve_against", "resolved_name", "write_resolved"]
 
 CONFIG_HELP = "YAML or TOML file of option values (keys = option names); command-line options override it."
 META_KEY = "gradtrace"
@@ -42,8 +46,78 @@ def resolved_name(command: str) -> str:
     return f"gradtrace-{command}.yaml"
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""Largest configuration file read (1 MiB; option values take a few KiB): a larger one is refused unread."""
+MAX_DEPTH = 32
+"""Deepest nesting of lists and mappings in a YAML configuration (option values nest two or three levels)."""
+
+
+def _read(path: Path) -> str:
+    """The text of configuration file ``path``, checked before it is parsed: a regular file (a FIFO or a device
+    is refused unopened) of at most :data:`MAX_CONFIG_BYTES`, in UTF-8."""
+    from ..data.errors import DataError
+    from ..data.files import check_input
+
+    try:
+        info = check_input(path, "config file")
+    except DataError as err:
+        raise CliError(str(err)) from None
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise CliError(f"config file {path} holds {info.st_size:,} bytes, more than a configuration can "
+                       f"({MAX_CONFIG_BYTES:,}): give the file of option values")
+    with open(path, "rb") as handle:
+        data = handle.read(MAX_CONFIG_BYTES + 1)  # bounded, also when the file grows after the check
+    if len(data) > MAX_CONFIG_BYTES:
+        raise CliError(f"config file {path} holds more than {MAX_CONFIG_BYTES:,} bytes: give the file of option "
+                       "values")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise CliError(f"config file {path} is not UTF-8 text ({err.reason}: byte 0x{data[err.start]:02x} at byte "
+                       f"offset {err.start}); save it as UTF-8") from None
+
+
+class _NotAllowed(Exception):
+    """Valid YAML that a configuration may not hold (an anchor or alias, nesting too deep): ``(problem, mark)``."""
+
+
+@functools.cache
+def _yaml_loader() -> Any:
+    """A ``yaml.SafeLoader`` that refuses anchors and aliases (``&a`` / ``*a``: an alias composes its node again,
+    so a few hundred bytes of nested aliases -- a "billion laughs" -- expand into gigabytes) and nesting deeper
+    than :data:`MAX_DEPTH` (composing recurses), raising :class:`_NotAllowed` at the node."""
+    import yaml
+
+    class BoundedLoader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                raise _NotAllowed("anchors and aliases (&name, *name) are not allowed in a configuration; write "
+                                  "each value out", event.start_mark)
+            if not isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                return super().compose_node(parent, index)
+            if self.depth >= MAX_DEPTH:
+                raise _NotAllowed(f"values nest more than {MAX_DEPTH} levels deep", event.start_mark)
+            self.depth += 1
+            try:
+                return super().compose_node(parent, index)
+            finally:
+                self.depth -= 1
+
+    return BoundedLoader
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)`` refusing anchors, aliases and deep nesting (:class:`_NotAllowed`)."""
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())  # a SafeLoader subclass
+
+
 def _parse(path: Path) -> Any:
-    text = path.read_text()
+    text = _read(path)
     if path.suffix.lower() == ".toml":
         try:
             import tomllib
@@ -56,10 +130,15 @@ def _parse(path: Path) -> Any:
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as err:
             raise CliError(f"{path} is not valid TOML: {err}") from None
+        except RecursionError:  # arrays nested thousands deep
+            raise CliError(f"{path} is not a usable TOML configuration: its values nest too deep") from None
     import yaml
 
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except _NotAllowed as err:
+        problem, mark = err.args
+        raise CliError(f"config file {path} line {mark.line + 1}, column {mark.column + 1}: {problem}") from None
     except yaml.YAMLError as err:
         detail = " ".join(str(err).split())
         raise CliError(f"{path} is not valid YAML: {detail}") from None
@@ -72,8 +151,6 @@ def load_config(path: Path, command: str, known: dict[str, list[str]]) -> dict[s
     Keys are normalized (``batch-size`` -> ``batch_size``); the ``gradtrace`` provenance block of a
     resolved configuration is checked (it must be for the same command) and dropped.
     """
-    if not path.is_file():
-        raise CliError(f"config file {path} does not exist")
     data = _parse(path)
     if data is None:
         return {}
@@ -128,9 +205,9 @@ def write_resolved(directory: Path, command: str, values: dict[str, Any]) -> Pat
         header += (f"# Add the examples the data gained (or finish an interrupted run) with: gradtrace {command} "
                    f"--config {shown} --resume\n")
     text = header + yaml.safe_dump(json.loads(json.dumps(document)), sort_keys=False, allow_unicode=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    from ..store.artifact import atomic_write_bytes
+
+    atomic_write_bytes(path, text.encode("utf-8"))  # a temporary of its own: concurrent runs never share one
     return path
 
 
@@ -188,7 +265,7 @@ def read_resolved(directory: Path, command: str) -> dict[str, Any] | None:
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
+        data = load_yaml(_read(path))
+    except (CliError, _NotAllowed, yaml.YAMLError):
         return None
     return data if isinstance(data, dict) else None

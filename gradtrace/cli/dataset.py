@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .data_warnings import data_warnings_shown
 from .groups import DataOptions
 
-__all__ = ["data_kwargs", "read_dataset"]
+__all__ = ["data_kwargs", "data_warnings_shown", "read_dataset"]
 
 
 def data_kwargs(opts: DataOptions) -> dict[str, Any]:

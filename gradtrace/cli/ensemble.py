@@ -34,8 +34,8 @@ class EnsembleOptions(Group):
         "trak, trackstar: gradtrace fit each store with its own --model (trackstar: and --optimizer).",
         "--member-curvature", "--member-fit", metavar="FIT_DIR"))
     ensemble_weights: list[float] = field(default_factory=list, metadata=cli(
-        "Weight of each member, STORE first (repeat; default equal; normalised to sum to 1).", "--ensemble-weights",
-        metavar="W"))
+        "Weight of each member, STORE first (repeat; default equal; normalised to sum to 1; not all 0).",
+        "--ensemble-weights", metavar="W", min=0))
 
 
 def is_ensemble(method: str, store_count: int) -> bool:
@@ -56,6 +56,8 @@ def check_ensemble(method: str, opts: EnsembleOptions, store_count: int, *, curv
     if opts.ensemble_weights and len(opts.ensemble_weights) != count:
         raise CliError(f"{len(opts.ensemble_weights)} --ensemble-weights for {count} stores: give one weight per "
                        "store, STORE first")
+    if opts.ensemble_weights and not any(opts.ensemble_weights):  # each is >= 0 (cli.options.check_values)
+        raise CliError("--ensemble-weights are all 0: give at least one member a positive weight")
     fitted = needs_fit(method)
     if fitted and (curvature is None or len(opts.member_curvature) != count - 1):
         data = "" if saves_fit(method) else " TRAIN.jsonl"

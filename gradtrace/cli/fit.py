@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .. import options as api
+from ..common.checks import SEED
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
@@ -35,6 +36,7 @@ from .models import (
     tokenizer_dir,
 )
 from .options import Group, cli, progress_flag, resolved
+from .outputs import check_output_dir
 from .report import Phases, console
 
 __all__ = ["OPTIONS", "FitOptions", "run"]
@@ -56,7 +58,7 @@ class CurvatureOptions(Group):
         "Labels of the Fisher: sampled from the model (true), the observed ones (empirical), or auto (the Python "
         "API's default: true for language models; the saved curvature records the choice)."))
     samples: int = field(default=1, metadata=cli("Label samples per example for --fisher true.", min=1))
-    seed: int = field(default=0, metadata=cli("Seed of the label sampling."))
+    seed: int = field(default=0, metadata=cli("Seed of the label sampling.", valid=SEED))
     damping: float = field(default=0.1, metadata=cli(
         "Default damping saved with the fit (relative: times the mean eigenvalue of each block; trak: of its "
         "kernel; trackstar: of its autocorrelation).", min=0))
@@ -138,6 +140,7 @@ def run(opts: FitOptions) -> None:
         if (cv.out / f"{kind}.json").exists() and not cv.overwrite:
             raise CliError(f"{cv.out} already holds a fitted {'curvature' if kind == 'curvature' else 'method'}: pass "
                            "--overwrite to replace it")
+    check_output_dir(cv.out, "--out", stem="curvature", also=("fit",), what="a fit", overwrite=cv.overwrite)
     _check_method_flags(opts)
     if not opts.store.exists():
         raise CliError(f"store {opts.store} does not exist")
@@ -194,7 +197,7 @@ def run(opts: FitOptions) -> None:
     read = (opts.data, batches.num_examples) if cv.method != "logra" else (None, None)  # the data fitted on
     curvature.meta["config"] = {META_KEY: provenance("fit", *read), **values}
     with phases("save"):
-        curvature.save(cv.out)
+        curvature.save(cv.out, overwrite=cv.overwrite)
         written = write_resolved(cv.out, "fit", values)
     out = console()
     out.print(f"Fitted {cv.method} curvature for {store.root} ({len(curvature.blocks)} blocks); saved in {cv.out}")
@@ -302,7 +305,8 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
     values = resolved(final)
     with phases("save"):
         try:
-            save_fit(attributor, cv.out, meta={"config": {META_KEY: provenance("fit", None, None), **values}})
+            save_fit(attributor, cv.out, overwrite=cv.overwrite,
+                     meta={"config": {META_KEY: provenance("fit", None, None), **values}})
         except OSError as err:
             raise CliError(f"could not save the fit in {cv.out}: {err.strerror or err} (a fit saved there before is "
                            "kept, or refused on load if its preconditioner was replaced); free space and fit again",

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..common.checks import SEED
 from ..options import CaptureOptions
 from ..projection import LoGra
 from .options import Group, cli
@@ -74,7 +75,8 @@ class GenerateOptions(Group):
     max_new_tokens: int = field(default=64, metadata=cli("Longest generated answer, in tokens.", min=1))
     temperature: float = field(default=0.0, metadata=cli(
         "0: greedy decoding; above 0: sample at this temperature (no top-k/top-p).", min=0.0))
-    generate_seed: int = field(default=0, metadata=cli("Seed of the sampling (same seed, same answers).", "--seed"))
+    generate_seed: int = field(default=0, metadata=cli("Seed of the sampling (same seed, same answers).", "--seed",
+                                                                          valid=SEED))
 
     def settings(self, model: object) -> object | None:
         """A :class:`gradtrace.data.Generate` for ``model``, or None without --generate."""
@@ -95,7 +97,8 @@ class ProjectionOptions(Group):
         "logra: Kronecker-factored random projection at capture; none: exact full gradients (tiny models only)."))
     rank: int = field(default=16, metadata=cli(
         "LoGra rank per factor (a matrix parameter stores rank x rank numbers).", min=1))
-    seed: int = field(default=0, metadata=cli("LoGra projection seed (queries are projected with the store's seed)."))
+    seed: int = field(default=0, metadata=cli("LoGra projection seed (queries are projected with the store's seed).",
+                                                        valid=SEED))
     ranks: str = field(default="", metadata=cli(
         "Per-parameter LoGra ranks, comma-separated GLOB=ROWSxCOLS or GLOB=RANK (e.g. '*wte.weight=512x32': keep "
         "an embedding's vocabulary axis).", metavar="SPEC"))
@@ -171,12 +174,14 @@ class TextOptions(Group):
     def texts(self, side: Literal["train", "query"], recorded: Any) -> tuple[dict[str, str], str]:
         """``({id: text}, where they came from)`` of one side (:meth:`source`), ids as collect/score gave them."""
         from ..report import ReportError, read_texts
+        from .data_warnings import data_warnings_shown
         from .errors import CliError
 
         source = self.source(side, recorded)
         what = "training data" if side == "train" else "queries"
         try:
-            texts = read_texts(source, what=what)
+            with data_warnings_shown():  # a file changed since it was collected/scored: one line on stderr
+                texts = read_texts(source, what=what)
         except ReportError as err:
             raise CliError(str(err)) from None
         given = self.data if side == "train" else self.queries

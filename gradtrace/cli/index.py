@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from ..common.checks import SEED
 from .config import write_resolved
 from .errors import CliError
 from .options import Group, cli, progress_flag, resolved
+from .outputs import check_output_dir
 from .report import Phases, console, human_bytes
 
 __all__ = ["OPTIONS", "IndexOptions", "run"]
@@ -45,7 +47,7 @@ class BuildOptions(Group):
         "ivfpq: cells searched per query, saved with the index (default: min(nlist, 16)).", min=1))
     train_rows: int = field(default=65536, metadata=cli(
         "ivfpq: rows sampled uniformly from the store to train the quantizers.", min=1))
-    seed: int = field(default=0, metadata=cli("Seed of the training sample."))
+    seed: int = field(default=0, metadata=cli("Seed of the training sample.", valid=SEED))
     block_rows: int = field(default=65536, metadata=cli("Store rows read and added per block (bounds memory).",
                                                         min=1))
 
@@ -88,10 +90,7 @@ def run(opts: IndexOptions) -> None:
     if opts.add_norms:
         _add_norms(opts)
         return
-    if opts.out.exists() and not opts.out.is_dir():
-        raise CliError(f"--out {opts.out} exists and is not a directory")
-    if (opts.out / "index.json").exists() and not opts.overwrite:
-        raise CliError(f"{opts.out} already holds an index: pass --overwrite to replace it")
+    check_output_dir(opts.out, "--out", stem="index", what="an index", overwrite=opts.overwrite)
     phases = Phases()
     with phases("open store"):
         store = GradientStore.open(opts.store)
@@ -123,8 +122,8 @@ def run(opts: IndexOptions) -> None:
 
 
 def _add_norms(opts: IndexOptions) -> None:
-    """``--add-norms``: compute the row norms of the index saved in ``--out`` from STORE and write them there
-    (``row_norms.npy``, then ``index.json``, each atomically); the FAISS data is not touched."""
+    """``--add-norms``: compute the row norms of the index saved in ``--out`` from STORE and save the index again
+    with them (atomically: the FAISS data is written unchanged)."""
     from ..score.index import FaissMissing, Index, IndexMismatch
     from ..store import GradientStore
 
@@ -132,24 +131,24 @@ def _add_norms(opts: IndexOptions) -> None:
         raise CliError(f"--add-norms adds row norms to the index saved in --out; {opts.out} holds none: build one "
                        f"with gradtrace index {opts.store} --out {opts.out}")
     try:
-        index = Index.load(opts.out, row_norms=False)  # saved norms unread: damaged ones are rewritten
+        try:
+            index = Index.load(opts.out)
+        except IndexMismatch:  # a version-1 index whose norms file is missing or damaged: written again below
+            index = Index.load(opts.out, row_norms=False)
     except FaissMissing as err:
         raise CliError(str(err)) from None
     store = GradientStore.open(opts.store)
     index.check_store(store)  # another store, or a changed one: refused before anything else
     out = console()
-    try:
-        if index.saved_row_norms() is not None:
-            out.print(f"Index {opts.out} already records the norms of its {len(index):,} rows; nothing to do")
-            return
-    except IndexMismatch:
-        pass  # its norms file is missing or damaged: written again below
+    if index.row_norms is not None:
+        out.print(f"Index {opts.out} already records the norms of its {len(index):,} rows; nothing to do")
+        return
     phases = Phases()
     with phases("row norms"):
         norms = index.attach_row_norms(store, block_rows=opts.build_options.block_rows,
                                        progress=opts.progress)
     out.print(f"Added the L2 norms of {len(norms):,} rows of {opts.store} to {opts.out} "
-              f"(row_norms.npy, {human_bytes(4 * len(norms))})")
+              f"({human_bytes(4 * len(norms))})")
     out.print(f"Next: gradtrace score {opts.store} QUERIES --index {opts.out} --norm-rows {max(1, len(norms) // 100)} "
               "--out SCORES_DIR")
     if opts.progress:

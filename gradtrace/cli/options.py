@@ -9,6 +9,11 @@ flags (:func:`cli`). :func:`make_command` turns the dataclass into a typer comma
 TOML file, overridden by the command line) and calls the command's function with a filled-in instance.
 The same dataclass gives the fully resolved configuration written next to every output
 (:func:`resolved`), so the help text, the config-file keys and the saved configuration cannot drift apart.
+
+Every numeric option is checked by :func:`check_values` before the command runs (so before any model or store
+work), from its range (:class:`gradtrace.common.checks.Range`: ``min`` / ``max`` / ``valid`` in its metadata; a
+float must be finite even without bounds): a value outside it -- ``nan``, ``inf`` and ``-1`` included, which the
+float parser takes -- ends the command with one ``Error: --flag must be ..., got ...`` line and exit code 2.
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from ..common.checks import Range, range_from
 from .config import CONFIG_HELP, load_config, resolve_against
 from .errors import CliError, fail, reported_errors
 
-__all__ = ["COMMANDS", "Group", "cli", "config_keys", "flat_fields", "make_command", "progress_flag", "resolved"]
+__all__ = ["COMMANDS", "Group", "check_values", "cli", "config_keys", "flat_fields", "make_command", "numeric_kind",
+           "progress_flag", "resolved"]
 
 T = TypeVar("T")
 
@@ -37,11 +44,14 @@ def cli(help: str, *flags: str, argument: bool = False, **typer_kwargs: Any) -> 
     """``field(metadata=cli(...))``: how a dataclass field appears on the command line.
 
     ``help``: its one-line doc; ``flags``: its option flags (default ``--field-name``); ``argument``: a
-    positional argument instead of an option; ``typer_kwargs``: more typer settings (``min``, ``metavar``).
+    positional argument instead of an option; ``typer_kwargs``: more typer settings (``metavar``), except the
+    range of a numeric option -- ``min`` / ``max`` (``min_open``: strictly above ``min``) or ``valid`` (a
+    :class:`~gradtrace.common.checks.Range`) -- which :func:`check_values` checks, NaN and inf included.
     The field's default is the option's default; a field without one is a required option or argument.
     """
     kind = "argument" if argument else "option"
-    return {"cli": {"kind": kind, "decls": flags, "help": help, "kwargs": typer_kwargs}}
+    bounds = {key: typer_kwargs.pop(key) for key in ("min", "max", "min_open", "valid") if key in typer_kwargs}
+    return {"cli": {"kind": kind, "decls": flags, "help": help, "kwargs": typer_kwargs, "bounds": bounds}}
 
 
 def progress_flag(help: str = "Show progress bars and the time profile.") -> Any:
@@ -65,6 +75,40 @@ class FlatField:
     default: Any
     info: dict[str, Any]
     panel: str | None
+
+    @property
+    def range(self) -> Range | None:
+        """The values the option accepts (None: not numeric, or an integer option without bounds)."""
+        kind = numeric_kind(self.type)
+        return None if kind is None else range_from(kind, self.info.get("bounds", {}))
+
+    @property
+    def flag(self) -> str:
+        """How errors name the option: its first long flag (``--damping``), or an argument's metavar."""
+        if self.info["kind"] == "argument":
+            return self.info["kwargs"].get("metavar", self.name.upper())
+        longs = [decl.split("/")[0] for decl in self.info["decls"] if decl.startswith("--")]
+        return longs[0] if longs else f"--{self.name.replace('_', '-')}"
+
+
+def numeric_kind(kind: Any) -> type | None:
+    """``int`` / ``float`` for an option of type ``int``, ``float``, ``X | None`` or ``list[X]`` of them, else
+    None (``bool`` is not numeric)."""
+    if kind in (int, float):
+        return kind
+    args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+    return args[0] if len(args) == 1 and args[0] in (int, float) else None
+
+
+def check_values(specs: list[FlatField], values: dict[str, Any]) -> None:
+    """Refuse a numeric option's value outside its range (every item of a repeated one): a ValueError naming the
+    flag and the range, which the command reports on one line (exit 2). None (an option not given) passes."""
+    for spec in specs:
+        rule, value = spec.range, values.get(spec.name)
+        if rule is None or value is None:
+            continue
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            rule.check(item, spec.flag)
 
 
 def flat_fields(cls: type, panel: str | None = None) -> list[FlatField]:
@@ -90,19 +134,21 @@ def _cli_info(f: Any) -> dict[str, Any]:
     which cannot know the command line), one made from its ``help`` metadata and bounds (``min``)."""
     if "cli" in f.metadata:
         return f.metadata["cli"]
-    bounds = {key: f.metadata[key] for key in ("min", "max") if key in f.metadata}
+    bounds = {key: f.metadata[key] for key in ("min", "max", "min_open", "valid") if key in f.metadata}
     return cli(f.metadata["help"], **bounds)["cli"]
 
 
 def _typer_parameter(spec: FlatField) -> inspect.Parameter:
     info = spec.info
     kwargs = dict(info["kwargs"])
+    rule = spec.range
+    text = info["help"] if rule is None else f"{info['help']} [{rule.brief()}]"
     if spec.panel and info["kind"] == "option":
         kwargs.setdefault("rich_help_panel", spec.panel)
     if info["kind"] == "argument":
-        marker = typer.Argument(help=info["help"], show_default=spec.default is not MISSING, **kwargs)
+        marker = typer.Argument(help=text, show_default=spec.default is not MISSING, **kwargs)
     else:
-        marker = typer.Option(*info["decls"], help=info["help"], **kwargs)
+        marker = typer.Option(*info["decls"], help=text, **kwargs)
     default = inspect.Parameter.empty if spec.default is MISSING else spec.default
     return inspect.Parameter(spec.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                              annotation=Annotated[spec.type, marker])
@@ -200,8 +246,9 @@ def _holds_paths(kind: Any) -> bool:
 def make_command(name: str, options_cls: type[T], run: Callable[[T], None]) -> Callable[..., None]:
     """A typer command function (signature generated from ``options_cls``) that calls ``run(options)``.
 
-    ``run``'s docstring is the command's help. Bad-input errors raised by ``run`` are printed on one line
-    and exit with code 2 (see :mod:`gradtrace.cli.errors`).
+    ``run``'s docstring is the command's help. Numeric options are checked first (:func:`check_values`); those
+    refusals and the bad-input errors raised by ``run`` are printed on one line and exit with code 2 (see
+    :mod:`gradtrace.cli.errors`).
     """
     COMMANDS[name] = options_cls
     specs = flat_fields(options_cls)
@@ -214,6 +261,7 @@ def make_command(name: str, options_cls: type[T], run: Callable[[T], None]) -> C
     def command(**values: Any) -> None:
         values.pop("config", None)
         with reported_errors():
+            check_values(specs, values)
             run(_build(options_cls, values))
 
     command.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]

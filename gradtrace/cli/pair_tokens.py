@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..data.files import data_changed
 from ..provenance import resolve_paths
 from .dataset import read_dataset
 from .errors import CliError
@@ -25,7 +26,8 @@ __all__ = ["recorded_data", "token_attributions"]
 
 
 def recorded_data(store: Any) -> tuple[Path, DataOptions]:
-    """The training data file and data options a store records (written by ``gradtrace collect``)."""
+    """The training data file and data options a store records (written by ``gradtrace collect``); refused when
+    the file is gone or no longer holds the bytes the store fingerprinted."""
     recorded = resolve_paths(store.manifest.get("config") or {}, store.root)
     data = recorded.get("data")
     if not data:
@@ -34,6 +36,11 @@ def recorded_data(store: Any) -> tuple[Path, DataOptions]:
     if not Path(data).exists():
         raise CliError(f"--tokens re-captures the top-k training examples from {data}, the data store "
                        f"{store.root} was collected from, which no longer exists; put it back there")
+    changed = data_changed(data, recorded)  # the size, then (same size) the content hash the store records
+    if changed is not None:
+        raise CliError(f"--tokens re-captures the top-k training examples from {data}, the data store {store.root} "
+                       f"was collected from, but it changed since ({changed}): its examples may not be the stored "
+                       "ones; put the collected file back, or collect the store again")
     known = {f.name for f in fields(DataOptions)}
     return Path(data), DataOptions(**{name: value for name, value in recorded.items() if name in known})
 

@@ -15,6 +15,7 @@ from typing import Any
 from .errors import CliError
 from .groups import TextOptions
 from .options import cli
+from .outputs import check_output_file
 from .report import console, human_bytes
 from .score import MethodName
 
@@ -29,6 +30,7 @@ class ReportOptions:
                                       metavar="SCORES_DIR"))
     out: Path | None = field(default=None, metadata=cli(
         "HTML file to write (default: SCORES_DIR/report.html).", "--out", "-o", metavar="FILE"))
+    overwrite: bool = field(default=False, metadata=cli("Replace the --out file if it exists."))
     text_options: TextOptions
     k: int = field(default=5, metadata=cli("Helpful and harmful training examples shown per query.", "--k", "-k",
                                            min=1))
@@ -63,6 +65,7 @@ def run(opts: ReportOptions) -> None:
     out = opts.out if opts.out is not None else opts.scores / "report.html"
     if out.is_dir():
         raise CliError(f"--out {out} is a directory; give the report's file name (e.g. {out / 'report.html'})")
+    check_output_file(out, "--out", overwrite=opts.overwrite, own=opts.scores)
     scores = Scores.load(opts.scores)
     train_source, query_source = recorded_sources(scores.meta)
     texts, text_from = opts.text_options.texts("train", train_source)

@@ -37,6 +37,7 @@ from .models import (
     tokenizer_dir,
 )
 from .options import Group, cli, progress_flag, resolved
+from .outputs import check_output_dir, check_output_file
 from .report import Phases, console
 
 __all__ = ["OPTIONS", "ScoreOptions", "run"]
@@ -122,7 +123,8 @@ class CheckpointOptions(Group):
         "Another training store, one per further checkpoint (repeat; STORE is the first).", "--store",
         metavar="STORE"))
     lr: list[float] = field(default_factory=list, metadata=cli(
-        "Learning rate of each checkpoint, in store order (repeat; tracin weights each checkpoint by it)."))
+        "Learning rate of each checkpoint, in store order (repeat; tracin weights each checkpoint by it; not all 0).",
+        min=0))
 
 
 @dataclass(kw_only=True)
@@ -206,6 +208,10 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                 if not path.exists():
                     raise CliError(f"store {path} does not exist")
             stores = [GradientStore.open(path) for path in store_paths]
+        if sc.tokens:  # the data --tokens re-captures from is there and unchanged, before any model work
+            from .pair_tokens import recorded_data
+
+            recorded_data(stores[0])
         fitted = fitted_methods(sc, store_paths[0], opts.ensemble_options)  # gradtrace.cli.fitted
         index = _open_index(sc, stores[0], multi or ensemble, world)
         models = _models(opts.model, stores)
@@ -257,7 +263,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     with agreed("saving the scores"), phases("save"):
         if rank == 0:  # every rank holds the same scores; one writes them
             try:
-                scores.save(sc.out)
+                scores.save(sc.out, overwrite=sc.overwrite)
                 written = write_resolved(sc.out, "score", values)
                 if sc.export:
                     scores.export(sc.export, k=sc.topk or None)
@@ -371,12 +377,9 @@ def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreOptions
 
 
 def _check_out(sc: ScoringOptions) -> None:
-    if sc.out.exists() and not sc.out.is_dir():
-        raise CliError(f"--out {sc.out} exists and is not a directory")
-    if (sc.out / "manifest.json").exists():
-        raise CliError(f"--out {sc.out} is a gradient store; save the scores in another directory")
-    if (sc.out / "scores.json").exists() and not sc.overwrite:
-        raise CliError(f"{sc.out} already holds scores: pass --overwrite to replace them")
+    check_output_dir(sc.out, "--out", stem="scores", what="scores", overwrite=sc.overwrite)
+    if sc.export is not None:
+        check_output_file(sc.export, "--export", overwrite=sc.overwrite, own=sc.out)
     if sc.export is not None and sc.export.suffix.lower() not in EXPORT_SUFFIXES:
         raise CliError(f"--export {sc.export}: unknown format {sc.export.suffix or '(no suffix)'!r}; use a .csv, "
                        ".json or .parquet file")
@@ -395,6 +398,9 @@ def _check_checkpoints(method: str, multi: bool, store_paths: list[Path], ck: Ch
     if len(ck.lr) != len(store_paths):
         raise CliError(f"--method {method} needs one --lr per checkpoint: got {len(ck.lr)} for {len(store_paths)} "
                        f"stores (STORE and {len(ck.checkpoint_stores)} --store)")
+    if not any(ck.lr):  # each is a finite number >= 0 (gradtrace.cli.options.check_values)
+        raise CliError("--lr: every learning rate is 0, which makes every score 0; give the checkpoints their "
+                       "learning rates")
 
 
 def _models(given: list[Path], stores: list[Any]) -> list[Path]:

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..store.atomic import atomic_output
 from .ensemble import EnsembleOptions, check_ensemble
 from .errors import CliError
 from .fitted import load_fitted
 from .options import cli
+from .outputs import check_output_file
 from .report import console
 
 __all__ = ["OPTIONS", "SelfInfluenceOptions", "run"]
@@ -39,6 +41,7 @@ class SelfInfluenceOptions:
     top: int = field(default=20, metadata=cli("Examples shown (highest self-influence first).", min=1))
     out: Path | None = field(default=None, metadata=cli("Also write every example's self-influence, highest first, "
                                                         "to this .csv or .json file."))
+    overwrite: bool = field(default=False, metadata=cli("Replace the --out file if it exists."))
     data: Path | None = field(default=None, metadata=cli(
         "Training data to show texts from (default: the data the store records, when it exists)."))
     width: int = field(default=70, metadata=cli("Characters of text shown per example.", min=10))
@@ -61,6 +64,8 @@ def run(opts: SelfInfluenceOptions) -> None:
 
     if opts.out is not None and opts.out.suffix.lower() not in (".csv", ".json"):
         raise CliError(f"--out {opts.out}: write a .csv or .json file")
+    if opts.out is not None:
+        check_output_file(opts.out, "--out", overwrite=opts.overwrite)
     if not (opts.store / "manifest.json").exists():
         raise CliError(f"{opts.store} holds no gradient store (no manifest.json); write one with gradtrace collect")
     paths = [opts.store, *opts.member_stores]
@@ -99,6 +104,7 @@ def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
     """Texts by id from --data or the data the store records (empty when neither can be read)."""
     from ..data.prepare import dataset_texts
     from ..provenance import resolve_paths
+    from .dataset import data_warnings_shown
     from .models import load_tokenizer
 
     recorded = resolve_paths(store.manifest.get("config") or {}, store.root)  # paths relative to the store
@@ -108,17 +114,18 @@ def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
     tokenizer, source = None, recorded.get("tokenizer") or recorded.get("model")  # as collect tokenized it
     if source and Path(source).exists():
         tokenizer = load_tokenizer(Path(source))
-    return dataset_texts(path, tokenizer, recorded, text_field=recorded.get("text_field") or "text",
-                         id_field=recorded.get("id_field") or "id", what="data")
+    with data_warnings_shown():  # the data changed since collect: one line on stderr
+        return dataset_texts(path, tokenizer, recorded, text_field=recorded.get("text_field") or "text",
+                             id_field=recorded.get("id_field") or "id", what="data")
 
 
 def _write(path: Path, rows: list[dict[str, Any]]) -> None:
     fields = ["rank", "id", "self_influence", "num_targets"]
     plain = [{k: row[k] for k in fields} for row in rows]
-    if path.suffix.lower() == ".json":
-        path.write_text(json.dumps(plain, indent=1) + "\n")
-        return
-    with path.open("w", newline="") as handle:
+    with atomic_output(path) as tmp, tmp.open("w", newline="") as handle:  # a failure leaves no half file
+        if path.suffix.lower() == ".json":
+            handle.write(json.dumps(plain, indent=1) + "\n")
+            return
         writer = csv.DictWriter(handle, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(plain)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.checks import at_least
 from ..store.artifact import read_artifact, write_artifact
 from ..store.spec import GradientSpec
 from .blocks import Block, DenseBlock, KronBlock, block_from_dict
@@ -101,11 +102,11 @@ class Curvature:
     def __post_init__(self) -> None:
         if self.damping_mode not in ("relative", "absolute"):
             raise ValueError(f"damping_mode must be 'relative' or 'absolute', got {self.damping_mode!r}")
-        if self.damping < 0:
-            raise ValueError("damping must be >= 0")
+        at_least(self.damping, "damping", 0)
 
     def with_damping(self, damping: float, mode: str | None = None) -> Curvature:
-        """The same fit with another damping (no refit)."""
+        """The same fit with another damping (no refit): a finite number >= 0 (0: undamped, refused when used if the
+        curvature is singular)."""
         return replace(self, damping=damping, damping_mode=mode or self.damping_mode)
 
     def block_damping(self, name: str) -> float:
@@ -226,9 +227,10 @@ class Curvature:
         return "\n".join(lines)
 
     # -- persistence -------------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
+    def save(self, path: str | Path, *, overwrite: bool = False) -> Path:
         """``path/curvature.json`` (spec, blocks, settings, checksums) + ``path/curvature-<hash>.safetensors``
-        (eigendata), written atomically: a failed save leaves a previous fit in ``path`` intact."""
+        (eigendata), written atomically under the directory's write lock: a failed save leaves a previous fit in
+        ``path`` intact; a curvature already saved there is replaced only with ``overwrite``."""
         tensors: dict[str, Tensor] = {}
         for name, eig in self.blocks.items():
             for key, value in _eigen_tensors(eig).items():
@@ -237,7 +239,7 @@ class Curvature:
         info = {"kind": self.kind, "fisher": self.fisher, "damping": self.damping, "damping_mode": self.damping_mode,
                 "spec": self.spec.to_dict(), "blocks": [eig.block.to_dict() for eig in self.blocks.values()],
                 "meta": self.meta}
-        write_artifact(path, "curvature", FORMAT, VERSION, info, tensors)
+        write_artifact(path, "curvature", FORMAT, VERSION, info, tensors, overwrite=overwrite, what="curvature")
         return Path(path)
 
     @classmethod

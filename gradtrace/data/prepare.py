@@ -17,6 +17,7 @@ from . import sources
 from .chat import check_chat_template
 from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
+from .files import warn_if_changed
 from .formats import FORMATS, Fields, LossOn, detect, has_fields, loss_targets, missing_fields_error, validate
 from .generate import Generate, generate_chunk, prompt_of
 from .ids import ContentIds, content_hash
@@ -91,7 +92,7 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
                                 "examples only (completions always end with EOS; chat templates end the turns); "
                                 "drop it")
         tokens = tokenize_chunk(chunk.records, wheres, tokenizer, state.format, state.conversational, state.targets,
-                                fields, add_eos)
+                                fields, add_eos, max_length)  # a text far longer is cut before it is tokenized
         state.add(tokens, chunk.records, wheres, max_length, truncate, keep_text)
     state.eos_added = add_eos
     return state.finish(tokenizer, max_length, truncate, batch_size, pad_id, what)
@@ -116,7 +117,7 @@ class _State:
     texts: list[str] = field(default_factory=list)
     answers: list[str] = field(default_factory=list)
     empty: list[str] = field(default_factory=list)
-    too_long: list[tuple[str, str | None, int]] = field(default_factory=list)
+    too_long: list[tuple[str, str | None, int, bool]] = field(default_factory=list)  # needed: a lower bound if True
     prompt_truncated: int = 0
     cut: int = 0
     eos_added: bool = False
@@ -170,10 +171,12 @@ class _State:
         self.empty += [w for w, n in zip(wheres, tokens.lengths) if n == 0]
         user_ids = [None if r.get(self.fields.id) is None else str(r[self.fields.id]) for r in records]
         if max_length is not None:
+            partial = tokens.partial if tokens.partial is not None else np.zeros(len(records), dtype=bool)
             tokens, prompt_cut, too_long, needed = _truncate(tokens, max_length, truncate)
             self.prompt_truncated += int(prompt_cut.sum())
             self.cut += int(too_long.sum()) if truncate else 0
-            self.too_long += [(wheres[i], user_ids[i], int(needed[i])) for i in np.flatnonzero(too_long)]
+            self.too_long += [(wheres[i], user_ids[i], int(needed[i]), bool(partial[i]))
+                              for i in np.flatnonzero(too_long)]
         offsets = tokens.offsets
         hashed = [i for i, ident in enumerate(user_ids) if ident is None]
         numbered = iter(self.content_ids.number(content_hash(tokens.tokens[offsets[i]:offsets[i + 1]]) for i in hashed))
@@ -232,19 +235,23 @@ def _truncate(chunk: TokenChunk, max_length: int, keep_long: bool
     return out, left > 0, too_long, needed
 
 
-def _too_long_error(too_long: list[tuple[str, str | None, int]], fmt: str, max_length: int | None) -> DataError:
-    where, ident, needed = too_long[0]
+def _too_long_error(too_long: list[tuple[str, str | None, int, bool]], fmt: str, max_length: int | None
+                    ) -> DataError:
+    where, ident, needed, partial = too_long[0]
+    count = f"more than {max_length}" if partial else f"{needed}"  # cut before tokenization: needed is a lower bound
     note = f" (id {ident!r})" if ident is not None else ""
     more = (f" ({len(too_long) - 1} more example{'s are' if len(too_long) > 2 else ' is'} too long"
             if len(too_long) > 1 else "")
     if more:
-        shown = [i if i is not None else w for w, i, _ in too_long[1:1 + SHOWN_IDS]]
+        shown = [i if i is not None else w for w, i, _, _ in too_long[1:1 + SHOWN_IDS]]
         more += f": {', '.join(shown)}{', ...' if len(too_long) > 1 + SHOWN_IDS else ''})"
     if fmt == "text":
-        return DataError(f"{where}{note} has {needed} tokens, more than --max-length {max_length}{more}; pass "
+        size = f"more tokens than --max-length {max_length}" if partial else \
+            f"{needed} tokens, more than --max-length {max_length}"
+        return DataError(f"{where}{note} has {size}{more}; pass "
                          "--truncate to cut them, or a larger --max-length")
     part = "completion" if fmt == "prompt-completion" else "conversation from its first assistant turn"
-    return DataError(f"{where}{note}: its {part} alone needs {needed} tokens (with one token of context), more than "
+    return DataError(f"{where}{note}: its {part} alone needs {count} tokens (with one token of context), more than "
                      f"--max-length {max_length}{more}; pass --truncate to cut them on the right, or a larger "
                      "--max-length")
 
@@ -315,7 +322,9 @@ def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *
                   what: str) -> dict[str, str]:
     """``{id: text}`` of a dataset, read with the data options ``recorded`` when it was collected or scored
     (format, fields, split, --eos, --max-length, --generate; :func:`load`'s defaults, which are the commands',
-    where absent), ``text_field``/``id_field`` as given."""
+    where absent), ``text_field``/``id_field`` as given. A file that no longer holds the bytes ``recorded``
+    fingerprints is read with a :class:`gradtrace.data.files.DataChangedWarning` naming it."""
+    warn_if_changed(path, recorded, what)
     options = {key: recorded[name] for key, name in _RECORDED_OPTIONS if name in recorded}
     return texts(path, tokenizer, max_length=recorded.get("max_length"), what=what, text_field=text_field,
                  id_field=id_field, prompts=bool(recorded.get("generate")), **options)

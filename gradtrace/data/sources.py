@@ -10,6 +10,7 @@ parsed whole (write large data as JSONL or Parquet).
 from __future__ import annotations
 
 import json
+import stat
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 from ..common.errors import first_line
 from .errors import DataError
+from .files import check_input, check_tree
 
 __all__ = ["Chunk", "Source", "SUFFIXES", "open_source"]
 
@@ -57,9 +59,8 @@ def open_source(source: Any, *, split: str | None = None, text_field: str = "tex
     ``DatasetDict`` / ``IterableDataset``, or a list of dicts. ``split`` picks a split of a ``DatasetDict``."""
     if isinstance(source, (str, Path)):
         path = Path(source)
-        if not path.exists():
-            raise DataError(f"{what} file {path} does not exist")
-        if path.is_dir():
+        info = check_input(path, f"{what} file", directory=True)  # a FIFO or a device is refused unopened
+        if stat.S_ISDIR(info.st_mode):
             return _disk_dataset(path, split, what, chunk_rows)
         if split is not None:
             raise DataError(f"{what} {path}: --split {split!r} applies to a DatasetDict directory (save_to_disk), "
@@ -160,11 +161,27 @@ def _parquet(path: Path, chunk_rows: int) -> Source:
 
     def chunks() -> Iterator[Chunk]:
         start = 0
-        for batch in reader.iter_batches(batch_size=chunk_rows):
-            yield Chunk(batch.to_pylist(), list(range(start, start + batch.num_rows)))
+        batches = reader.iter_batches(batch_size=chunk_rows)
+        while True:
+            try:
+                batch = next(batches, None)
+                records = None if batch is None else _checked_rows(batch)
+            except Exception as err:  # a damaged page or column chunk: OSError, ArrowInvalid, UnicodeDecodeError
+                raise DataError(f"{path} after row {start} is not readable Parquet ({first_line(err)}); the file is "
+                                "damaged: write it again") from None
+            if batch is None:
+                return
+            yield Chunk(records, list(range(start, start + batch.num_rows)))
             start += batch.num_rows
 
     return Source(str(path), "row", chunks(), num_rows=reader.metadata.num_rows)
+
+
+def _checked_rows(batch: Any) -> list[dict[str, Any]]:
+    """A record batch's rows as dicts, its buffers checked first (offsets in range, strings UTF-8): damaged bytes
+    are an error, never garbage or a crash."""
+    batch.validate(full=True)
+    return batch.to_pylist()
 
 
 def _csv(path: Path, chunk_rows: int) -> Iterator[Chunk]:
@@ -211,13 +228,37 @@ def _disk_dataset(path: Path, split: str | None, what: str, chunk_rows: int) -> 
     if not any((path / m).exists() for m in markers):
         raise DataError(f"{what} {path} is a directory but not a dataset written by datasets' save_to_disk (no "
                         "state.json or dataset_dict.json); give a .jsonl, .json, .parquet, .csv or .txt file")
+    check_tree(path, what)
     try:
         import datasets
     except ImportError:
         raise DataError(f"{path}: reading a save_to_disk directory needs datasets (pip install "
                         "'gradtrace[data]')") from None
-    loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow: nothing is read into Python here
+    try:
+        loaded = datasets.load_from_disk(str(path))  # memory-mapped Arrow: nothing is read into Python here
+    except Exception as err:  # pyarrow's OSError / ArrowInvalid, a JSONDecodeError of state.json, ...
+        raise _damaged(path, err, what) from None
     return _hf_dataset(loaded, split, what, chunk_rows, name=str(path))
+
+
+def _damaged(path: Path, err: Exception, what: str) -> DataError:
+    """The error for a ``save_to_disk`` directory that does not load, naming its first unreadable file."""
+    import pyarrow as pa
+
+    for name in sorted(path.rglob("*.json")):
+        try:
+            json.loads(name.read_bytes())
+        except ValueError as bad:
+            return DataError(f"{what} {path}: {name.relative_to(path)} is not valid JSON ({first_line(bad)}); the "
+                             "dataset is damaged: save it again")
+    for name in sorted(path.rglob("*.arrow")):
+        try:
+            with pa.memory_map(str(name)) as source:
+                pa.ipc.open_stream(source).read_all().validate(full=True)
+        except Exception as bad:
+            return DataError(f"{what} {path}: {name.relative_to(path)} is not a readable Arrow file "
+                             f"({first_line(bad)}); the dataset is damaged: save it again")
+    return DataError(f"{what} {path} is not a readable save_to_disk dataset ({first_line(err)})")
 
 
 def _hf_dataset(data: Any, split: str | None, what: str, chunk_rows: int, *, name: str) -> Source:
@@ -234,18 +275,29 @@ def _hf_dataset(data: Any, split: str | None, what: str, chunk_rows: int, *, nam
     elif split is not None:
         raise DataError(f"{what} {name}: --split {split!r} applies to a DatasetDict, and this is a single dataset")
     if hasattr(data, "with_format") and hasattr(data, "num_rows") and hasattr(data, "data"):
-        return Source(name, "row", _arrow_chunks(data, chunk_rows), num_rows=data.num_rows)
+        return Source(name, "row", _arrow_chunks(data, chunk_rows, name), num_rows=data.num_rows)
     if hasattr(data, "iter") or hasattr(data, "__iter__"):  # IterableDataset or another iterable of dicts
         return _records(data, what, chunk_rows, name=name)
     raise DataError(f"{what}: cannot read a {type(data).__name__}; give a path, a datasets.Dataset or a list of dicts")
 
 
-def _arrow_chunks(dataset: Any, chunk_rows: int) -> Iterator[Chunk]:
-    """Record batches of a (memory-mapped) ``datasets.Dataset``, converted to dicts one chunk at a time."""
+def _arrow_chunks(dataset: Any, chunk_rows: int, name: str) -> Iterator[Chunk]:
+    """Record batches of a (memory-mapped) ``datasets.Dataset``, checked and converted to dicts one chunk at a
+    time (damaged Arrow bytes are an error naming the dataset and the rows)."""
     table = dataset.with_format("arrow")
     start = 0
-    for batch in table.iter(batch_size=chunk_rows):
-        yield Chunk(batch.to_pylist(), list(range(start, start + batch.num_rows)))
+    batches = iter(table.iter(batch_size=chunk_rows))
+    while True:
+        try:
+            batch = next(batches, None)
+            records = None if batch is None else _checked_rows(batch)
+        except Exception as err:  # ArrowInvalid (offsets out of range), UnicodeDecodeError, OSError
+            end = min(start + chunk_rows, dataset.num_rows) - 1
+            raise DataError(f"{name} rows {start} to {end} are not readable Arrow data "
+                            f"({first_line(err)}); the dataset is damaged: save it again") from None
+        if batch is None:
+            return
+        yield Chunk(records, list(range(start, start + batch.num_rows)))
         start += batch.num_rows
 
 

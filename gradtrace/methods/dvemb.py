@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.checks import count
 from ..gradients import GradientSet
 from ..store.spec import GradientSpec
 from .base import Method, MissingStage, register_method
@@ -80,8 +81,8 @@ def data_value_embeddings(trajectory: Any, *, by: str = "example", max_dim: int 
     """
     if by not in ("example", "row"):
         raise ValueError(f"by must be 'example' or 'row', got {by!r}")
-    if block_rows < 1:
-        raise ValueError(f"block_rows must be positive, got {block_rows}")
+    count(block_rows, "block_rows")
+    count(max_dim, "max_dim")
     spec: GradientSpec = trajectory.spec
     dim = spec.dim
     dtype = _dtype(precision)
@@ -173,7 +174,7 @@ class DVEmb(Method):
     description = "data value embeddings: trajectory-specific leave-one-out of SGD training (positive = helpful)"
 
     def __init__(self, max_dim: int = 8192, precision: str = "float64") -> None:
-        self.max_dim = max_dim
+        self.max_dim = count(max_dim, "max_dim")
         self.precision = precision
         _dtype(precision)
         self.embeddings: GradientSet | None = None

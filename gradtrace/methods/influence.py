@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..common.checks import at_least, count
+from ..common.checks import seed as seed_of
 from ..curvature import Curvature, fit_curvature
 from ..curvature.blocks import DenseBlock
 from ..curvature.curvature import CurvatureError, DenseEigen, eigh
@@ -53,6 +55,13 @@ class _CurvatureMethod(Method):
     def __init__(self, curvature: Curvature | str | Path | None = None, damping: float | None = None,
                  damping_mode: str | None = None, fisher: str | None = None, samples: int = 1, seed: int = 0,
                  max_dense: int = 4096) -> None:
+        if damping is not None:  # checked here, not at the first score: the constructor is the edge
+            at_least(damping, "damping", 0)
+        if damping_mode not in (None, "relative", "absolute"):
+            raise ValueError(f"damping_mode must be 'relative' or 'absolute', got {damping_mode!r}")
+        count(samples, "samples")
+        seed_of(seed)
+        count(max_dense, "max_dense", minimum=0)
         if isinstance(curvature, (str, Path)):
             curvature = Curvature.load(curvature)
         if curvature is not None:

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from ..capture import capture
 from ..capture.dataset import run_capture
+from ..common.checks import rates
 from ..common.models import strip_wrappers, unwrap
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
@@ -362,7 +363,7 @@ class Less(Method):
     description = "LESS: learning-rate weighted cosines of Adam-preconditioned training features and query gradients"
 
     def __init__(self, weights: Sequence[float] | None = None) -> None:
-        self.weights = [float(w) for w in weights] if weights is not None else None
+        self.weights = rates(weights, "less learning rates") if weights is not None else None
 
     def checkpoint_weights(self, count: int) -> list[float]:
         if self.weights is None:

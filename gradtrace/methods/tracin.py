@@ -1,7 +1,8 @@
 """TracIn over checkpoints (Pruthi et al. 2020): ``sum_c eta_c <g_q(theta_c), g_i(theta_c)>``.
 
 Each checkpoint ``c`` contributes its gradient inner products weighted by the learning rate ``eta_c`` in
-effect over the interval it stands for (unweighted sums over checkpoints are a known pitfall).
+effect over the interval it stands for (unweighted sums over checkpoints are a known pitfall); each finite and
+``>= 0`` (a negative one would flip the sign of its checkpoint's scores), not all 0.
 ``normalize=True`` uses cosine similarities instead of inner products at every checkpoint.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..common.checks import rates
 from .base import Method, MissingStage, register_method
 from .similarity import _normalize
 
@@ -26,7 +28,7 @@ class TracIn(Method):
     description = "learning-rate weighted gradient inner products summed over checkpoints (positive = helpful)"
 
     def __init__(self, weights: Sequence[float] | None = None, normalize: bool = False) -> None:
-        self.weights = [float(w) for w in weights] if weights is not None else None
+        self.weights = rates(weights, "tracin learning rates") if weights is not None else None
         self.normalize = normalize
 
     def check_ready(self) -> None:

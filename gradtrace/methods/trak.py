@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.checks import at_least, count
 from ..common.units import human_bytes
 from ..curvature.curvature import CurvatureError
 from ..curvature.hvp import loss_kind
@@ -102,8 +103,8 @@ class TRAK(Method):
                  max_dim: int = 32768, mode: str = "auto") -> None:
         if damping_mode not in ("relative", "absolute"):
             raise ValueError(f"damping_mode must be 'relative' or 'absolute', got {damping_mode!r}")
-        if damping < 0:
-            raise ValueError("damping must be >= 0")
+        at_least(damping, "damping", 0)
+        count(max_dim, "max_dim")
         if reweight not in ("auto", True, False):
             raise ValueError(f"reweight must be 'auto', True or False, got {reweight!r}")
         if mode not in ("auto", "primal", "dual"):

@@ -30,6 +30,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..common.checks import at_least, count
+from ..common.checks import seed as seed_of
 from ..common.units import human_bytes
 from ..curvature.curvature import CurvatureError
 from ..curvature.hvp import (
@@ -55,8 +57,10 @@ class _WholeModel(Method):
                  precision: str = "float32", chunk: int = 32, samples: int = 1, seed: int = 0) -> None:
         if damping_mode not in ("relative", "absolute"):
             raise ValueError(f"damping_mode must be 'relative' or 'absolute', got {damping_mode!r}")
-        if damping < 0:
-            raise ValueError("damping must be >= 0")
+        at_least(damping, "damping", 0)
+        count(chunk, "chunk")
+        count(samples, "samples")
+        seed_of(seed)
         if fisher not in ("auto", "exact", "empirical"):
             raise ValueError(f"{self.name}: fisher must be 'auto', 'exact' (the Gauss-Newton matrix, computed exactly "
                              f"by products: no label sampling needed) or 'empirical', got {fisher!r}")
@@ -185,8 +189,10 @@ class Arnoldi(_WholeModel):
     def __init__(self, rank: int = 128, iterations: int | None = None, complement: str = "mean",
                  max_bytes: int = 4 << 30, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if rank < 1:
-            raise ValueError(f"arnoldi rank must be >= 1, got {rank}")
+        count(rank, "arnoldi rank")
+        if iterations is not None:
+            count(iterations, "arnoldi iterations")
+        count(max_bytes, "max_bytes")
         if complement not in ("damping", "mean", "zero"):
             raise ValueError(f"complement must be 'damping', 'mean' or 'zero', got {complement!r}")
         self.rank, self.iterations, self.complement, self.max_bytes = rank, iterations, complement, max_bytes
@@ -254,6 +260,8 @@ class ConjugateGradient(_WholeModel):
         super().__init__(**kwargs)
         if preconditioner not in ("diagonal", None):
             raise ValueError(f"preconditioner must be 'diagonal' or None, got {preconditioner!r}")
+        at_least(tol, "cg tol", 0)
+        count(max_iter, "cg max_iter")
         self.tol, self.max_iter, self.preconditioner = tol, max_iter, preconditioner
         self.last: dict[str, Any] = {}
 
@@ -290,7 +298,7 @@ class DenseGGN(_WholeModel):
 
     def __init__(self, max_params: int = 16384, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.max_params = max_params
+        self.max_params = count(max_params, "max_params")
         self.values: Tensor | None = None
         self.vectors: Tensor | None = None
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.checks import count as checked_count
 from ..common.units import block_rows_for
 from ..gradients import as_source
 from ..methods import Method, get_method
@@ -360,10 +361,9 @@ def rows_product(query: Tensor, store: Any, count: int, read: Callable[[int, int
 
 
 def _positive_int(value: Any, name: str, minimum: int) -> int:
-    """``value`` if it is an integer ``>= minimum``, else a ValueError naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
+    """``value`` if it is an integer ``>= minimum``, else a ValueError naming the argument
+    (:func:`gradtrace.common.checks.count`)."""
+    return checked_count(value, name, minimum)
 
 
 def _names(ids: Sequence[str], rows: Tensor, limit: int = 5) -> str:

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..common.checks import count, finite, positive
+from ..common.checks import fraction as checked_fraction
 from ..losses import LossFn
 from ..store.artifact import atomic_write_json
 from .cycle import Cycle
@@ -84,8 +86,9 @@ class SAMAReweighting:
         model, optimizer: the loop's; the meta step runs in ``optimizer``'s step pre-hook.
         meta_data: batches of the meta (validation) set, re-iterated when exhausted.
         loss_fn: ``loss_fn(model, batch) -> [B]`` per-example losses (training and meta batches).
-        meta_lr: learning rate of the logits (Adam); alpha: finite-difference scale (``eps = alpha / |v|``).
-        interval: run a meta step every ``interval`` optimizer steps.
+        meta_lr: learning rate of the logits (Adam; finite and > 0: a negative one would climb the meta loss);
+            alpha: finite-difference scale (``eps = alpha / |v|``; finite and > 0).
+        interval: run a meta step every ``interval`` optimizer steps (>= 1).
         start_step: optimizer steps to train before the first meta step (the weights stay at ``init_logit``).
         groups: ``{example id: source}`` to learn one weight per data source instead of per example.
         id_key: where a dict batch holds its ids (else ``ids=`` must be given to :meth:`loss`).
@@ -101,20 +104,20 @@ class SAMAReweighting:
         self.meta_data = meta_data
         self._meta = Cycle(meta_data, "meta batches")
         self.loss_fn = loss_fn
-        self.alpha = alpha
-        self.interval = interval
+        self.alpha = positive(alpha, "alpha")
+        self.interval = count(interval, "interval")
         if not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
         self.start_step = start_step
         self.groups = groups
         self.id_key = id_key
-        self.init_logit = init_logit
+        self.init_logit = finite(init_logit, "init_logit")
         self.normalize = normalize
         self.logits: dict[str, Tensor] = {}
         self.scores: dict[str, float] = {}
         self._remembered: list[_Remembered] = []
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._meta_lr = meta_lr
+        self._meta_lr = positive(meta_lr, "meta_lr")
         self._moments: dict[str, tuple[float, float, int]] = {}
         self._steps = 0
         self.history: list[dict[str, float]] = []
@@ -150,9 +153,9 @@ class SAMAReweighting:
             raise ValueError("pass exactly one of fraction= and threshold=")
         weights = self.weights
         if threshold is not None:
+            threshold = finite(threshold, "threshold")
             return [k for k, w in weights.items() if w >= threshold]
-        if not 0 <= fraction <= 1:
-            raise ValueError(f"fraction must be in [0, 1], got {fraction}")
+        fraction = checked_fraction(fraction, "fraction")
         ranked = sorted(weights, key=lambda k: (-weights[k], k))
         return ranked[: round(fraction * len(ranked))]
 

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..capture.callbacks import CaptureCallback
+from ..common.checks import count, fraction
 from ..grad.batch import GradientBatch
 from ..grad.ops import check_compatible, concat, dense_inner, sq_norms, weighted_sum
 from .cycle import Cycle
@@ -90,7 +91,7 @@ class OnlineSelection(CaptureCallback):
         self.loss_fn = loss_fn
         self.renormalize = renormalize
         self.normalize = normalize
-        self.min_keep = min_keep
+        self.min_keep = count(min_keep, "min_keep", minimum=0)
         self.start_step = start_step
         self.record_scores = record_scores
         self.ddp = ddp
@@ -105,8 +106,11 @@ class OnlineSelection(CaptureCallback):
         if rule == "negative":
             return
         if isinstance(rule, tuple) and len(rule) == 2 and rule[0] in ("bottom", "threshold"):
-            if rule[0] == "bottom" and not 0 <= float(rule[1]) <= 1:
-                raise ValueError("('bottom', f) needs 0 <= f <= 1")
+            if rule[0] == "bottom":
+                fraction(rule[1], f"the bottom value of rule={rule!r}")
+            elif not isinstance(rule[1], (int, float)) or isinstance(rule[1], bool) or rule[1] != rule[1]:
+                raise ValueError(f"the threshold value of rule={rule!r} must be a number (not NaN; +-inf keeps or "
+                                 "drops every example)")
             return
         raise ValueError(f"rule must be 'negative', ('bottom', fraction) or ('threshold', value), got {rule!r}")
 

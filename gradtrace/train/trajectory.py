@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ..capture.callbacks import CaptureCallback
+from ..common.checks import count
 from ..grad.batch import GradientBatch
 from ..gradients import GradientSet
 from ..options import StoreOptions, takes_options, with_record
@@ -120,6 +121,8 @@ class TrajectoryWriter(CaptureCallback):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if path is None and (resume or overwrite):
             raise ValueError("resume/overwrite apply to a store: pass a path")
+        count(queue_size, "queue_size")
+        count(start_step, "start_step", minimum=0)
         self.path = Path(path) if path is not None else None
         self.optimizer = optimizer
         self.dtype = dtype

@@ -82,7 +82,13 @@ def test_tokens_bad_input(ws, runner, store, fresh):
     line = error_line(result)
     assert "--tokens" in line and str(moved) in line and "no longer exists" in line
     lines = ws.train.read_text().splitlines()
-    moved.write_text("\n".join(lines[:2]) + "\n")  # the data changed: most ids are gone
+    moved.write_text("\n".join(lines[:2]) + "\n")  # the data changed: its size is not the recorded one
+    result = invoke(runner, "score", copy, ws.queries, "--model", ws.model, "--out", fresh / "s2", "--tokens",
+                    "--topk", 3, "--no-progress", code=2)
+    line = error_line(result)
+    assert "--tokens" in line and str(moved) in line and "changed since" in line
+    del info["config"]["gradtrace"]["data"]  # a store that records no fingerprint: the ids still tell
+    manifest.write_text(json.dumps(info))
     result = invoke(runner, "score", copy, ws.queries, "--model", ws.model, "--out", fresh / "s2", "--tokens",
                     "--topk", 3, "--no-progress", code=2)
     line = error_line(result)
