@@ -40,6 +40,7 @@ from .common.checkpoints import (
 )
 from .common.errors import UsageError
 from .common.model_dir import load_causal_lm
+from .common.paths import why_missing
 from .gradients import GradientSet
 from .provenance import record_paths
 from .store import GradientStore, model_fingerprint
@@ -110,8 +111,8 @@ def resolve_checkpoints(checkpoints: Sequence[Any], names: Sequence[str] | None 
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:3])})" if len(missing) > 1 else ""
-        raise UsageError(f"{WHAT}: checkpoint {missing[0]} does not exist{more}; give existing model directories or "
-                         "state-dict files")
+        raise UsageError(f"{WHAT}: checkpoint {missing[0]} {why_missing(missing[0])}{more}; give existing model "
+                         "directories or state-dict files")
     not_models = [str(p) for p in paths if p.is_dir() and not (p / "config.json").is_file()]
     if not_models:
         raise UsageError(f"{WHAT}: {not_models[0]} is a directory without config.json, not a Hugging Face model "

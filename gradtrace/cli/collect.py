@@ -21,7 +21,7 @@ from .errors import CliError
 from .groups import DATA_HELP, DataOptions, ModelOptions, ProjectionOptions
 from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .options import Group, cli, progress_flag, resolved
-from .outputs import check_writable
+from .outputs import check_writable, resolved_output
 from .report import Phases, console, human_bytes
 
 __all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "projection_label", "run"]
@@ -279,6 +279,7 @@ def _check_target(store_opts: StoreGroup) -> int:
     out, settings = store_opts.out, store_opts.settings
     if settings.shard_rows is not None and settings.shard_bytes is not None:
         raise CliError("--shard-rows and --shard-bytes both size the shards; pass one of them")
+    resolved_output(out, "--out")  # a symbolic link loop, an over-long name: refused here
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {out} exists and is not a directory")
     check_writable(out, "--out")

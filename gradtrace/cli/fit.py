@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from .. import options as api
 from ..common.checks import SEED
+from ..common.paths import why_missing
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .errors import CliError
@@ -143,7 +144,7 @@ def run(opts: FitOptions) -> None:
     check_output_dir(cv.out, "--out", stem="curvature", also=("fit",), what="a fit", overwrite=cv.overwrite)
     _check_method_flags(opts)
     if not opts.store.exists():
-        raise CliError(f"store {opts.store} does not exist")
+        raise CliError(f"store {opts.store} {why_missing(opts.store)}")
     with phases("open store"):
         store = GradientStore.open(opts.store)
     model_dir = opts.model

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..common.checks import SEED
+from ..common.paths import why_missing
 from .config import write_resolved
 from .errors import CliError
 from .options import Group, cli, progress_flag, resolved
@@ -86,7 +87,7 @@ def run(opts: IndexOptions) -> None:
 
     b = opts.build_options
     if not opts.store.exists():
-        raise CliError(f"store {opts.store} does not exist")
+        raise CliError(f"store {opts.store} {why_missing(opts.store)}")
     if opts.add_norms:
         _add_norms(opts)
         return

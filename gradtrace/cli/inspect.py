@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
+from ..common.paths import why_missing
 from ..provenance import resolve_paths
 from .collect import projection_label
 from .config import META_KEY
@@ -57,7 +58,7 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
     """A JSON-able summary of a store (``kind: "gradient store"``), saved scores (``"scores"``), a fitted curvature
     (``"curvature"``) or a method fit (``"method fit"``: trak, trackstar)."""
     if not path.exists():
-        raise CliError(f"{path} does not exist")
+        raise CliError(f"{path} {why_missing(path)}")
     if (path / "manifest.json").exists():
         from ..store import GradientStore
 

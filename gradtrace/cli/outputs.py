@@ -19,10 +19,10 @@ from pathlib import Path
 
 from .errors import CliError
 
-__all__ = ["check_output_dir", "check_output_file", "check_writable"]
+__all__ = ["check_output_dir", "check_output_file", "check_writable", "resolved_output"]
 
 
-def _resolved(path: Path, flag: str) -> Path:
+def resolved_output(path: Path, flag: str) -> Path:
     """``path`` with its symbolic links followed; a loop, an over-long name or a parent that is a file is refused
     (a path that does not exist yet is fine)."""
     try:
@@ -32,7 +32,10 @@ def _resolved(path: Path, flag: str) -> Path:
     except OSError as err:
         name = errno.errorcode.get(err.errno or 0, "")
         cause = "a symbolic link loop" if err.errno == errno.ELOOP else (err.strerror or str(err))
-        raise CliError(f"{flag} {path}: {cause}{f' ({name})' if name else ''}; give another path") from None
+        if err.errno == errno.ENOTDIR:
+            blocking = next((p for p in Path(path).absolute().parents if p.exists() and not p.is_dir()), None)
+            cause = f"{blocking} is a file, not a directory" if blocking is not None else cause
+        raise CliError(f"{flag} {path}: {cause}{f' ({name})' if name else ''}; choose another {flag}") from None
     return Path(os.path.realpath(path))
 
 
@@ -61,7 +64,7 @@ def check_output_file(path: Path, flag: str, *, overwrite: bool, own: Path | Non
     from ..store.artifact import ArtifactError, refuse_inside_artifact
 
     path = Path(path)
-    target = _resolved(path, flag)
+    target = resolved_output(path, flag)
     if target.exists():
         mode = target.stat().st_mode
         if stat.S_ISDIR(mode):
@@ -86,7 +89,7 @@ def check_output_dir(path: Path, flag: str, *, stem: str, what: str, overwrite: 
     from ..store.locking import DIRECTORY_LOCK, describe, lock_is_stale, read_holder
 
     path = Path(path)
-    target = _resolved(path, flag)
+    target = resolved_output(path, flag)
     if target.exists() and not target.is_dir():
         raise CliError(f"{flag} {path} exists and is not a directory")
     if target.is_dir():

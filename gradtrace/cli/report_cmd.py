@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..common.paths import why_missing
 from .errors import CliError
 from .groups import TextOptions
 from .options import cli
@@ -60,6 +61,8 @@ def run(opts: ReportOptions) -> None:
     from ..score import Scores
 
     started = time.perf_counter()
+    if not opts.scores.exists():
+        raise CliError(f"score directory {opts.scores} {why_missing(opts.scores)}")
     if not (opts.scores / "scores.json").exists():
         raise CliError(f"{opts.scores} holds no saved scores (no scores.json); write them with gradtrace score")
     out = opts.out if opts.out is not None else opts.scores / "report.html"

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from ..common.paths import why_missing
 from ..methods import available_methods, get_method, method_class
 from ..projection import LoGra, projection_from_dict
+from ..store.atomic import naming
 from .config import META_KEY, provenance, write_resolved
 from .dataset import read_dataset
 from .ensemble import EnsembleOptions, check_ensemble, is_ensemble, score_ensemble
-from .errors import CliError
+from .errors import CliError, os_error_line
 from .fitted import fitted_methods
 from .groups import DataOptions, GenerateOptions, ModelOptions
 from .models import (
@@ -206,7 +208,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         with phases("open stores"):
             for path in store_paths:
                 if not path.exists():
-                    raise CliError(f"store {path} does not exist")
+                    raise CliError(f"store {path} {why_missing(path)}")
             stores = [GradientStore.open(path) for path in store_paths]
         if sc.tokens:  # the data --tokens re-captures from is there and unchanged, before any model work
             from .pair_tokens import recorded_data
@@ -268,9 +270,8 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
                 if sc.export:
                     scores.export(sc.export, k=sc.topk or None)
             except OSError as err:  # a full disk, a read-only directory: scores saved before stay intact
-                raise CliError(f"could not save the scores in {sc.out}: {err.strerror or err} ("
-                               f"{err.filename or sc.out}); scores saved there before are kept; free space or "
-                               "choose another --out", exit_code=1) from None
+                raise CliError(f"could not save the scores in {sc.out}: {os_error_line(naming(err, sc.out))}; "
+                               "scores saved there before are kept", exit_code=1) from None
     if rank != 0:
         return
     out = console()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ..common.paths import why_missing
 from ..store.atomic import atomic_output
 from .ensemble import EnsembleOptions, check_ensemble
 from .errors import CliError
@@ -66,6 +67,8 @@ def run(opts: SelfInfluenceOptions) -> None:
         raise CliError(f"--out {opts.out}: write a .csv or .json file")
     if opts.out is not None:
         check_output_file(opts.out, "--out", overwrite=opts.overwrite)
+    if not opts.store.exists():
+        raise CliError(f"store {opts.store} {why_missing(opts.store)}")
     if not (opts.store / "manifest.json").exists():
         raise CliError(f"{opts.store} holds no gradient store (no manifest.json); write one with gradtrace collect")
     paths = [opts.store, *opts.member_stores]

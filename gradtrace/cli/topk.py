@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from rich.table import Table
 
+from ..common.paths import why_missing
 from ..provenance import resolve_paths
 from ..report.texts import recorded_sources
 from .config import read_resolved
@@ -52,7 +53,7 @@ def run(opts: TopkOptions) -> None:
     from ..score import Scores
 
     if not opts.scores.exists():
-        raise CliError(f"score directory {opts.scores} does not exist")
+        raise CliError(f"score directory {opts.scores} {why_missing(opts.scores)}")
     if not (opts.scores / "scores.json").exists():
         raise CliError(f"{opts.scores} holds no saved scores (no scores.json); write them with gradtrace score")
     scores = Scores.load(opts.scores)

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import UsageError
+from .paths import why_missing
 
 __all__ = ["OPTIMIZER_NAMES_FILE", "WEIGHT_FILES", "checkpoint_path", "load_into", "read_state_dict",
            "restored_weights", "saved_optimizer_parameter_names"]
@@ -83,7 +84,7 @@ def read_state_dict(checkpoint: Any) -> Mapping[str, Tensor]:
         raise UsageError(f"a checkpoint is a state dict, a weights file, a checkpoint directory or an entry of "
                          f"gradtrace.integrations.checkpoints(store), got {type(checkpoint).__name__}")
     if not path.exists():
-        raise UsageError(f"checkpoint {path} does not exist")
+        raise UsageError(f"checkpoint {path} {why_missing(path)}")
     if path.is_dir():
         return _read_directory(path)
     return _read_file(path)

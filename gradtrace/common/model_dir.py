@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UsageError, first_line
+from .paths import why_missing
 
 __all__ = ["TOKENIZER_FILES", "check_model_dir", "load_causal_lm", "load_tokenizer", "quiet_loading"]
 
@@ -26,7 +27,7 @@ def check_model_dir(path: Path) -> Path:
     """``path`` as a :class:`~pathlib.Path` when it is a model directory (a ``config.json`` in it), else an error."""
     path = Path(path)
     if not path.exists():
-        raise UsageError(f"model directory {path} does not exist (models are loaded from local directories only)")
+        raise UsageError(f"model directory {path} {why_missing(path)} (models are loaded from local directories only)")
     if not path.is_dir():
         raise UsageError(f"model {path} is not a directory; give a directory written by save_pretrained()")
     if not (path / "config.json").is_file():

@@ -122,16 +122,19 @@ def _call(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return tokenizer(texts, add_special_tokens=True)["input_ids"]
 
 
-def _encode(tokenizer: Any, texts: list[str], need: list[int] | None = None, skip: list[int] | None = None
-            ) -> tuple[list[list[int]], np.ndarray | None]:
+def _encode(tokenizer: Any, texts: list[str], need: list[int] | None = None, skip: list[int] | None = None,
+            skipped: list[int] | None = None) -> tuple[list[list[int]], np.ndarray | None]:
     """Token ids of each text (special tokens added), and ``[E]`` bool: cut before tokenization (None: no text
     was). ``need``: ``[E]`` leading tokens of each text that are all that can be used (None: all of them); a text
     much longer is tokenized by prefixes (:func:`_prefix_ids`). ``skip``: ``[E]`` characters at its start that
-    are always tokenized (a prompt)."""
+    are always tokenized (a prompt), ``skipped``: about how many of the needed tokens they hold (the character
+    budget is for the rest)."""
     if need is None:
         return _call(tokenizer, texts), None
     skip = skip if skip is not None else [0] * len(texts)
-    ids: list[list[int] | None] = [_prefix_ids(tokenizer, t, n, s) for t, n, s in zip(texts, need, skip)]
+    skipped = skipped if skipped is not None else [0] * len(texts)
+    ids: list[list[int] | None] = [_prefix_ids(tokenizer, t, n, s, k)
+                                   for t, n, s, k in zip(texts, need, skip, skipped)]
     partial = np.array([row is not None for row in ids], dtype=bool)
     whole = [i for i, row in enumerate(ids) if row is None]
     for i, row in zip(whole, _call(tokenizer, [texts[i] for i in whole]) if whole else []):
@@ -139,11 +142,12 @@ def _encode(tokenizer: Any, texts: list[str], need: list[int] | None = None, ski
     return ids, partial  # type: ignore[return-value]
 
 
-def _prefix_ids(tokenizer: Any, text: str, need: int, skip: int) -> list[int] | None:
-    """The first ``need`` token ids of ``text``, tokenized from prefixes (``skip`` characters and a budget that
-    doubles, each cut where a word ends: :func:`_cut`) until two consecutive ones agree on them; None where the
-    text is short enough to be tokenized whole, or the prefixes reach its end first."""
-    budget = _MIN_CHARS + _CHARS_PER_TOKEN * need
+def _prefix_ids(tokenizer: Any, text: str, need: int, skip: int, skipped: int = 0) -> list[int] | None:
+    """The first ``need`` token ids of ``text``, tokenized from prefixes (``skip`` characters, which hold about
+    ``skipped`` of the needed tokens, and a budget for the others that doubles, each cut where a word ends:
+    :func:`_cut`) until two consecutive ones agree on them; None where the text is short enough to be tokenized
+    whole, or the prefixes reach its end first."""
+    budget = _MIN_CHARS + _CHARS_PER_TOKEN * max(need - skipped, 1)
     if len(text) - skip <= _WHOLE_BELOW * budget:
         return None
     cut = _cut(text, skip, skip + budget)
@@ -186,7 +190,7 @@ def _prompt_completion(records: list[dict[str, Any]], tokenizer: Any, targets: s
     prompt_flat, prompt_lengths = flat_tokens(prompt_ids)
     # truncation keeps at most max_tokens from one token before the completion: the prompt and that many more
     need = None if max_tokens is None else [len(p) + max_tokens + 1 for p in prompt_ids]
-    full_ids, partial = _encode(tokenizer, full, need, [len(p) for p in prompts])
+    full_ids, partial = _encode(tokenizer, full, need, [len(p) for p in prompts], [len(p) for p in prompt_ids])
     flat, lengths = flat_tokens(full_ids)
     start = prefix_lengths(prompt_flat, prompt_lengths, flat, lengths)  # [E] first completion token
     position = np.arange(len(flat)) - np.repeat(np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)

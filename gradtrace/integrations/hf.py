@@ -93,9 +93,9 @@ class GradtraceCallback(TrainerCallback):
                  check: bool = True, resume: bool = False, overwrite: bool = False, shard_rows: int | None = None,
                  strict: bool = False, config: dict[str, Any] | None = None, options: CaptureOptions | None = None,
                  store_options: StoreOptions | None = None) -> None:
-        if not isinstance(every, int) or every < 1:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive integer, got {every!r}")
-        if not isinstance(start_step, int) or start_step < 0:
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
         if loss_scale is not None and reduction is None:
             raise ValueError("loss_scale= states the Trainer's loss together with reduction=; pass both")

@@ -90,7 +90,7 @@ class LoGra:
     def __post_init__(self) -> None:
         for name in ("rank", "rank_rows", "rank_cols", "vector_rank"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"LoGra.{name} must be a positive integer, got {value!r}")
         object.__setattr__(self, "ranks", _normalize_ranks(self.ranks))
         if self.init not in ("random", "pca"):

@@ -8,7 +8,6 @@ JavaScript and no external resource: paging is CSS (``:target``), plots are inli
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..store.atomic import atomic_output
 from .content import Report, build_report
 from .errors import ReportError
 from .texts import DataSource, read_texts, recorded_sources, resolve_source
@@ -93,16 +93,12 @@ def _css() -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and a rename."""
+    """Write ``text`` to ``path`` through a temporary file of its own, fsynced and renamed into place
+    (:func:`gradtrace.store.atomic.atomic_output`): a failure -- a full disk -- leaves an existing file as it was."""
     if path.is_dir():
         raise ReportError(f"{path} is a directory; give the report's file name (e.g. {path / 'report.html'})")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, FILE_MODE)  # mkstemp makes the file private; a report is an ordinary shareable file
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.chmod(tmp, FILE_MODE)  # an ordinary shareable file, whatever the umask

@@ -264,7 +264,10 @@ class Index:
             bad = (~finite).nonzero().flatten().tolist()
             raise ValueError(f"query vector(s) {bad[:5]} hold NaN/inf values; an index cannot rank them")
         self._set_nprobe(nprobe or self.params.nprobe)
-        values, rows = self.faiss_index.search(queries.numpy(), min(r, len(self)))
+        try:
+            values, rows = self.faiss_index.search(queries.numpy(), min(r, len(self)))
+        finally:  # the FAISS object keeps the saved setting: a later save writes the index as it was built
+            self._set_nprobe(self.params.nprobe)
         return torch.from_numpy(values), torch.from_numpy(rows.astype(np.int64, copy=False))
 
     def _set_nprobe(self, nprobe: int | None) -> None:

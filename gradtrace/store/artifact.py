@@ -49,6 +49,7 @@ from .atomic import (
     atomic_write_json,
     create_exclusive,
     fsync_dir,
+    naming,
     temporary_name,
 )
 from .locking import directory_lock, lock_is_stale
@@ -115,9 +116,17 @@ def _own_memory(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def write_tensors(path: Path, tensors: dict[str, Tensor]) -> None:
     """Write ``tensors`` (contiguous, on the CPU) to the safetensors file ``path`` from their own memory, fsynced."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    save_file(tensors, str(path))
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as err:  # a full disk or an I/O error, reported as the OSError it is
+        found = re.search(r"os error (\d+)", str(err))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from err
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
@@ -147,6 +156,8 @@ def _publish(directory: Path, name: str, suffix: str, writer: FileWriter, create
             os.replace(tmp, final)
             created.append(final)
             fsync_dir(directory)
+    except OSError as err:
+        raise naming(err, directory, tmp) from err
     finally:
         tmp.unlink(missing_ok=True)
     return {"file": final.name, "bytes": final.stat().st_size, "blake2b": digest}
@@ -176,31 +187,34 @@ def write_artifact(directory: str | Path, stem: str, fmt: str, version: int, fie
     what = what or stem
     files = dict(files or {})
     manifest_path = directory / f"{stem}.json"
-    with directory_lock(directory, what):
-        if not overwrite and manifest_path.exists():
-            raise ArtifactExists(f"{directory} already holds saved {what}: pass overwrite=True (--overwrite) to "
-                                 "replace them")
-        tensors = _own_memory(tensors)
-        created: list[Path] = []
-        try:
-            entry = _publish(directory, stem, ".safetensors", lambda tmp: write_tensors(tmp, tensors), created)
-            extra = {role: _publish(directory, f"{stem}-{role}", suffix, writer, created)
-                     for role, (suffix, writer) in sorted(files.items())}
-            index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
-                     for name, t in sorted(tensors.items())}
-            record = {"format": fmt, "version": version, "environment": environment(), **fields}
-            manifest = json.loads(json.dumps(record))  # keys as they read back
-            manifest["tensors"] = {**entry, "index": index}
-            if extra:
-                manifest["files"] = extra
-            manifest["manifest_blake2b"] = checksum(canonical_json(manifest))
-            atomic_write_bytes(manifest_path, json.dumps(manifest, indent=1).encode())
-        except BaseException:
-            for path in created:
-                path.unlink(missing_ok=True)
-            raise
-        keep = {entry["file"], *(e["file"] for e in extra.values())}
-        _remove_stale(directory, stem, keep, (f"{stem}.safetensors", *legacy_files))
+    try:
+        with directory_lock(directory, what):
+            if not overwrite and manifest_path.exists():
+                raise ArtifactExists(f"{directory} already holds saved {what}: pass overwrite=True (--overwrite) to "
+                                     "replace them")
+            tensors = _own_memory(tensors)
+            created: list[Path] = []
+            try:
+                entry = _publish(directory, stem, ".safetensors", lambda tmp: write_tensors(tmp, tensors), created)
+                extra = {role: _publish(directory, f"{stem}-{role}", suffix, writer, created)
+                         for role, (suffix, writer) in sorted(files.items())}
+                index = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)}
+                         for name, t in sorted(tensors.items())}
+                record = {"format": fmt, "version": version, "environment": environment(), **fields}
+                manifest = json.loads(json.dumps(record))  # keys as they read back
+                manifest["tensors"] = {**entry, "index": index}
+                if extra:
+                    manifest["files"] = extra
+                manifest["manifest_blake2b"] = checksum(canonical_json(manifest))
+                atomic_write_bytes(manifest_path, json.dumps(manifest, indent=1).encode())
+            except BaseException:
+                for path in created:
+                    path.unlink(missing_ok=True)
+                raise
+            keep = {entry["file"], *(e["file"] for e in extra.values())}
+            _remove_stale(directory, stem, keep, (f"{stem}.safetensors", *legacy_files))
+    except OSError as err:  # the lock file, a directory's fsync: named as the artifact the user asked for
+        raise naming(err, directory) from err
     return manifest_path
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_json", "create_exclusive", "fsync_dir",
+__all__ = ["atomic_output", "atomic_write_bytes", "atomic_write_json", "create_exclusive", "fsync_dir", "naming",
            "temporary_name", "write_synced"]
 
 
@@ -54,9 +54,19 @@ def atomic_output(path: str | Path) -> Iterator[Path]:
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        raise naming(err, path, tmp) from err
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
+
+
+def naming(err: OSError, path: Path, tmp: Path | None = None) -> OSError:
+    """``err`` naming ``path``, the file the user asked for, where it names no file or the temporary one ``tmp``
+    (a full disk while writing ``.tmp-scores...`` is reported as a full disk writing the scores)."""
+    if err.errno and (err.filename is None or (tmp is not None and os.fsdecode(err.filename) == str(tmp))):
+        return type(err)(err.errno, err.strerror or os.strerror(err.errno), str(path))
+    return err
 
 
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
@@ -88,6 +98,8 @@ def create_exclusive(path: Path, data: bytes) -> bool:
                 return False
             with os.fdopen(fd, "wb") as f:
                 write_synced(f, data)
+    except OSError as err:
+        raise naming(err, path, tmp) from err
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)

@@ -16,7 +16,9 @@ The capture callback that writes a store, :class:`gradtrace.StoreWriter`, lives 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -382,7 +384,7 @@ class ShardWriter:
         error = self._background.error
         if error is not None:
             raise StoreWriteError(
-                f"writing {self.root} failed: {error!r}. {self.rows_written} rows of rank {self.rank} are "
+                f"writing {self.root} failed: {_cause(error)}. {self.rows_written} rows of rank {self.rank} are "
                 f"committed ({self._shards.next_seq} shards) and readable with GradientStore.open(..., "
                 "allow_incomplete=True); rows queued after them are lost. Fix the cause and resume with resume=True"
             ) from error
@@ -425,3 +427,10 @@ def _process_rank() -> tuple[int, int]:
     from ..common.ranks import rank_and_world  # the floor's helper
 
     return rank_and_world()
+
+
+def _cause(error: BaseException) -> str:
+    """What went wrong in words: ``No space left on device (ENOSPC)`` for an OSError, else ``repr(error)``."""
+    if isinstance(error, OSError) and error.errno:
+        return f"{error.strerror or os.strerror(error.errno)} ({errno.errorcode.get(error.errno, error.errno)})"
+    return repr(error)

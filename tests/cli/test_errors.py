@@ -203,7 +203,7 @@ def test_unwritable_output_directory_is_refused_before_model_work(ws, runner, fr
     monkeypatch.setattr(collect_cli, "load_model", never)
     (fresh / "afile").write_text("mine")
     line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "afile" / "store", code=2))
-    assert f"cannot write --out {fresh / 'afile' / 'store'}: {fresh / 'afile'} is not writable" in line
+    assert f"--out {fresh / 'afile' / 'store'}: {fresh / 'afile'} is a file, not a directory (ENOTDIR)" in line
     assert "choose another --out" in line and (fresh / "afile").read_text() == "mine"
     readonly = fresh / "readonly"
     readonly.mkdir()

@@ -113,6 +113,9 @@ def test_non_finite_scores(runner, scores_dir, fresh):
 
 def test_missing_scores_and_directory_out(runner, scores_dir, fresh):
     line = error_line(invoke(runner, "report", fresh / "none", code=2))
+    assert f"score directory {fresh / 'none'} does not exist" in line
+    (fresh / "empty").mkdir()
+    line = error_line(invoke(runner, "report", fresh / "empty", code=2))
     assert "holds no saved scores" in line
     line = error_line(invoke(runner, "report", scores_dir, "--out", fresh, code=2))
     assert "is a directory" in line

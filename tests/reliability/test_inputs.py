@@ -299,8 +299,6 @@ def test_truncated_tokens_equal_tokenizing_everything_then_truncating(ws, monkey
             assert data.summary.cut == sum(len(ids) > max_length for ids in full), name
 
 
-@pytest.mark.xfail(strict=True, reason="not done yet: prompt/completion examples still tokenize the whole completion "
-                   "before --truncate cuts it (open in issue #27)")
 def test_prompt_completion_with_a_long_completion_is_cut_before_tokenizing(ws):
     from tests.cli.conftest import _tokenizer
 
@@ -310,13 +308,15 @@ def test_prompt_completion_with_a_long_completion_is_cut_before_tokenizing(ws):
     records = [{"prompt": ws.lines[i] + " " + prose[:2_000 * i], "completion": " " + prose} for i in range(4)]
     calls = _spy_lengths(tok)
     data = gd.load(records, tok, max_length=24, truncate=True)
+    longest = max(calls)  # before the reference below tokenizes every text whole
     eos = tok.eos_token
     for i, r in enumerate(records):
         prompt = tok(r["prompt"])["input_ids"]
         full = tok(r["prompt"] + r["completion"] + eos)["input_ids"]
         left = max(len(prompt) - 1, 0)  # prompt cut from the left, one token of context kept
         assert data.example(i)[0].tolist() == full[left:left + 24], i
-    assert max(calls) < len(records[3]["prompt"]) + 64 * 1024
+    assert longest < len(records[3]["prompt"]) + 64 * 1024 < len(records[3]["completion"])
+    assert data.summary.cut == len(records)
 
 
 def _spy_lengths(tok) -> list[int]:

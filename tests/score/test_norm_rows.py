@@ -234,3 +234,14 @@ def test_bad_norm_rows_is_refused(data, ivf, value):
     store, queries, _ = data
     with pytest.raises(ValueError, match=r"norm_rows must be an integer >= 0"):
         score_with_index(gradtrace.Attributor("grad_dot", store), queries, ivf, topk=K, norm_rows=value)
+
+
+def test_a_search_with_more_cells_does_not_change_the_saved_index(data, ivf, tmp_path):
+    """``search(nprobe=...)`` (as the shortlist widens) leaves the FAISS object with the nprobe it was built with,
+    so a later save (``attach_row_norms``) writes the same FAISS data."""
+    import faiss
+
+    assert ivf.params.nprobe < ivf.params.nlist
+    before = faiss.serialize_index(ivf.faiss_index).tobytes()
+    ivf.search(torch.randn(2, ivf.dim, generator=torch.Generator().manual_seed(0)), 5, nprobe=ivf.params.nlist)
+    assert faiss.serialize_index(ivf.faiss_index).tobytes() == before
