@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 import gradtrace
-from gradtrace.losses import classification_loss
+from gradtrace.loss.functions import classification_loss
 
 WHOLE_MODEL = ("arnoldi", "cg", "ggn_full")
 SIZES = [(256, 256), (256, 1024), (256, 4096), (64, 1024), (128, 1024), (512, 1024)]

@@ -73,7 +73,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         model.eval()
         with gradtrace.capture(model, reduction="sum") as qcap:
             qcap.annotate(ids=qbatches[0]["id"])
-            out = gradtrace.losses.causal_lm_loss(model, qbatches[0])
+            out = gradtrace.loss.functions.causal_lm_loss(model, qbatches[0])
             torch.autograd.grad(out.sum(), [p for p in model.parameters()])
         query_batch = qcap.batches[0]
         columns = []
@@ -82,7 +82,7 @@ def run_mode(args: argparse.Namespace) -> dict:
         with cap:
             for b in batches:
                 cap.annotate(ids=b["id"])
-                loss = gradtrace.losses.causal_lm_loss(model, b).sum()
+                loss = gradtrace.loss.functions.causal_lm_loss(model, b).sum()
                 torch.autograd.grad(loss, cap.pop_outputs())
         result = {"scores": list(torch.cat(columns, 1).shape)}
     else:

@@ -62,7 +62,7 @@ def _lm_workload(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], Cal
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from gradtrace.losses import causal_lm_loss
+    from gradtrace.loss.functions import causal_lm_loss
 
     hf_logging.set_verbosity_error()
     gen = torch.Generator().manual_seed(0)

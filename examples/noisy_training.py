@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradtrace
-from gradtrace.losses import causal_lm_loss
+from gradtrace.loss.functions import causal_lm_loss
 from gradtrace.train import OnlineSelection, SAMAReweighting
 
 

@@ -7,21 +7,20 @@ keeps them on disk, and an ``Attributor`` scores queries against them.
 Sign convention everywhere: a positive score means the training example helps the query (lowers its loss).
 """
 
-from . import likelihoods as likelihoods
 from .capture import Capture, CaptureCallback, CaptureReport, capture
-from .collect import collect
+from .capture.checkpoints import collect_checkpoints
+from .capture.collect import collect
+from .capture.gradient_set import GradientSet
+from .capture.sink import StoreWriter
 from .grad import GradientBatch, ParamGradient
-from .gradients import GradientSet
-from .losses import LossConvention
+from .loss.functions import LossConvention
 from .methods import available_methods
 from .methods.dvemb import data_value_embeddings
 from .methods.less import less_features, less_query_features
 from .methods.saved import load_fit, save_fit
-from .per_checkpoint import collect_checkpoints
 from .plan import FitPlan, Plan, ScorePlan, plan, plan_fit, plan_score
 from .projection import LoGra
 from .score import Attributor, Ensemble, Scores, Unrolled
-from .sink import StoreWriter
 from .store import GradientSpec, GradientStore
 from .train import TrajectoryWriter
 from .version import __version__

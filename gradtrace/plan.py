@@ -74,7 +74,7 @@ def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projecti
     pass a list or a dataset, not a one-shot generator. Arguments as for :func:`gradtrace.collect`.
     """
     from .capture import capture
-    from .capture.dataset import run_capture
+    from .capture.driver import run_capture
 
     if warmup_batches < 1:
         raise ValueError("warmup_batches must be at least 1")
@@ -99,7 +99,7 @@ def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projecti
 
 def count_examples(data: Iterable[Any], what: str) -> tuple[int, int | None]:
     """The examples and input tokens (None for non-token inputs) of ``data``, iterated once."""
-    from .capture.dataset import batch_size
+    from .capture.driver import batch_size
 
     examples, tokens = 0, 0
     for batch in data:
@@ -172,7 +172,7 @@ class _TimedPasses:
         self.batches, self.seconds, self.examples = batches, 0.0, 0
 
     def __iter__(self) -> Any:
-        from .capture.dataset import batch_size
+        from .capture.driver import batch_size
 
         start = time.perf_counter()
         for batch in self.batches:
@@ -244,7 +244,7 @@ def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | N
 
 def _first_pass_examples(warm: _TimedPasses) -> int:
     """The examples of one pass over the warm-up batches."""
-    from .capture.dataset import batch_size
+    from .capture.driver import batch_size
 
     return max(1, sum(batch_size(b) for b in warm.batches))
 

@@ -18,13 +18,13 @@ PACKAGE = ROOT / "gradtrace"
 
 # lowest first; a module may import its own layer and the layers below it (docs/architecture.md says why)
 LAYERS: list[set[str]] = [
-    {"common", "losses", "likelihoods", "version", "provenance"},  # the floor: imports nothing from gradtrace above it
+    {"common", "loss", "version"},  # the floor: imports nothing from gradtrace above it
     {"data"},  # data in: files -> tokenized batches, the one id rule, the bundled corpus
     {"grad", "projection", "options"},  # gradient containers and ops; LoGra and the sketches; typed options
     {"store"},  # rows of gradients on disk: spec, layout, shard writer, reader, artifacts
     {"distributed"},  # ranks: process group, agreement between ranks (on stores and captures)
-    {"capture", "sink", "gradients", "collect", "per_checkpoint"},  # hooks -> GradientBatch -> rows (sink: store or
-    # memory); per_checkpoint: collect at each of C checkpoints
+    {"capture"},  # hooks -> GradientBatch -> rows (capture/sink: a store or memory); collect over a dataset, at
+    # each of C checkpoints (capture/checkpoints.py)
     {"curvature"},  # K-FAC / EK-FAC / dense Fisher fitted from captured factors; PCA bases
     {"methods"},  # attribution methods: preconditioning and scoring math
     {"report"},  # HTML report of any Scores-like object
@@ -37,8 +37,8 @@ LAYERS: list[set[str]] = [
 # resolved by a module ``__getattr__`` in the package's ``__init__`` on first use (so importing the package runs
 # nothing above it); ``test_reexports_are_lazy_getattr_only`` checks that every entry is exactly that.
 REEXPORTS: dict[tuple[str, str], str] = {
-    ("gradtrace.store", "gradtrace.sink"): "gradtrace.store.StoreWriter, the capture callback that writes a store "
-                                           "(it sits in the sink layer, above store and capture)",
+    ("gradtrace.store", "gradtrace.capture.sink"): "gradtrace.store.StoreWriter, the capture callback that writes a "
+                                                   "store (it sits in capture/sink, above store)",
     ("gradtrace.distributed", "gradtrace.score.sharded"): "gradtrace.distributed.score_sharded / rank_rows / "
                                                          "RowSubset (sharded scoring is scoring: score/sharded.py)",
     ("gradtrace.distributed", "gradtrace.score"): "the score package that importing gradtrace.score.sharded runs",
@@ -250,9 +250,9 @@ def test_moved_public_names_stay_where_they_were_exported():
     import gradtrace.curvature
     import gradtrace.distributed
     import gradtrace.grad
-    import gradtrace.losses
+    import gradtrace.loss.functions
 
-    assert gradtrace.LossConvention is gradtrace.grad.LossConvention is gradtrace.losses.LossConvention
+    assert gradtrace.LossConvention is gradtrace.grad.LossConvention is gradtrace.loss.functions.LossConvention
     assert gradtrace.distributed.score_sharded.__module__ == "gradtrace.score.sharded"
     assert gradtrace.distributed.rank_and_world() == (0, 1)  # no process group in the test process
     assert gradtrace.__version__ == gradtrace.version.__version__

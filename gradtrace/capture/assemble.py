@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..grad.batch import GradientBatch, ParamGradient
 from ..grad.terms import OuterTerm, Term, VectorTerm, cat_terms, fill_value, is_index, map_tensors, term_tensors
-from ..losses import LossConvention
+from ..loss.functions import LossConvention
 from .context import ForwardContext
 from .example_ids import ExampleIds
 

@@ -30,18 +30,18 @@ import torch
 from torch import Tensor, nn
 
 from ..common.checks import nonzero
-from ..common.models import unwrap
+from ..common.modules import unwrap
 from ..grad.batch import GradientBatch
-from ..losses import LossConvention
+from ..loss.functions import LossConvention
 from ..options import CaptureOptions, takes_options
 from ..projection.logra import LoGra, Projector, check_projection_size, unmatched_ranks
 from .assemble import SiteResult, build_batch, outside_examples, zero_outside
 from .callbacks import CaptureCallback, as_callback
 from .context import BatchInfo, ContextSettings, ForwardContext
+from .coverage import CaptureReport
 from .example_ids import ExampleIds
 from .layer_selection import LayerSpec, select_layers
 from .layers import LayerHandler
-from .report import CaptureReport
 from .verify import check_batch_sum
 
 __all__ = ["Capture", "CaptureCallback", "capture"]

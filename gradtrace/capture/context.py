@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..data.ids import content_hash  # the one id rule, shared with gradtrace.data
-from ..losses import LossConvention
+from ..loss.functions import LossConvention
 
 __all__ = ["BatchInfo", "ForwardContext", "content_hash"]
 

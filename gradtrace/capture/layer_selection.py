@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from ..common.models import canonical_param_names, strip_wrappers, unwrap
+from ..common.modules import canonical_param_names, strip_wrappers, unwrap
 from .layers import LayerHandler, find_handler
 
 __all__ = ["LayerSpec", "Selection", "select_layers"]

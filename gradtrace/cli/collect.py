@@ -13,16 +13,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..common.provenance import record_paths
 from ..options import StoreOptions
-from ..provenance import record_paths
+from .commands import Group, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
-from .dataset import read_dataset
+from .console import Phases, console, human_bytes
 from .errors import CliError
 from .groups import DATA_HELP, DataOptions, ModelOptions, ProjectionOptions
-from .models import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
-from .options import Group, cli, progress_flag, resolved
+from .load_data import read_dataset
+from .load_model import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .outputs import check_writable, resolved_output
-from .report import Phases, console, human_bytes
 
 __all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "projection_label", "run"]
 
@@ -172,8 +172,8 @@ def run_checkpoints(run: Path, last: int | None = None) -> list[Path]:
 def _targets(models: list[Path], store_opts: StoreGroup) -> list[_Target]:
     """The stores to write, checked before any model work: --out itself for one model; for several, one per model
     under --out, named after its directory (two directories of one name are refused)."""
+    from ..capture.checkpoints import checkpoint_names
     from ..common.model_dir import check_model_dir
-    from ..per_checkpoint import checkpoint_names
 
     if len(models) == 1:
         return [_Target(models[0], store_opts.out, _check_target(store_opts))]

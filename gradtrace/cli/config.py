@@ -187,7 +187,7 @@ def write_resolved(directory: Path, command: str, values: dict[str, Any]) -> Pat
     """Write ``directory/gradtrace-<command>.yaml``: every option's final value plus provenance.
 
     Absolute paths are written relative to ``directory`` where they lie under it or beside it (``../data.jsonl``;
-    :func:`gradtrace.provenance.relative_path`) and read back against it, so a copied project folder reads its
+    :func:`gradtrace.common.provenance.relative_path`) and read back against it, so a copied project folder reads its
     own files. ``resume``/``overwrite`` are recorded false: the header's repeat command states the one it needs
     (``--overwrite``: compute the output again and replace it; for ``collect`` also ``--resume``: add what the
     data gained, or finish an interrupted run).
@@ -213,7 +213,7 @@ def write_resolved(directory: Path, command: str, values: dict[str, Any]) -> Pat
 
 def _relative(value: Any, folder: Path) -> Any:
     """An absolute path string (or a list of them) relative to ``folder`` where possible; other values as given."""
-    from ..provenance import relative_path
+    from ..common.provenance import relative_path
 
     if isinstance(value, list):
         return [_relative(item, folder) for item in value]
@@ -243,9 +243,9 @@ def resolve_against(value: Any, folder: Path) -> Any:
 def provenance(command: str, data: Path | None = None, rows: int | None = None) -> dict[str, Any]:
     """The ``gradtrace:`` block of a resolved configuration: version, command, time, Python version; with
     ``data``, the data file's fingerprint (size, blake2b hash, ``rows`` read:
-    :func:`gradtrace.provenance.file_fingerprint`) and the versions of the packages that shape the artifact
-    (:func:`gradtrace.provenance.environment`)."""
-    from ..provenance import environment, file_fingerprint
+    :func:`gradtrace.common.provenance.file_fingerprint`) and the versions of the packages that shape the artifact
+    (:func:`gradtrace.common.provenance.environment`)."""
+    from ..common.provenance import environment, file_fingerprint
     from ..version import __version__
 
     block: dict[str, Any] = {"version": __version__, "command": command,

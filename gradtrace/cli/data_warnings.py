@@ -14,7 +14,7 @@ def data_warnings_shown() -> Iterator[None]:
     """Each :class:`gradtrace.data.files.DataChangedWarning` raised inside (a data file that changed since it was
     collected or scored) printed as one ``Warning: ...`` line on stderr; other warnings pass on as they are."""
     from ..data.files import DataChangedWarning
-    from .report import console
+    from .console import console
 
     caught: list[warnings.WarningMessage] = []
     try:

@@ -6,8 +6,8 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .commands import cli
 from .errors import CliError
-from .options import cli
 
 __all__ = ["OPTIONS", "DemoOptions", "run"]
 

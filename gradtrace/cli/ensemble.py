@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..methods import method_class, saves_fit
+from .commands import Group, cli
 from .errors import CliError
-from .fitted import needs_fit
-from .options import Group, cli
+from .score_fit import needs_fit
 
 __all__ = ["EnsembleOptions", "check_ensemble", "is_ensemble", "score_ensemble"]
 

@@ -23,11 +23,13 @@ from typing import Any, Literal
 from .. import options as api
 from ..common.checks import SEED
 from ..common.paths import why_missing
+from .commands import Group, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
-from .dataset import read_dataset
+from .console import Phases, console
 from .errors import CliError
 from .groups import DataOptions, ModelOptions
-from .models import (
+from .load_data import read_dataset
+from .load_model import (
     load_model,
     load_tokenizer,
     pad_id,
@@ -36,9 +38,7 @@ from .models import (
     resolve_max_length,
     tokenizer_dir,
 )
-from .options import Group, cli, progress_flag, resolved
 from .outputs import check_output_dir
-from .report import Phases, console
 
 __all__ = ["OPTIONS", "FitOptions", "run"]
 
@@ -131,9 +131,10 @@ def run(opts: FitOptions) -> None:
     then:    gradtrace score ./store queries.jsonl --method ekfac --curvature ./curvature --out ./scores
     """
     import gradtrace
-    from gradtrace.curvature import fit_curvature
-    from gradtrace.projection import LoGra, projection_from_dict
-    from gradtrace.store import GradientStore
+
+    from ..curvature import fit_curvature
+    from ..projection import LoGra, projection_from_dict
+    from ..store import GradientStore
 
     phases = Phases()
     cv, data_opts, model_opts = opts.curvature_options, opts.data_options, opts.model_options
@@ -251,12 +252,12 @@ def _check_method_flags(opts: FitOptions) -> None:
 def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> None:
     """``--method trak`` / ``trackstar``: fit from the store (and the optimizer state), save as a method fit."""
     import gradtrace
-    from gradtrace.curvature import Curvature
-    from gradtrace.methods import save_fit
-    from gradtrace.methods.influence import curvature_method
-    from gradtrace.plan import KernelTooLarge
 
     from ..common.units import human_bytes
+    from ..curvature import Curvature
+    from ..methods import save_fit
+    from ..methods.influence import curvature_method
+    from ..plan import KernelTooLarge
 
     cv, kv = opts.curvature_options, opts.kernel_options
     precondition = None if kv.precondition == "none" else kv.precondition

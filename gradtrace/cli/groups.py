@@ -9,7 +9,7 @@ from typing import Any, Literal
 from ..common.checks import SEED
 from ..options import CaptureOptions
 from ..projection import LoGra
-from .options import Group, cli
+from .commands import Group, cli
 
 __all__ = ["DATA_HELP", "DataOptions", "GenerateOptions", "ModelOptions", "ProjectionOptions", "TextOptions"]
 

@@ -14,11 +14,11 @@ from typing import Literal
 
 from ..common.checks import SEED
 from ..common.paths import why_missing
+from .commands import Group, cli, progress_flag, resolved
 from .config import write_resolved
+from .console import Phases, console, human_bytes
 from .errors import CliError
-from .options import Group, cli, progress_flag, resolved
 from .outputs import check_output_dir
-from .report import Phases, console, human_bytes
 
 __all__ = ["OPTIONS", "IndexOptions", "run"]
 

@@ -11,12 +11,12 @@ from typing import Any
 from rich.table import Table
 
 from ..common.paths import why_missing
-from ..provenance import resolve_paths
+from ..common.provenance import resolve_paths
 from .collect import projection_label
+from .commands import cli
 from .config import META_KEY
+from .console import console, human_bytes
 from .errors import CliError
-from .options import cli
-from .report import console, human_bytes
 
 __all__ = ["OPTIONS", "InspectOptions", "describe", "run", "store_checks"]
 

@@ -1,6 +1,6 @@
 """The ``gradtrace`` command line: one typer app, one module per command.
 
-Commands are generated from their options dataclasses (:mod:`gradtrace.cli.options`), so ``--help``,
+Commands are generated from their options dataclasses (:mod:`gradtrace.cli.commands`), so ``--help``,
 config files and the resolved configuration written next to every output all come from one place.
 """
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import typer
 
-from . import collect, demo, fit, index, inspect, report_cmd, score, self_influence, topk
-from .options import make_command
+from . import collect, demo, fit, index, inspect, report, score, self_influence, topk
+from .commands import make_command
 
 __all__ = ["app", "main"]
 
@@ -41,7 +41,7 @@ def _root(version: bool = typer.Option(False, "--version", "-V", callback=_versi
 
 
 for _name, _module in (("collect", collect), ("fit", fit), ("score", score), ("topk", topk), ("inspect", inspect),
-                       ("report", report_cmd), ("index", index), ("self-influence", self_influence), ("demo", demo)):
+                       ("report", report), ("index", index), ("self-influence", self_influence), ("demo", demo)):
     app.command(_name)(make_command(_name, _module.OPTIONS, _module.run))
 
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from ..common.provenance import resolve_paths
 from ..data.files import data_changed
-from ..provenance import resolve_paths
-from .dataset import read_dataset
 from .errors import CliError
 from .groups import DataOptions
-from .models import load_model, load_tokenizer, pad_id
+from .load_data import read_dataset
+from .load_model import load_model, load_tokenizer, pad_id
 
 __all__ = ["recorded_data", "token_attributions"]
 
@@ -58,7 +58,8 @@ def token_attributions(attributor: Any, queries: Any, query_data: Any, scores: A
     """Record ``scores.meta["tokens"]`` for the top and bottom ``k`` pairs of every query (both sides);
     ``tokenizer_dir``: where the tokenizer is (default the model's)."""
     import gradtrace
-    from gradtrace.score.pairs import pair_rows
+
+    from ..score.pairs import pair_rows
 
     data_path, data_opts = recorded_data(store)
     tokenizer = load_tokenizer(tokenizer_dir or model_dir)

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .console import console, human_bytes
 from .errors import CliError
 from .groups import DataOptions
-from .report import console, human_bytes
 
 __all__ = ["check_fit_plan", "check_score_plan", "count_records", "fit_plan_lines", "print_plan",
            "score_plan_lines"]

@@ -23,13 +23,14 @@ from ..common.paths import why_missing
 from ..methods import available_methods, get_method, method_class
 from ..projection import LoGra, projection_from_dict
 from ..store.atomic import naming
+from .commands import Group, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
-from .dataset import read_dataset
+from .console import Phases, console
 from .ensemble import EnsembleOptions, check_ensemble, is_ensemble, score_ensemble
 from .errors import CliError, os_error_line
-from .fitted import fitted_methods
 from .groups import DataOptions, GenerateOptions, ModelOptions
-from .models import (
+from .load_data import read_dataset
+from .load_model import (
     load_model,
     load_tokenizer,
     pad_id,
@@ -38,9 +39,8 @@ from .models import (
     resolve_max_length,
     tokenizer_dir,
 )
-from .options import Group, cli, progress_flag, resolved
 from .outputs import check_output_dir, check_output_file
-from .report import Phases, console
+from .score_fit import fitted_methods
 
 __all__ = ["OPTIONS", "ScoreOptions", "run"]
 
@@ -183,10 +183,10 @@ def run(opts: ScoreOptions) -> None:
 
 def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     import gradtrace
-    from gradtrace.store import GradientStore
 
     from ..distributed import agreed
     from ..score.sharded import score_sharded
+    from ..store import GradientStore
 
     phases = Phases()
     sc, ck, data_opts, model_opts = (opts.scoring_options, opts.checkpoint_options, opts.data_options,
@@ -214,7 +214,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
             from .pair_tokens import recorded_data
 
             recorded_data(stores[0])
-        fitted = fitted_methods(sc, store_paths[0], opts.ensemble_options)  # gradtrace.cli.fitted
+        fitted = fitted_methods(sc, store_paths[0], opts.ensemble_options)  # gradtrace.cli.score_fit
         index = _open_index(sc, stores[0], multi or ensemble, world)
         models = _models(opts.model, stores)
         text_with = tokenizer_dir(model_opts.tokenizer, stores[0], models[0])  # --tokenizer, recorded, or the model's
@@ -330,7 +330,8 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
     The queries are tokenized (and answered) once, with the tokenizer in ``text_with``; with --tokens their
     gradients keep their token-level factors."""
     import gradtrace
-    from gradtrace.collect import NonFiniteError
+
+    from ..capture.collect import NonFiniteError
 
     data_opts = opts.data_options
     projections = [projection_from_dict(s.spec.projection, expect=LoGra, what=f"the gradients of store {s.root}")
@@ -399,7 +400,7 @@ def _check_checkpoints(method: str, multi: bool, store_paths: list[Path], ck: Ch
     if len(ck.lr) != len(store_paths):
         raise CliError(f"--method {method} needs one --lr per checkpoint: got {len(ck.lr)} for {len(store_paths)} "
                        f"stores (STORE and {len(ck.checkpoint_stores)} --store)")
-    if not any(ck.lr):  # each is a finite number >= 0 (gradtrace.cli.options.check_values)
+    if not any(ck.lr):  # each is a finite number >= 0 (gradtrace.cli.commands.check_values)
         raise CliError("--lr: every learning rate is 0, which makes every score 0; give the checkpoints their "
                        "learning rates")
 

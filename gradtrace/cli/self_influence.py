@@ -13,12 +13,12 @@ from typing import Any, Literal
 
 from ..common.paths import why_missing
 from ..store.atomic import atomic_output
+from .commands import cli
+from .console import console
 from .ensemble import EnsembleOptions, check_ensemble
 from .errors import CliError
-from .fitted import load_fitted
-from .options import cli
 from .outputs import check_output_file
-from .report import console
+from .score_fit import load_fitted
 
 __all__ = ["OPTIONS", "SelfInfluenceOptions", "run"]
 
@@ -61,7 +61,8 @@ def run(opts: SelfInfluenceOptions) -> None:
     Example: gradtrace self-influence ./store --normalize length --top 20
     """
     import gradtrace
-    from gradtrace.store import GradientStore
+
+    from ..store import GradientStore
 
     if opts.out is not None and opts.out.suffix.lower() not in (".csv", ".json"):
         raise CliError(f"--out {opts.out}: write a .csv or .json file")
@@ -80,7 +81,7 @@ def run(opts: SelfInfluenceOptions) -> None:
     check_ensemble(opts.method, ens, len(paths), curvature=opts.curvature, index=None, tokens=False, world=1)
     stores = [GradientStore.open(path) for path in paths]
     fitted = load_fitted(opts.method, opts.curvature, list(ens.member_curvature), opts.store,
-                         damping=opts.damping)  # gradtrace.cli.fitted
+                         damping=opts.damping)  # gradtrace.cli.score_fit
     method = fitted if fitted else opts.method
     try:
         if len(stores) > 1:  # members matched by id; scores in STORE's order
@@ -105,10 +106,10 @@ def run(opts: SelfInfluenceOptions) -> None:
 
 def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
     """Texts by id from --data or the data the store records (empty when neither can be read)."""
+    from ..common.provenance import resolve_paths
     from ..data.prepare import dataset_texts
-    from ..provenance import resolve_paths
-    from .dataset import data_warnings_shown
-    from .models import load_tokenizer
+    from .load_data import data_warnings_shown
+    from .load_model import load_tokenizer
 
     recorded = resolve_paths(store.manifest.get("config") or {}, store.root)  # paths relative to the store
     path = opts.data or (Path(recorded["data"]) if recorded.get("data") else None)

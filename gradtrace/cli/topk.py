@@ -12,13 +12,13 @@ from typing import Any, Literal
 from rich.table import Table
 
 from ..common.paths import why_missing
-from ..provenance import resolve_paths
+from ..common.provenance import resolve_paths
 from ..report.texts import recorded_sources
+from .commands import cli
 from .config import read_resolved
+from .console import console
 from .errors import CliError
 from .groups import TextOptions
-from .options import cli
-from .report import console
 
 __all__ = ["OPTIONS", "TopkOptions", "run"]
 

@@ -5,12 +5,12 @@
 * :mod:`.batches` -- moving a user's batch (tensors, or dicts/lists/tuples of them) to a device;
 * :mod:`.ranks` -- this process's rank and the world size.
 
-The per-example losses, ``LossFn`` and ``LossConvention`` are on the same floor in :mod:`gradtrace.losses`, the
+The per-example losses, ``LossFn`` and ``LossConvention`` are on the same floor in :mod:`gradtrace.loss.functions`, the
 version in :mod:`gradtrace.version` (see ``docs/architecture.md``).
 """
 
 from .batches import to_device
-from .models import canonical_param_names, context_limit, strip_wrappers, unwrap
+from .modules import canonical_param_names, context_limit, strip_wrappers, unwrap
 from .ranks import rank_and_world
 
 __all__ = ["canonical_param_names", "context_limit", "rank_and_world", "strip_wrappers", "to_device", "unwrap"]

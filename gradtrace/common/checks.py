@@ -4,7 +4,7 @@ A bad number let in is rarely loud: ``damping=inf`` makes every score exactly 0 
 learning rate flips the sign of a checkpoint's scores, and ``nan`` compares false with every bound, so ``x < 0``
 lets it through. Every numeric setting therefore declares its :class:`Range`, checked before any work: by the
 option objects (:mod:`gradtrace.options`, :func:`check_fields`), the methods' constructors, and the command line
-(:mod:`gradtrace.cli.options` checks every numeric option of every command from its ``min`` / ``max`` / ``valid``).
+(:mod:`gradtrace.cli.commands` checks every numeric option of every command from its ``min`` / ``max`` / ``valid``).
 
 * A float must be finite (``Range(finite=False)`` for one that may not be);
 * ``low`` / ``high`` bound it (``open_low``: strictly above ``low``);

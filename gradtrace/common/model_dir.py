@@ -1,6 +1,6 @@
 """Local Hugging Face model directories: checking one, loading its causal LM and its tokenizer quietly.
 
-Shared by the commands (:func:`gradtrace.cli.models.load_model` adds the NaN/inf check), by
+Shared by the commands (:func:`gradtrace.cli.load_model.load_model` adds the NaN/inf check), by
 :func:`gradtrace.collect_checkpoints` (one model directory per checkpoint) and by the report (which reads a
 dataset's texts under the ids its tokenizer gave them). Errors are :class:`~.errors.UsageError`.
 """

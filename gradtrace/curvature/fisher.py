@@ -7,7 +7,7 @@ estimate when an example has a single output (a sequence averages it over its to
 expectation costs one pass per class.
 
 ``"true"`` samples labels from the likelihood of the loss's outputs: gradtrace's own losses have theirs
-(:data:`BUILTIN_LIKELIHOODS`); a custom loss names one with ``likelihood=`` (:mod:`gradtrace.likelihoods`).
+(:data:`BUILTIN_LIKELIHOODS`); a custom loss names one with ``likelihood=`` (:mod:`gradtrace.loss.likelihoods`).
 
 Each returns the per-example loss functions of the fitting passes; their gradients' second moments, summed
 over passes, estimate the chosen Fisher.
@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..likelihoods import Likelihood, categorical, gaussian
-from ..losses import (
+from ..loss.functions import (
     MODEL_KEYS,
     LossFn,
     causal_lm_loss,
@@ -31,6 +30,7 @@ from ..losses import (
     lm_labels,
     regression_loss,
 )
+from ..loss.likelihoods import Likelihood, categorical, gaussian
 
 __all__ = ["fisher_passes", "FISHERS", "EXACT_MAX_OUTPUTS", "num_classes_of", "resolve_fisher"]
 
@@ -111,12 +111,12 @@ def _label_cls(label: int) -> LossFn:
 def fisher_passes(loss_fn: LossFn | None, fisher: str, sample_batch: Any, *, samples: int = 1, seed: int = 0,
                   num_classes: int | None = None, likelihood: Likelihood | None = None) -> list[LossFn]:
     """The per-pass loss functions estimating the ``fisher`` of ``loss_fn`` (see module docstring);
-    ``likelihood``: what ``fisher="true"`` samples for a custom loss (:mod:`gradtrace.likelihoods`)."""
+    ``likelihood``: what ``fisher="true"`` samples for a custom loss (:mod:`gradtrace.loss.likelihoods`)."""
     if fisher not in FISHERS:
         raise ValueError(f"fisher must be one of {(*FISHERS, 'auto')}, got {fisher!r}")
     if likelihood is not None and not isinstance(likelihood, Likelihood):
-        raise TypeError("likelihood= must be a gradtrace.likelihoods.Likelihood (categorical(...) or gaussian(...)), "
-                        f"got {type(likelihood).__name__}")
+        raise TypeError("likelihood= must be a gradtrace.loss.likelihoods.Likelihood (categorical(...) or "
+                        f"gaussian(...)), got {type(likelihood).__name__}")
     fn = loss_fn or default_loss(sample_batch)
     if fisher == "empirical":
         if likelihood is not None:
@@ -126,7 +126,7 @@ def fisher_passes(loss_fn: LossFn | None, fisher: str, sample_batch: Any, *, sam
     kind = _kind(fn)
     if kind == "custom" and likelihood is None:
         raise ValueError(f"fisher={fisher!r} needs labels sampled from the model: for a custom loss name the "
-                         "likelihood of its outputs, likelihood=gradtrace.likelihoods.categorical(logits_fn) (or "
+                         "likelihood of its outputs, likelihood=gradtrace.loss.likelihoods.categorical(logits_fn) (or "
                          "gaussian(outputs_fn)) with fisher='true', or use fisher='empirical'")
     if fisher == "exact":
         if likelihood is not None:
@@ -152,9 +152,9 @@ def resolve_fisher(fisher: str, loss_fn: LossFn | None, model: nn.Module, sample
     """The Fisher to fit (``"auto"`` resolved) and, when it is ``"exact"``, the number of outputs it enumerates
     (one no-grad forward pass on ``sample_batch``; None otherwise).
 
-    ``"auto"`` is ``"exact"`` for :func:`~gradtrace.losses.classification_loss` / ``regression_loss`` with at most
+    ``"auto"`` is ``"exact"`` for :func:`~gradtrace.loss.classification_loss` / ``regression_loss`` with at most
     :data:`EXACT_MAX_OUTPUTS` outputs (one pass per output), ``"true"`` (sampled labels) for larger ones and
-    for :func:`~gradtrace.losses.causal_lm_loss`, ``"empirical"`` for a custom loss (gradtrace knows no
+    for :func:`~gradtrace.loss.functions.causal_lm_loss`, ``"empirical"`` for a custom loss (gradtrace knows no
     likelihood to sample its labels from) unless ``likelihood=`` names one (then ``"true"``). The fitted
     curvature's ``fisher`` records the choice.
     """

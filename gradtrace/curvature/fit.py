@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..capture import capture
-from ..capture.dataset import run_capture
-from ..likelihoods import Likelihood
+from ..capture.driver import run_capture
+from ..loss.likelihoods import Likelihood
 from ..options import CaptureOptions, FitOptions, takes_options, with_record
 from ..projection.logra import LoGra
 from ..store.spec import GradientSpec, model_fingerprint
@@ -92,7 +92,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
             (exact for classifiers / regressors with few outputs, else true: see :func:`resolve_fisher`); the
             choice made is the returned curvature's ``fisher``.
         likelihood: for a custom ``loss_fn``, the distribution of its outputs that ``fisher="true"`` samples
-            labels from (:func:`gradtrace.likelihoods.categorical`, ``gaussian``); ``"auto"`` is then ``"true"``.
+            labels from (:func:`gradtrace.loss.likelihoods.categorical`, ``gaussian``); ``"auto"`` is then ``"true"``.
         projection: fit in a LoGra-projected space (a spec or its dict); ``spec``: the gradients the curvature
             will be used with (a store's spec): its projection and parameters are used unless given.
         max_dense: dense blocks larger than this are kept diagonal.

@@ -6,9 +6,9 @@ gradients' layout):
 
 * :class:`GGNOperator` -- the generalised Gauss-Newton matrix of the per-example loss over the data,
   ``G = (1/N) sum_n J_n^T H_n J_n`` (``J_n``: Jacobian of example ``n``'s outputs, ``H_n``: Hessian of its loss in
-  the outputs), for gradtrace's losses: :func:`~gradtrace.losses.classification_loss` (``H = diag(p) - p p^T``,
-  equal to the exact Fisher), :func:`~gradtrace.losses.regression_loss` (``H = I``) and
-  :func:`~gradtrace.losses.causal_lm_loss` (the softmax Hessian of every target token, summed). Products are
+  the outputs), for gradtrace's losses: :func:`~gradtrace.loss.functions.classification_loss` (``H = diag(p) - p p^T``,
+  equal to the exact Fisher), :func:`~gradtrace.loss.functions.regression_loss` (``H = I``) and
+  :func:`~gradtrace.loss.functions.causal_lm_loss` (the softmax Hessian of every target token, summed). Products are
   ``J^T (H (J V))``: forward-mode ``torch.func.jvp`` (batched over vectors with ``vmap``) then one ``vjp``, per
   data batch -- one pass over the data per product, nothing per example stored.
 * :class:`EmpiricalFisherOperator` -- ``F = (1/N) sum_i g_i g_i^T`` from stored per-example gradients
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..common.models import unwrap
-from ..losses import MODEL_KEYS, causal_lm_loss, classification_loss, default_loss, lm_labels, regression_loss
+from ..common.modules import unwrap
+from ..loss.functions import MODEL_KEYS, causal_lm_loss, classification_loss, default_loss, lm_labels, regression_loss
 from .curvature import CurvatureError
 
 __all__ = ["GGNOperator", "EmpiricalFisherOperator", "arnoldi", "conjugate_gradient", "dense_matrix",
@@ -83,7 +83,7 @@ class GGNOperator:
         self.kind = loss_kind(loss_fn, self.data[0])
         if self.kind == "custom":
             raise ValueError("the Gauss-Newton matrix needs the Hessian of the loss in the model's outputs, which "
-                             "gradtrace knows for gradtrace.losses.classification_loss, regression_loss and "
+                             "gradtrace knows for gradtrace.loss.functions.classification_loss, regression_loss and "
                              "causal_lm_loss; use one of them or fisher='empirical' (from the stored gradients)")
         self.dtype = torch.float64 if precision == "float64" else torch.float32
         inner = unwrap(model)

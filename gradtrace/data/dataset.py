@@ -4,7 +4,7 @@ Examples are kept as one flat ``int32`` token array, one flat ``bool`` loss mask
 (a few bytes per token, no Python object per token). Iterating a :class:`TokenizedDataset` pads one batch
 at a time, vectorized: ``{"input_ids": [B, T], "attention_mask": [B, T], "labels": [B, T], "id": [B]}``,
 right-padded, ``labels`` = the token where it is in the loss and ``-100`` elsewhere (Hugging Face's
-convention, read by :func:`gradtrace.losses.causal_lm_loss`). ``labels`` is left out when every token is in
+convention, read by :func:`gradtrace.loss.functions.causal_lm_loss`). ``labels`` is left out when every token is in
 the loss (plain text), which the loss then treats the same way.
 """
 

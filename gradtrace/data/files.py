@@ -6,7 +6,7 @@
   to tokenize it, to fingerprint it).
 * :func:`data_changed`: whether a data file still holds the bytes a command recorded when it read it
   (``gradtrace collect`` records the training data's size and blake2b hash in the store's manifest,
-  ``gradtrace score`` the queries'; :func:`gradtrace.provenance.file_fingerprint`). The size is compared first;
+  ``gradtrace score`` the queries'; :func:`gradtrace.common.provenance.file_fingerprint`). The size is compared first;
   the hash is computed (streamed, bounded memory) only when the sizes agree, once per file state and process.
   :func:`warn_if_changed` turns a change into a :class:`DataChangedWarning` (texts shown beside scores);
   the commands that re-capture gradients from the file refuse it instead.
@@ -95,7 +95,7 @@ def _state(path: Path) -> tuple[int, tuple[Any, ...]]:
 def data_changed(path: str | os.PathLike[str], recorded: Mapping[str, Any]) -> str | None:
     """How data file (or ``save_to_disk`` directory) ``path`` differs from the fingerprint ``recorded`` holds
     (:func:`recorded_fingerprint`), or None when it holds the same bytes (or nothing is recorded)."""
-    from ..provenance import file_fingerprint
+    from ..common.provenance import file_fingerprint
 
     fingerprint = recorded_fingerprint(recorded)
     path = Path(path)

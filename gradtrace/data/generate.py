@@ -60,7 +60,7 @@ def prompt_of(record: dict[str, Any], fields: Any, where: str) -> str | list[dic
 
 
 def _limit(model: Any) -> int | None:
-    from ..common.models import context_limit
+    from ..common.modules import context_limit
 
     return context_limit(model)
 

@@ -27,12 +27,12 @@ import torch
 
 from .. import data as gd
 from ..capture import capture
-from ..collect import collect
+from ..capture.collect import collect
+from ..capture.sink import StoreWriter
 from ..data.corpus import PLANTED, Document, load_plays, train_tokenizer
-from ..losses import lm_labels
+from ..loss.functions import lm_labels
 from ..projection.logra import LoGra
 from ..score import Attributor, Scores
-from ..sink import StoreWriter
 from ..store import GradientStore
 
 __all__ = ["main", "run"]

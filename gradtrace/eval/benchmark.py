@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..collect import collect
+from ..capture.collect import collect
 from ..methods import available_methods, get_method
 from ..projection.logra import LoGra
 from ..score import Attributor, Ensemble, Unrolled

@@ -1,6 +1,6 @@
 """Per-example gradient containers and the operations on them."""
 
-from ..losses import LossConvention
+from ..loss.functions import LossConvention
 from .batch import GradientBatch, ParamGradient
 from .cost import CostModel, MachineProfile
 from .ops import concat, inner, sq_norms, token_inner

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..losses import LossConvention
+from ..loss.functions import LossConvention
 from .terms import DenseTerm, OuterTerm, Term, VectorTerm
 
 __all__ = ["GradientBatch", "ParamGradient", "vectors_to_batch"]

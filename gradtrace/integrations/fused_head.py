@@ -26,7 +26,7 @@ __all__ = ["UnfusedLMHead", "captures_output_embedding"]
 
 
 def _base_model(model: nn.Module) -> nn.Module:
-    from ..common.models import unwrap
+    from ..common.modules import unwrap
 
     model = unwrap(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..capture import Capture
+from ..capture.sink import StoreWriter
 from ..common.checkpoints import OPTIMIZER_NAMES_FILE
-from ..common.models import strip_wrappers, unwrap
+from ..common.modules import strip_wrappers, unwrap
+from ..common.provenance import record_paths, relative_path
 from ..common.ranks import rank_and_world as dist_rank
 from ..options import with_record
-from ..provenance import record_paths, relative_path
-from ..sink import StoreWriter
 from ..store.artifact import atomic_write_json
 from ..store.spec import model_fingerprint
 from .fused_head import UnfusedLMHead, captures_output_embedding

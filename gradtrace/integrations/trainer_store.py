@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ..capture.callbacks import CaptureCallback
+from ..capture.sink import RowTransform, StoreWriter
+from ..common.provenance import resolve_path
 from ..grad.batch import GradientBatch
-from ..provenance import resolve_path
-from ..sink import RowTransform, StoreWriter
 from ..store.artifact import atomic_write_json
 from ..store.layout import MANIFEST, StoreError, lock_is_stale, read_lock
 from ..train.trajectory import TrajectoryKeys, step_weights

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..capture.gradient_set import GradientSet
 from ..common.checks import count
-from ..gradients import GradientSet
 from ..store.spec import GradientSpec
 from .base import Method, MissingStage, register_method
 

@@ -34,15 +34,15 @@ import torch
 from torch import Tensor, nn
 
 from ..capture import capture
-from ..capture.dataset import run_capture
+from ..capture.driver import run_capture
+from ..capture.gradient_set import GradientSet
+from ..capture.sink.rows import MemoryRows, RowSink, RowTransform, ShardRows
 from ..common.checks import rates
-from ..common.models import strip_wrappers, unwrap
+from ..common.modules import strip_wrappers, unwrap
 from ..grad.batch import GradientBatch
-from ..gradients import GradientSet
-from ..losses import LossFn, causal_lm_loss, default_loss
+from ..loss.functions import LossFn, causal_lm_loss, default_loss
 from ..options import CaptureOptions, StoreOptions, takes_options, with_record
 from ..projection.sketch import Sketch
-from ..sink.rows import MemoryRows, RowSink, RowTransform, ShardRows
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 from .base import Method, MissingStage, register_method
 from .similarity import _normalize

@@ -85,7 +85,7 @@ class TRAK(Method):
     """TRAK influence (see the module docstring).
 
     damping, damping_mode: as the other curvature methods (relative to the mean eigenvalue of ``Phi^T Phi``).
-    reweight: ``"auto"`` (the ``1 - p`` weights for :func:`~gradtrace.losses.classification_loss`, none for other
+    reweight: ``"auto"`` (the ``1 - p`` weights for :func:`~gradtrace.loss.classification_loss`, none for other
         losses), True (require them) or False (``Phi`` = the stored gradients; ``attr.fit()`` needs no model).
     mode: ``"primal"`` -- the ``D x D`` kernel ``Phi^T Phi``, eigendecomposed; ``"dual"`` -- the ``N x N`` Gram
         matrix ``Phi Phi^T`` instead, with ``(Phi^T Phi + lambda I)^-1 = (I - Phi^T (Phi Phi^T + lambda I)^-1 Phi) /
@@ -173,11 +173,11 @@ class TRAK(Method):
         kind = loss_kind(loss_fn, first)
         if kind != "cls":
             if self.reweight is True:
-                raise ValueError("trak: the 1 - p weights are defined for classifiers (gradtrace.losses."
+                raise ValueError("trak: the 1 - p weights are defined for classifiers (gradtrace.loss.functions."
                                  f"classification_loss); this loss is {kind!r}: use reweight='auto' or False")
             self.reweighted = False
             return None
-        from ..losses import classification_loss
+        from ..loss.functions import classification_loss
 
         complement = correct_class_complement(model, data, loss_fn or classification_loss, list(source.ids))
         # 1 - p == 0 only when the loss underflows to 0, where the gradient is 0 too: that row contributes nothing
@@ -316,7 +316,7 @@ def _gram(source: Any, weights: Tensor | None, block_rows: int, device: Any) -> 
 def _store_reference(rows: Any, path: Path) -> dict[str, Any]:
     """What a saved dual fit records of the store it reads: its path (relative to the fit and absolute) and its
     fingerprint's digest. Rows held in memory cannot be referenced: refused."""
-    from ..provenance import relative_path
+    from ..common.provenance import relative_path
     from ..store import GradientStore
     from ..store.fingerprint import store_fingerprint
 

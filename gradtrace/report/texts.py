@@ -17,9 +17,9 @@ from typing import Any
 
 from ..common.errors import UsageError
 from ..common.model_dir import load_tokenizer
+from ..common.provenance import resolve_paths
 from ..data.errors import DataError
 from ..data.prepare import dataset_texts
-from ..provenance import resolve_paths
 from .errors import ReportError
 
 __all__ = ["DataSource", "read_texts", "recorded_sources", "resolve_source"]
@@ -82,7 +82,7 @@ def _source(config: dict[str, Any], key: str) -> DataSource | None:
 def recorded_sources(meta: dict[str, Any]) -> tuple[DataSource | None, DataSource | None]:
     """``(training data, queries)`` recorded by ``gradtrace score`` in ``Scores.meta["config"]`` (None where a
     source was not recorded: scores made in Python, or a store collected in Python). The store's paths are read
-    against its folder (:func:`gradtrace.provenance.resolve_paths`)."""
+    against its folder (:func:`gradtrace.common.provenance.resolve_paths`)."""
     config = meta.get("config") or {}
     queries = _source(config, "queries")
     store = config.get("store")

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..capture.gradient_set import as_source
 from ..common.checks import count as checked_count
 from ..common.units import block_rows_for
-from ..gradients import as_source
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
 from .scores import Scores, scoring_meta

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..capture.gradient_set import GradientSet, as_source
 from ..common.checkpoints import checkpoint_path, load_into, read_state_dict, restored_weights
 from ..grad.batch import GradientBatch
-from ..gradients import GradientSet, as_source
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
 from .engine import ENSEMBLES, Attributor, _block_buffer, _block_product, _check_block, _check_prepared

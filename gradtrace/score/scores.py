@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..common.provenance import record_paths, resolve_paths
 from ..methods.base import SIGN_CONVENTION
 from ..options import RECORD_KEY
-from ..provenance import record_paths, resolve_paths
 from ..store.artifact import (
     ArtifactError,
     atomic_output,
@@ -266,7 +266,7 @@ class Scores:
         time is refused (``LockedError``). Scores already saved in ``path`` are replaced only with ``overwrite``
         (else :class:`~gradtrace.store.artifact.ArtifactExists`). The paths of the recorded configuration
         (``meta["config"]``: store, queries, model, ...) are written relative to ``path`` where they lie under or
-        beside it, and read back against it by :meth:`load` (:func:`gradtrace.provenance.record_paths`): copied
+        beside it, and read back against it by :meth:`load` (:func:`gradtrace.common.provenance.record_paths`): copied
         scores point at the copy's files."""
         tensors = {}
         if self.matrix is not None:

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..capture.gradient_set import GradientSet
 from ..common.ranks import rank_and_world
 from ..distributed.agree import agreed, check_same, gather_objects
 from ..distributed.env import comm_device
-from ..gradients import GradientSet
 from .engine import Attributor
 from .scores import Scores, scoring_meta
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..gradients import as_source
+from ..capture.gradient_set import as_source
 from ..methods import Method
 from .engine import _block_buffer, rows_product
 from .index import Index, IndexMismatch

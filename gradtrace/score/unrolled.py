@@ -63,9 +63,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..capture.gradient_set import as_source
 from ..common.checkpoints import checkpoint_path
 from ..curvature.curvature import KronEigen, kron_matrices
-from ..gradients import as_source
 from ..methods import Method, MissingStage
 from ..methods.less import adam_states
 from ..methods.trackstar import (

@@ -1,6 +1,6 @@
 """Sharded, memory-mapped, self-describing on-disk gradient stores (pure I/O: no capture, no collectives).
 
-``StoreWriter``, the capture callback that writes a store, lives in :mod:`gradtrace.sink` and is still
+``StoreWriter``, the capture callback that writes a store, lives in :mod:`gradtrace.capture.sink` and is still
 importable from here.
 """
 
@@ -28,7 +28,7 @@ def __getattr__(name: str) -> Any:
     """``gradtrace.store.StoreWriter`` (its public name before the sink layer), resolved on first use so that the
     store package imports nothing above it."""
     if name == "StoreWriter":
-        from ..sink import StoreWriter
+        from ..capture.sink import StoreWriter
 
         return StoreWriter
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..provenance import environment
+from ..common.provenance import environment
 from .atomic import (
     atomic_output,
     atomic_write_bytes,

@@ -70,7 +70,7 @@ def model_fingerprint(model: nn.Module) -> dict[str, str]:
 
     Parameters sharded by FSDP2 (DTensors) are gathered one at a time, so the fingerprint equals the
     unsharded model's: a collective, which every rank must call (the store writer and ``collect`` do)."""
-    from ..common.models import strip_wrappers, unwrap
+    from ..common.modules import strip_wrappers, unwrap
 
     inner = unwrap(model)
     arch = hashlib.blake2b(digest_size=8)

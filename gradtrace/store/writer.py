@@ -10,7 +10,7 @@ shard's rows. An error in the thread (a full disk, a vanished directory) is rais
 can resume. Which rows are kept (new ids, finite values) is the rule of :mod:`~gradtrace.store.ledger`.
 
 The capture callback that writes a store, :class:`gradtrace.StoreWriter`, lives above the store, in
-:mod:`gradtrace.sink`.
+:mod:`gradtrace.capture.sink`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..provenance import environment
+from ..common.provenance import environment
 from .artifact import atomic_write_json, create_exclusive, json_bytes
 from .background import BackgroundWriter
 from .layout import (

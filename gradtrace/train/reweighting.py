@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from ..common.checks import count, finite, positive
 from ..common.checks import fraction as checked_fraction
-from ..losses import LossFn
+from ..loss.functions import LossFn
 from ..store.artifact import atomic_write_json
 from .cycle import Cycle
 

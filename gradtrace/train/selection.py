@@ -221,7 +221,7 @@ class OnlineSelection(CaptureCallback):
 
     def _validation_batch(self) -> GradientBatch:
         from ..common.batches import to_device
-        from ..losses import default_loss
+        from ..loss.functions import default_loss
 
         batch = self._validation.next()
         model = self.capture.model
@@ -237,7 +237,7 @@ class OnlineSelection(CaptureCallback):
 
 
 def _param_table(model: Any) -> dict[str, torch.nn.Parameter]:
-    from ..common.models import strip_wrappers, unwrap
+    from ..common.modules import strip_wrappers, unwrap
 
     table = {}
     for name, param in unwrap(model).named_parameters():

@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 
 from ..capture.callbacks import CaptureCallback
+from ..capture.gradient_set import GradientSet
+from ..capture.sink.rows import MemoryRows, RowBackend, RowSink, RowTransform, ShardRows
 from ..common.checks import count
 from ..grad.batch import GradientBatch
-from ..gradients import GradientSet
 from ..options import StoreOptions, takes_options, with_record
-from ..sink.rows import MemoryRows, RowBackend, RowSink, RowTransform, ShardRows
 from ..store import GradientSpec, GradientStore, ShardWriter, model_fingerprint
 
 __all__ = ["FIELDS", "TrajectoryKeys", "TrajectoryRows", "TrajectoryWriter", "step_weights"]

@@ -36,7 +36,7 @@ def _captured(model, data, monkeypatch, **logra):
     with gradtrace.capture(model, projection=gradtrace.LoGra(rank=RANK, **logra), reduction="sum",
                            example_loss="sum") as cap:
         cap.annotate(ids=NAMES)
-        loss = gradtrace.losses.causal_lm_loss(model, data).sum()
+        loss = gradtrace.loss.functions.causal_lm_loss(model, data).sum()
         loss.backward()
     model.zero_grad(set_to_none=True)
     monkeypatch.undo()

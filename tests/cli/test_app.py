@@ -13,7 +13,7 @@ import typer.main
 
 import gradtrace
 from gradtrace.cli import app
-from gradtrace.cli.options import COMMANDS, flat_fields
+from gradtrace.cli.commands import COMMANDS, flat_fields
 from tests.cli.conftest import error_line, flat, invoke
 
 REPO = Path(__file__).resolve().parents[2]

@@ -47,7 +47,7 @@ def _sum_ok(parts: list[float], total: float) -> bool:
 
 def test_score_tokens_saved_and_reported(ws, runner, store, fresh):
     import gradtrace.data as gd
-    from gradtrace.cli.models import load_tokenizer
+    from gradtrace.cli.load_model import load_tokenizer
 
     out = fresh / "scores"
     invoke(runner, "score", store, ws.queries, "--model", ws.model, "--out", out, "--topk", 2, "--tokens",

@@ -9,7 +9,7 @@ import shutil
 import torch
 
 import gradtrace
-from gradtrace.provenance import resolve_paths
+from gradtrace.common.provenance import resolve_paths
 from tests.cli.conftest import error_line, flat, invoke
 from tests.cli.test_pipeline import _api_batches
 

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 import gradtrace
-from gradtrace.provenance import relative_path
+from gradtrace.common.provenance import relative_path
 from gradtrace.store.artifact import artifact_file, checksum
 from tests.cli.conftest import copy_store, error_line, flat, invoke
 from tests.score.legacy_index import save_v1

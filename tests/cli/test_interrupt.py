@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # warm-up runs the first 2 batches through run_capture too: KILL_AT must be larger)
 SIGTERM_AT_BATCH = """
 import os, signal, sys
-collect_module = sys.modules[__import__("gradtrace.collect").collect.__module__]
+import importlib
+collect_module = importlib.import_module("gradtrace.capture.collect")
 real = collect_module.run_capture
 def run_capture(model, data, *args, **kwargs):
     def batches():

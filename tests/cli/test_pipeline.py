@@ -12,7 +12,7 @@ import torch
 import yaml
 
 import gradtrace
-from gradtrace.provenance import resolve_paths
+from gradtrace.common.provenance import resolve_paths
 from tests.cli.conftest import error_line, invoke
 
 

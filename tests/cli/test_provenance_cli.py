@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 
-from gradtrace.provenance import environment
+from gradtrace.common.provenance import environment
 from tests.cli.conftest import invoke
 
 

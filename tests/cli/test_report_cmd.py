@@ -13,7 +13,7 @@ from markupsafe import escape
 
 import gradtrace
 import gradtrace.data as gd
-from gradtrace.cli.models import load_tokenizer
+from gradtrace.cli.load_model import load_tokenizer
 from tests.cli.conftest import error_line, flat, invoke
 from tests.report.helpers import parse, section
 

@@ -74,9 +74,9 @@ def test_prompt_completion_queries_show_prompt_and_completion(ws, runner, store,
 
 
 def test_one_group_declares_the_text_options(runner):
+    from gradtrace.cli.commands import flat_fields
     from gradtrace.cli.groups import TextOptions
-    from gradtrace.cli.options import flat_fields
-    from gradtrace.cli.report_cmd import ReportOptions
+    from gradtrace.cli.report import ReportOptions
     from gradtrace.cli.topk import TopkOptions
 
     names = [f.name for f in flat_fields(TextOptions)]

@@ -8,7 +8,7 @@ from torch import nn
 
 import gradtrace
 from gradtrace.curvature import fit_curvature
-from gradtrace.losses import classification_loss, regression_loss
+from gradtrace.loss.functions import classification_loss, regression_loss
 from gradtrace.projection.logra import Projector
 
 

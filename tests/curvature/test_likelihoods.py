@@ -1,5 +1,6 @@
-"""fisher="true" for a custom loss through a named likelihood (gradtrace.likelihoods): the same sampled labels as the
-built-in path on the same model, data and seed, and, in expectation, the analytic Fisher within Monte-Carlo error."""
+"""fisher="true" for a custom loss through a named likelihood (gradtrace.loss.likelihoods): the same sampled labels as
+the built-in path on the same model, data and seed, and, in expectation, the analytic Fisher within Monte-Carlo
+error."""
 
 import pytest
 import torch
@@ -8,8 +9,8 @@ from torch import nn
 
 import gradtrace
 from gradtrace.curvature import fit_curvature
-from gradtrace.likelihoods import categorical, gaussian
-from gradtrace.losses import classification_loss, regression_loss
+from gradtrace.loss.functions import classification_loss, regression_loss
+from gradtrace.loss.likelihoods import categorical, gaussian
 from tests import tiny
 
 
@@ -115,7 +116,7 @@ def test_attributor_fit_takes_the_likelihood_and_bad_input_is_refused():
                                                                          likelihood=likelihood)
     want = gradtrace.Attributor("kfac", train, fisher="true", seed=5).fit(model, batches)
     _same(attr.method.curvature, want.method.curvature)
-    with pytest.raises(ValueError, match=r"likelihood=gradtrace\.likelihoods\.categorical"):
+    with pytest.raises(ValueError, match=r"likelihood=gradtrace\.loss\.likelihoods\.categorical"):
         fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="true")
     with pytest.raises(ValueError, match="unused: pass fisher='true'"):
         fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="empirical", likelihood=likelihood)
@@ -124,7 +125,7 @@ def test_attributor_fit_takes_the_likelihood_and_bad_input_is_refused():
     with pytest.raises(ValueError, match="mask must be shaped like the logits"):
         fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="true",
                       likelihood=categorical(my_lm_logits, mask=lambda b: b["attention_mask"][:, 1:]))
-    with pytest.raises(TypeError, match=r"must be a gradtrace\.likelihoods\.Likelihood"):
+    with pytest.raises(TypeError, match=r"must be a gradtrace\.loss\.likelihoods\.Likelihood"):
         fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="true", likelihood=my_lm_logits)
     with pytest.raises(ValueError, match="variance must be > 0"):
         gaussian(my_lm_logits, variance=0.0)

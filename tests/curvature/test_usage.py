@@ -86,7 +86,7 @@ def test_degenerate_curvature_is_a_clear_error():
     model = nn.Sequential(nn.Linear(3, 2, bias=False))
     x = torch.zeros(6, 3)  # no activation: the input factor is zero
     batches = [(x, torch.zeros(6, 2))]
-    from gradtrace.losses import regression_loss
+    from gradtrace.loss.functions import regression_loss
 
     train = gradtrace.collect(model, batches, regression_loss)
     attr = gradtrace.Attributor("kfac", train, fisher="empirical")

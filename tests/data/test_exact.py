@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import gradtrace
 import gradtrace.data as gd
-from gradtrace.common.models import canonical_param_names
+from gradtrace.common.modules import canonical_param_names
 from tests.data.conftest import conversation_records, gpt2, make_tokenizer, pair_records
 
 RTOL = 1e-4

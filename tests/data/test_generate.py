@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import gradtrace
 import gradtrace.data as gd
-from gradtrace.losses import causal_lm_loss
+from gradtrace.loss.functions import causal_lm_loss
 from tests.data.conftest import CONVERSATIONS, gpt2, make_tokenizer
 
 PROMPTS = [{"id": "a", "prompt": "what is the capital of france?"}, {"id": "b", "prompt": "count to three:"},
@@ -51,7 +51,7 @@ def test_greedy_answers_are_the_argmax_continuation_and_their_loss_is_attributed
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=1e-5)
     # and its stored gradient is that loss's gradient
     grads = gradtrace.collect(model, data)
-    from gradtrace.common.models import canonical_param_names
+    from gradtrace.common.modules import canonical_param_names
 
     names = canonical_param_names(model)
     params = {names[id(p)]: p for p in model.parameters()}

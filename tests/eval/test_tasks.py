@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gradtrace.eval import DigitsTask, TinyLMTask
-from gradtrace.losses import classification_loss
+from gradtrace.loss.functions import classification_loss
 
 
 def _same_weights(a, b):

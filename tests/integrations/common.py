@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
-from gradtrace.common.models import canonical_param_names, unwrap
+from gradtrace.common.modules import canonical_param_names, unwrap
 from gradtrace.projection.logra import Projector
 from tests import tiny
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradtrace
-from gradtrace.losses import regression_loss
+from gradtrace.loss.functions import regression_loss
 from gradtrace.methods import MissingStage
 from gradtrace.methods.dvemb import data_value_embeddings
 from gradtrace.train import TrajectoryWriter

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.losses import classification_loss
+from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import FitError, MissingStage, load_fit, save_fit
 from gradtrace.store.spec import SpecMismatch
 from tests.methods.test_trackstar import _setup as trackstar_setup

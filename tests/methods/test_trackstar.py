@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
-from gradtrace.losses import classification_loss
+from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import MissingStage
 from gradtrace.projection.logra import Projector
 from tests.methods.test_trak import Net

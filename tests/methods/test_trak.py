@@ -8,7 +8,7 @@ from torch import nn
 
 import gradtrace
 from gradtrace.curvature import CurvatureError
-from gradtrace.losses import classification_loss
+from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import MissingStage
 from gradtrace.projection.logra import Projector
 from tests import tiny

@@ -12,7 +12,7 @@ from torch.func import functional_call, jacrev
 import gradtrace
 from gradtrace.curvature import CurvatureError
 from gradtrace.curvature.hvp import EmpiricalFisherOperator, GGNOperator
-from gradtrace.losses import causal_lm_loss, classification_loss, regression_loss
+from gradtrace.loss.functions import causal_lm_loss, classification_loss, regression_loss
 from gradtrace.methods import MissingStage
 from gradtrace.store import SpecMismatch
 from tests import tiny

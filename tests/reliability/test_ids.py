@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
-from gradtrace.gradients import GradientSet
+from gradtrace.capture.gradient_set import GradientSet
 from gradtrace.store import GradientStore, IdCollision, StoreError, StoreWriter
 from tests import tiny
 

@@ -423,7 +423,7 @@ def test_changed_data_file_is_refused_where_gradients_are_recaptured(ws, runner,
 
 
 def test_data_hash_is_computed_once_per_file_state(tmp_path, monkeypatch):
-    from gradtrace import provenance
+    from gradtrace.common import provenance
     from gradtrace.data import files
 
     path = tmp_path / "d.jsonl"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.losses import causal_lm_loss
+from gradtrace.loss.functions import causal_lm_loss
 from tests import tiny
 
 LENGTHS = [10, 7, 4, 9, 2, 6]  # right-padded to 10
@@ -109,7 +109,7 @@ def test_nan_only_in_one_examples_padding_flags_nothing():
 
 
 def test_loss_gives_padding_exactly_zero_gradient_even_where_its_logits_are_nan():
-    from gradtrace.losses import token_cross_entropy
+    from gradtrace.loss.functions import token_cross_entropy
 
     logits = torch.randn(4, 5, requires_grad=True)
     poisoned = logits.detach().clone()
@@ -130,7 +130,7 @@ def _nan_everywhere(module):
 
 
 def test_nan_weight_is_refused_before_any_work(tmp_path):
-    from gradtrace.collect import NonFiniteError
+    from gradtrace.capture.collect import NonFiniteError
 
     model = tiny.gpt2()
     with torch.no_grad():
@@ -144,7 +144,7 @@ def test_nan_weight_is_refused_before_any_work(tmp_path):
 
 
 def test_a_run_where_every_example_is_nonfinite_is_an_error_and_keeps_the_store(tmp_path):
-    from gradtrace.collect import NonFiniteError
+    from gradtrace.capture.collect import NonFiniteError
     from gradtrace.store import GradientStore
 
     model = tiny.gpt2()

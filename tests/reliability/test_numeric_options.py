@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import gradtrace.options as api_options
 from gradtrace.cli import app
-from gradtrace.cli.options import COMMANDS, flat_fields, numeric_kind
+from gradtrace.cli.commands import COMMANDS, flat_fields, numeric_kind
 from gradtrace.common.checks import Range, range_from
 from tests.cli.conftest import error_line
 

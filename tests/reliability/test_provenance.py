@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gradtrace.provenance import environment, file_fingerprint, relative_path
+from gradtrace.common.provenance import environment, file_fingerprint, relative_path
 
 
 def test_environment_names_the_versions_that_shape_an_artifact():

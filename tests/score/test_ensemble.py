@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.losses import classification_loss
+from gradtrace.loss.functions import classification_loss
 from gradtrace.methods.influence import CurvatureWeightsWarning
 from gradtrace.score.ensemble import EnsembleError
 from gradtrace.store import SpecMismatch

@@ -209,7 +209,7 @@ def test_collect_store_resume_when_everything_is_stored(tmp_path):
 def test_token_cross_entropy_matches_torch():
     import torch.nn.functional as F
 
-    from gradtrace.losses import token_cross_entropy
+    from gradtrace.loss.functions import token_cross_entropy
 
     logits = (torch.randn(37, 1000) * 3).requires_grad_()
     targets = torch.randint(0, 1000, (37,))
@@ -229,7 +229,7 @@ def test_token_cross_entropy_consuming_the_logits():
     a second backward through the graph is refused by autograd rather than computed from overwritten logits."""
     import torch.nn.functional as F
 
-    from gradtrace.losses import token_cross_entropy
+    from gradtrace.loss.functions import token_cross_entropy
 
     weight = torch.randn(64, 1000, requires_grad=True)
     hidden = torch.randn(37, 64)
@@ -253,7 +253,7 @@ def test_token_cross_entropy_keeps_logits_another_backward_step_reads():
     those get a new buffer; soft-capped logits (tanh, then a product) are consumed. Gradients exact either way."""
     import torch.nn.functional as F
 
-    from gradtrace.losses import token_cross_entropy
+    from gradtrace.loss.functions import token_cross_entropy
 
     weight = torch.randn(64, 300, requires_grad=True)
     hidden = torch.randn(11, 64)

@@ -14,7 +14,7 @@ import gradtrace
 from gradtrace.curvature import Curvature
 from gradtrace.curvature.blocks import DenseBlock
 from gradtrace.curvature.curvature import DenseEigen, KronEigen
-from gradtrace.losses import classification_loss
+from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import MissingStage
 from gradtrace.methods.influence import GGN
 from gradtrace.score.ensemble import EnsembleError

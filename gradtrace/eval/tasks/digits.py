@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...losses import classification_loss
+from ...loss.functions import classification_loss
 from .base import Task, fresh_model, tensor_digest
 
 __all__ = ["DigitsConfig", "DigitsMLP", "DigitsTask"]

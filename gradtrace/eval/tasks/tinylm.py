@@ -6,7 +6,7 @@
 only; every document is cut to ``max_length`` tokens. Training: AdamW over ``epochs`` passes of
 minibatches of ``batch_size`` documents in an order drawn from the training seed (which also sets the
 initialisation); the objective is the mean over the batch of each document's summed next-token loss, the
-per-example loss that is attributed (:func:`gradtrace.losses.causal_lm_loss`). No dropout.
+per-example loss that is attributed (:func:`gradtrace.loss.functions.causal_lm_loss`). No dropout.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...losses import causal_lm_loss
+from ...loss.functions import causal_lm_loss
 from .base import Task, fresh_model, minibatch_epochs, tensor_digest
 
 __all__ = ["TinyLMConfig", "TinyLMTask"]

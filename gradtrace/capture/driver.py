@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from ..common.batches import to_device
-from ..common.models import context_limit
-from ..losses import LossFn, default_loss, default_loss_labels
+from ..common.modules import context_limit
+from ..loss.functions import LossFn, default_loss, default_loss_labels
 
 __all__ = ["batch_size", "run_capture"]
 

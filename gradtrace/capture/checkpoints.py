@@ -30,20 +30,20 @@ from typing import Any
 import torch
 from torch import nn
 
-from .collect import check_finite_parameters, check_resumable, collect
-from .common.checkpoints import (
+from ..common.checkpoints import (
     checkpoint_path,
     load_into,
     read_state_dict,
     restored_weights,
     saved_optimizer_parameter_names,
 )
-from .common.errors import UsageError
-from .common.model_dir import load_causal_lm
-from .common.paths import why_missing
-from .gradients import GradientSet
-from .provenance import record_paths
-from .store import GradientStore, model_fingerprint
+from ..common.errors import UsageError
+from ..common.model_dir import load_causal_lm
+from ..common.paths import why_missing
+from ..common.provenance import record_paths
+from ..store import GradientStore, model_fingerprint
+from .collect import check_finite_parameters, check_resumable, collect
+from .gradient_set import GradientSet
 
 __all__ = ["Checkpoint", "checkpoint_names", "collect_checkpoints", "finished_store", "resolve_checkpoints"]
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from ..collect import NonFiniteError, check_finite_parameters
+from ..capture.collect import NonFiniteError, check_finite_parameters
 from ..common.model_dir import load_causal_lm, load_tokenizer
-from ..common.models import context_limit
+from ..common.modules import context_limit
 from .errors import CliError
 
 __all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "recorded_model", "resolve_device",
@@ -21,7 +21,7 @@ def recorded_model(store: Any) -> Path:
 
     A store a ``GradtraceCallback`` wrote records the Trainer's output directory, which holds a model only once the
     final one is saved there: without it the error names the two fixes."""
-    from ..provenance import resolve_paths
+    from ..common.provenance import resolve_paths
 
     recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
     if not recorded:
@@ -39,7 +39,7 @@ def tokenizer_dir(given: Path | None, store: Any, model_dir: Path) -> Path:
     if given is not None:
         return given
     if store is not None:
-        from ..provenance import resolve_paths
+        from ..common.provenance import resolve_paths
 
         recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("tokenizer")
         if recorded:

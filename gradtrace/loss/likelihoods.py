@@ -3,7 +3,7 @@
 gradtrace knows the likelihood behind its own losses (categorical for ``classification_loss`` and
 ``causal_lm_loss``, a unit Gaussian for ``regression_loss``). A custom ``loss_fn`` names its own::
 
-    likelihood = gradtrace.likelihoods.categorical(lambda model, batch: my_forward(model, batch).logits,
+    likelihood = gradtrace.loss.likelihoods.categorical(lambda model, batch: my_forward(model, batch).logits,
                                                    mask=lambda batch: batch["loss_mask"][:, 1:])
     attr.fit(model, data, my_loss, likelihood=likelihood)            # kfac / ekfac / ggn with fisher="true"
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .losses import LossFn, token_cross_entropy
+from .functions import LossFn, token_cross_entropy
 
 __all__ = ["Likelihood", "categorical", "gaussian"]
 

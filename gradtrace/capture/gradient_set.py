@@ -15,10 +15,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from .grad.batch import GradientBatch
-from .grad.ops import concat
+from ..grad.batch import GradientBatch
+from ..grad.ops import concat
+from ..store.spec import GradientSpec
 from .sink.rows import MemoryRows, RowSink
-from .store.spec import GradientSpec
 
 __all__ = ["GradientSet", "GradientSource", "as_source"]
 
@@ -64,7 +64,7 @@ class GradientSet:
                      keep_batches: bool = False) -> GradientSet:
         """Flatten captured batches, as a store would hold them.
 
-        The rows a store would keep, by the same path (:class:`gradtrace.sink.RowSink` with a memory back end).
+        The rows a store would keep, by the same path (:class:`gradtrace.capture.sink.RowSink` with a memory back end).
         Examples flagged NaN/inf are dropped (their ids in ``dropped`` and ``skipped["nonfinite"]``). An id
         seen before is kept once, as :class:`gradtrace.store.ShardWriter` does: a repeat of the same example
         (same content digest, e.g. a later epoch; or no digest on either side) is skipped and counted in
@@ -118,7 +118,7 @@ class GradientSet:
     def save(self, path: str | Path, dtype: str = "float32", shard_rows: int = 4096,
              overwrite: bool = False) -> Any:
         """Write these vectors as a gradient store and return it opened."""
-        from .store import GradientStore, ShardWriter
+        from ..store import GradientStore, ShardWriter
 
         spec = GradientSpec(self.spec.params, self.spec.projection, self.spec.convention, self.spec.model, dtype)
         writer = ShardWriter(path, spec, rank=0, world_size=1, shard_rows=shard_rows, overwrite=overwrite)
@@ -134,7 +134,7 @@ class GradientSet:
 
 def as_source(value: Any) -> Any:
     """Accept a store path, an opened store, a :class:`GradientSet` or captured batches."""
-    from .store import GradientStore
+    from ..store import GradientStore
 
     if isinstance(value, (str, Path)):
         return GradientStore.open(value)

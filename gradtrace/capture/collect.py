@@ -18,15 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .capture import CaptureCallback, capture
-from .capture.dataset import run_capture
-from .gradients import GradientSet
-from .losses import LossFn
-from .options import CaptureOptions, StoreOptions, takes_options, with_record
-from .projection.logra import LoGra
+from ..loss.functions import LossFn
+from ..options import CaptureOptions, StoreOptions, takes_options, with_record
+from ..projection.logra import LoGra
+from ..store import GradientStore, ShardWriter, SpecMismatch, model_fingerprint
+from ..store.spec import GradientSpec, resume_mismatch
+from . import CaptureCallback, capture
+from .driver import run_capture
+from .gradient_set import GradientSet
 from .sink import StoreWriter
-from .store import GradientStore, ShardWriter, SpecMismatch, model_fingerprint
-from .store.spec import GradientSpec, resume_mismatch
 
 __all__ = ["Interrupted", "NonFiniteError", "check_finite_parameters", "check_resumable", "collect",
            "nonfinite_parameters", "terminate_as_interrupt"]
@@ -144,7 +144,7 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
         model: the model (not modified; ``param.grad`` untouched).
         data: an iterable of batches: dicts of tensors (Hugging Face style) or ``(inputs, targets)`` tuples.
         loss_fn: ``loss_fn(model, batch) -> [B]`` per-example losses; each captured gradient is the
-            gradient of that example's loss. Default: :func:`gradtrace.losses.causal_lm_loss` (sum over
+            gradient of that example's loss. Default: :func:`gradtrace.loss.functions.causal_lm_loss` (sum over
             target tokens) for dicts with ``input_ids``, else per-example cross-entropy.
         projection: ``gradtrace.LoGra(...)`` to project at capture time (recommended beyond toy models).
         layers, exclude: which modules to capture (see :func:`gradtrace.capture`).

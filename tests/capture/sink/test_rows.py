@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
+from gradtrace.capture.sink import MemoryRows, RowSink, RowTransform, ShardRows
 from gradtrace.grad.batch import GradientBatch
-from gradtrace.sink import MemoryRows, RowSink, RowTransform, ShardRows
 from gradtrace.store import GradientSpec, GradientStore, IdCollision, ShardWriter, SpecMismatch
 from tests import tiny
 from tests.store.common import status

@@ -25,11 +25,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..capture.callbacks import CaptureCallback
-from ..grad.batch import GradientBatch
-from ..store.ledger import IdLedger
-from ..store.spec import GradientSpec
-from ..store.writer import ShardWriter, per_row_lists
+from ...grad.batch import GradientBatch
+from ...store.ledger import IdLedger
+from ...store.spec import GradientSpec
+from ...store.writer import ShardWriter, per_row_lists
+from ..callbacks import CaptureCallback
 
 __all__ = ["MemoryRows", "RowBackend", "RowSink", "RowTransform", "ShardRows", "batch_digests"]
 

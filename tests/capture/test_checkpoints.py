@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import gradtrace
-import gradtrace.per_checkpoint as per_checkpoint
+from gradtrace.capture import checkpoints as per_checkpoint
 from gradtrace.common.errors import UsageError
-from gradtrace.provenance import resolve_paths
+from gradtrace.common.provenance import resolve_paths
 from gradtrace.store import GradientStore, SpecMismatch, model_fingerprint
 from tests.tiny import VOCAB, gpt2
 

@@ -1,6 +1,6 @@
 """``StoreWriter``: the capture callback that writes every captured example's gradient to a store.
 
-It is a :class:`~gradtrace.sink.rows.RowSink` with a shard back end, plus what a multi-rank run needs: the
+It is a :class:`~gradtrace.capture.sink.rows.RowSink` with a shard back end, plus what a multi-rank run needs: the
 ranks writing one store agree on what they capture and store (:func:`gradtrace.distributed.check_store_writers`),
 rank 0 replaces an old store before any rank opens it, and every rank waits for the others' shards at the end.
 The store itself (:mod:`gradtrace.store`) is pure I/O and knows nothing of captures or process groups.
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from ..capture.callbacks import CaptureCallback
-from ..grad.batch import GradientBatch
-from ..store.layout import DTYPES
-from ..store.spec import GradientSpec, model_fingerprint
-from ..store.writer import ShardWriter, delete_store, per_row_lists
+from ...grad.batch import GradientBatch
+from ...store.layout import DTYPES
+from ...store.spec import GradientSpec, model_fingerprint
+from ...store.writer import ShardWriter, delete_store, per_row_lists
+from ..callbacks import CaptureCallback
 from .rows import RowSink, RowTransform, ShardRows
 
 __all__ = ["ExtraFields", "StoreWriter"]
@@ -89,8 +89,8 @@ class StoreWriter(CaptureCallback):
 
     def on_capture_start(self, capture: Any) -> None:
         # imported here: gradtrace.distributed's package imports the sharded scoring, which imports this module
-        from ..common.ranks import rank_and_world
-        from ..distributed.agree import agreed, check_store_writers
+        from ...common.ranks import rank_and_world
+        from ...distributed.agree import agreed, check_store_writers
 
         self.model = capture.model
         rank, world = rank_and_world()
