@@ -16,8 +16,9 @@ metadata (on the fields the command line exposes) is also their ``--help`` text.
 Numeric fields are checked when an object is made (:func:`gradtrace.common.checks.check_fields`: a field's ``min`` /
 ``max`` / ``valid`` metadata; floats finite), so a bad number is refused before any work, on one line naming it.
 
-This module sits on the floor of the package: it imports only the standard library, torch,
-:mod:`gradtrace.common` and :mod:`gradtrace.projection`.
+This module sits on the floor of the package: it imports only the standard library, :mod:`gradtrace.common` and
+(when a projection is given) :mod:`gradtrace.projection`; not torch, so that the command line can build its options
+from these fields without it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
 from .common.checks import SEED, check_fields, nonzero
-from .projection.logra import LoGra
 
 __all__ = ["RECORD_KEY", "CaptureOptions", "FitOptions", "StoreOptions", "record", "takes_options", "with_record"]
 
@@ -40,6 +41,20 @@ REDUCTIONS = ("mean", "sum", "token_mean")
 EXAMPLE_LOSSES = ("sum", "mean")
 STORE_DTYPES = ("float32", "bfloat16", "int8")
 CURVATURE_KINDS = ("kfac", "ekfac", "fisher")
+
+
+class _LoGraModule:
+    """:mod:`gradtrace.projection.logra`, imported on first attribute access: the annotation ``_logra.LoGra``
+    resolves (``typing.get_type_hints``) while importing this module imports no torch (the command line builds its
+    ``--help`` from these classes)."""
+
+    def __getattr__(self, name: str) -> Any:
+        from .projection import logra
+
+        return getattr(logra, name)
+
+
+_logra = _LoGraModule()
 
 
 def _choice(value: Any, name: str, allowed: Sequence[Any]) -> None:
@@ -93,7 +108,7 @@ class CaptureOptions:
     layers: Sequence[Any] | None = None
     exclude: Sequence[Any] | None = None
     include_frozen: bool = False
-    projection: LoGra | None = None
+    projection: _logra.LoGra | None = None
     reduction: str | None = None
     example_loss: str = "sum"
     loss_scale: float | Callable[[], float] | None = None
@@ -123,9 +138,11 @@ class CaptureOptions:
                     "loss_scale")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise ValueError(f"ignore_index must be an integer, got {self.ignore_index!r}")
+        if self.projection is None:
+            return
         if isinstance(self.projection, dict):  # a spec's dict form (a store's manifest records it so)
-            object.__setattr__(self, "projection", LoGra.from_dict(self.projection))
-        if self.projection is not None and not isinstance(self.projection, LoGra):
+            object.__setattr__(self, "projection", _logra.LoGra.from_dict(self.projection))
+        if not isinstance(self.projection, _logra.LoGra):
             raise TypeError(f"projection must be a gradtrace.LoGra spec or None, got "
                             f"{type(self.projection).__name__}")
 
@@ -193,7 +210,8 @@ def record(options: Any) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    if isinstance(value, LoGra):
+    logra = sys.modules.get(f"{__package__}.projection.logra")  # not imported yet: no value can be a LoGra spec
+    if logra is not None and isinstance(value, logra.LoGra):
         return value.to_dict()
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .capture.memory import StepMemory, estimate_step_memory
 from .common.units import block_rows_for
 from .projection.logra import LoGra
 from .store.shards import row_bytes
@@ -52,6 +53,7 @@ class Plan:
     store_bytes: int  # expected store size: vectors plus records
     free_bytes: int | None  # free space where the store goes (None: no store path given)
     seconds_per_example: float  # from the warm-up (its first batch included: an upper estimate)
+    memory: StepMemory | None = None  # peak of one capture step at the largest batch (None: no transformer config)
 
     @property
     def fits(self) -> bool:
@@ -80,7 +82,7 @@ def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projecti
         raise ValueError("warmup_batches must be at least 1")
     if iter(data) is data:
         raise ValueError("plan() iterates data twice: pass a list or a dataset, not an iterator or generator")
-    examples, tokens = count_examples(data, "plan()")
+    examples, tokens, largest = _count(data, "plan()")
     # the warm-up captures in memory as collect() does; NaN/inf gradients are collect()'s to report, not the plan's
     cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum", projection=projection,
                   keep_batches=True, isolate_padding=True)
@@ -94,20 +96,29 @@ def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projecti
     one = row_bytes(dim, dtype)
     return Plan(examples=examples, tokens=tokens, params=len(dims), dim=dim, dtype=dtype,
                 bytes_per_example=one, store_bytes=examples * (one + RECORD_BYTES_PER_ROW),
-                free_bytes=None if store is None else free_space(Path(store)), seconds_per_example=seconds)
+                free_bytes=None if store is None else free_space(Path(store)), seconds_per_example=seconds,
+                memory=None if largest is None else estimate_step_memory(model, *largest, dim))
 
 
 def count_examples(data: Iterable[Any], what: str) -> tuple[int, int | None]:
     """The examples and input tokens (None for non-token inputs) of ``data``, iterated once."""
+    return _count(data, what)[:2]
+
+
+def _count(data: Iterable[Any], what: str) -> tuple[int, int | None, tuple[int, int] | None]:
+    """:func:`count_examples`, and the ``(batch, length)`` of the batch of most tokens (None: not token inputs)."""
     from .capture.driver import batch_size
 
-    examples, tokens = 0, 0
+    examples, tokens, largest = 0, 0, (0, 0)
     for batch in data:
         examples += batch_size(batch)
         tokens = None if tokens is None else _add_tokens(tokens, batch)
+        shape = tuple(batch["input_ids"].shape) if tokens is not None else ()
+        if len(shape) == 2 and shape[0] * shape[1] > largest[0] * largest[1]:
+            largest = shape  # type: ignore[assignment]
     if examples == 0:
         raise ValueError(f"{what}: the data produced no examples")
-    return examples, tokens
+    return examples, tokens, (largest if tokens is not None and largest[0] else None)
 
 
 def _add_tokens(total: int, batch: Any) -> int | None:

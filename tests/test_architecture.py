@@ -252,7 +252,7 @@ def test_moved_public_names_stay_where_they_were_exported():
     import gradtrace.grad
     import gradtrace.loss.functions
 
-    assert gradtrace.LossConvention is gradtrace.grad.LossConvention is gradtrace.loss.functions.LossConvention
+    assert gradtrace.LossConvention is gradtrace.loss.LossConvention is gradtrace.loss.functions.LossConvention
     assert gradtrace.distributed.score_sharded.__module__ == "gradtrace.score.sharded"
     assert gradtrace.distributed.rank_and_world() == (0, 1)  # no process group in the test process
     assert gradtrace.__version__ == gradtrace.version.__version__

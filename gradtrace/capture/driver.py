@@ -149,14 +149,13 @@ def _show_examples(bar: Any, seen: int) -> None:
 
 
 def _progress(data: Iterable[Any], enabled: bool | str, total: int | None, what: str = "collect") -> Iterable[Any]:
-    """A tqdm bar over ``data`` labelled ``what`` (total: ``total`` or ``len(data)``; neither: a rate only)."""
+    """A progress bar over ``data`` labelled ``what`` (total: ``total`` or ``len(data)``; neither: a rate only):
+    tqdm on a terminal, plain lines in a log (:func:`gradtrace.common.progress.progress_bar`)."""
     if not enabled:
         return data
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is a dependency
-        return data
+    from ..common.progress import progress_bar
+
     if total is None:
         with contextlib.suppress(TypeError):
             total = len(data)  # type: ignore[arg-type]
-    return tqdm(data, total=total, desc=what, unit="batch", dynamic_ncols=True)
+    return progress_bar(data, total=total, desc=what, unit="batch")

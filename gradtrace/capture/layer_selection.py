@@ -116,6 +116,17 @@ def _refuse_fsdp1(model: nn.Module) -> None:
                          "with FSDP2 instead (torch.distributed.fsdp.fully_shard), which gradtrace supports.")
 
 
+def _frozen_advice(model: nn.Module) -> str:
+    """What to do when every matching module is frozen. A PEFT model is frozen by ``PeftModel.from_pretrained``'s
+    default loading (adapters included): loading it trainable captures the adapters, as a training run did;
+    ``include_frozen=True`` would add every frozen base weight, gradients no training store holds."""
+    if hasattr(model, "peft_config"):
+        return ("all matching modules are frozen: PeftModel.from_pretrained(base, adapter_dir) freezes the adapters "
+                "too; load it with is_trainable=True so that the adapter weights are captured, as in training "
+                "(include_frozen=True would capture every base weight as well)")
+    return "all matching modules are frozen; pass include_frozen=True"
+
+
 def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
                   exclude: Iterable[LayerSpec] | None = None, include_frozen: bool = False) -> Selection:
     """Choose the modules to capture.
@@ -203,7 +214,7 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
     selection.param_order = [n for n in order if n in captured_params]
     if not selection.handlers:
         kinds = "Linear, Conv1D, Embedding, LayerNorm/RMSNorm, Conv1d/Conv2d"
-        why = " (all matching modules are frozen; pass include_frozen=True)" if selection.frozen else ""
+        why = f" ({_frozen_advice(inner)})" if selection.frozen else ""
         if selection.unsupported and not why:
             why = " (" + "; ".join(f"{u.module} ({u.type_name}): {u.reason}" for u in selection.unsupported[:3]) + ")"
         raise ValueError(f"no capturable layer selected in {type(inner).__name__}{why}; supported kinds: {kinds}")

@@ -7,24 +7,27 @@ import json
 import re
 import shlex
 import signal
-from collections.abc import Iterator
+import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..common.model_dir import adapter_base
 from ..common.provenance import record_paths
 from ..options import StoreOptions
 from .commands import Group, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
 from .console import Phases, console, human_bytes
 from .errors import CliError
-from .groups import DATA_HELP, DataOptions, ModelOptions, ProjectionOptions
+from .groups import DATA_HELP, DataOptions, LayerOptions, ModelOptions, ProjectionOptions
 from .load_data import read_dataset
 from .load_model import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .outputs import check_writable, resolved_output
 
-__all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "projection_label", "run"]
+__all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "attributed_first", "check_layers", "latest_checkpoint",
+           "projection_label", "run", "store_layers", "trainer_step"]
 
 
 @dataclass(kw_only=True)
@@ -42,8 +45,9 @@ class CollectOptions:
     """Options of ``gradtrace collect``."""
 
     model: Path | None = field(default=None, metadata=cli(
-        "Local Hugging Face model directory (config, weights and tokenizer); or give the models with --model and "
-        "DATA alone.", argument=True, metavar="MODEL_DIR"))
+        "Local Hugging Face model directory (config, weights and tokenizer), or a PEFT/LoRA adapter directory "
+        "(loaded on its base: --base-model); or give the models with --model and DATA alone.", argument=True,
+        metavar="MODEL_DIR"))
     data: Path | None = field(default=None, metadata=cli(DATA_HELP, argument=True, metavar="DATA"))
     models: list[Path] = field(default_factory=list, metadata=cli(
         "Model directory, one store each (repeat: checkpoints or models; MODEL_DIR, when given, is the first). With "
@@ -57,12 +61,18 @@ class CollectOptions:
     store_options: StoreGroup
     data_options: DataOptions
     projection_options: ProjectionOptions
+    layer_options: LayerOptions
     model_options: ModelOptions
     progress: bool = progress_flag("Show a progress bar and the time profile.")
     dry_run: bool = field(default=False, metadata=cli(
         "Print the plan (examples, tokens, dims and bytes per example, store size against free disk, time) and "
         "stop: nothing is written."))
     force: bool = field(default=False, metadata=cli("Collect even when the planned store exceeds the free disk."))
+
+    def capture_options(self) -> Any:
+        """The Python API's :class:`gradtrace.options.CaptureOptions` of these options: the projection, the layers
+        captured and left out, and --strict."""
+        return self.layer_options.apply(self.projection_options.capture_options())
 
 
 OPTIONS = CollectOptions
@@ -96,20 +106,22 @@ def run(opts: CollectOptions) -> None:
     models, data = _models_and_data(opts)
     targets = _targets(models, store_opts)
     with phases("load model"):
-        tokenizer = load_tokenizer(model_opts.tokenizer or models[0])
+        tokenizer = load_tokenizer(model_opts.tokenizer or models[0], model_opts.base_model)
         device = resolve_device(model_opts.device)
-        model = load_model(models[0], device, model_opts.model_dtype)
+        model = load_model(models[0], device, model_opts.model_dtype, model_opts.base_model)
     with phases("read data"):
         max_length = resolve_max_length(data_opts.max_length, model)
         batches = read_dataset(data, tokenizer, data_opts, max_length, pad_id(tokenizer))
     phases.note("read data", f"{batches.summary.total_tokens:,} tokens")
     console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
-    capture_options = opts.projection_options.capture_options()
+    capture_options = opts.capture_options()
     projection, settings = capture_options.projection, store_opts.settings
+    check_layers(model, capture_options)
     if targets[0].already:
         _check_resume(replace(store_opts, out=targets[0].out), projection, model)
     with phases("plan"):
-        planned = gradtrace.plan(model, batches, projection=projection, dtype=settings.dtype, store=store_opts.out,
+        planned = gradtrace.plan(model, batches, projection=projection, layers=capture_options.layers,
+                                 exclude=capture_options.exclude, dtype=settings.dtype, store=store_opts.out,
                                  device=device)
     console().print(plan_lines(planned, store_opts.out, stores=len(targets)), markup=False, highlight=False,
                     soft_wrap=True)
@@ -128,14 +140,18 @@ def run(opts: CollectOptions) -> None:
     for c, target in enumerate(targets):
         if c > 0:
             with phases("load model"):
-                model = load_model(target.model, device, model_opts.model_dtype)
+                model = load_model(target.model, device, model_opts.model_dtype, model_opts.base_model)
             if target.already:
                 _check_resume(replace(store_opts, out=target.out), projection, model)
         stores.append(_collect_one(gradtrace, model, batches, target, final, phases, progress=opts.progress))
         del model
-    further = "".join(f" --store {shlex.quote(str(s))}" for s in stores[1:])  # an ensemble of the stores
-    console().print(f"Next: gradtrace score {shlex.quote(str(stores[0]))} QUERIES.jsonl{further} --out SCORES_DIR",
+    listed = [stores[c] for c in attributed_first([t.model for t in targets])]  # an ensemble of the stores
+    further = "".join(f" --store {shlex.quote(str(s))}" for s in listed[1:])
+    console().print(f"Next: gradtrace score {shlex.quote(str(listed[0]))} QUERIES.jsonl{further} --out SCORES_DIR",
                     markup=False, highlight=False, soft_wrap=True)
+    if listed != stores:
+        console().print(f"  (the latest checkpoint first: {listed[0].name} is STORE, the model explained, and answers "
+                        "with --generate)", markup=False, highlight=False, soft_wrap=True)
     if opts.progress:
         console(stderr=True).print(phases.table())
 
@@ -160,13 +176,37 @@ def run_checkpoints(run: Path, last: int | None = None) -> list[Path]:
     order; with ``last``, the last ``last`` of them. Each is then checked as a model directory like a --model."""
     if not run.is_dir():
         raise CliError(f"--checkpoints-of {run} is not a directory")
-    found = sorted((int(p.name.removeprefix("checkpoint-")), p) for p in run.iterdir()
-                   if p.is_dir() and re.fullmatch(r"checkpoint-\d+", p.name))
+    found = sorted((step, p) for p in run.iterdir() if p.is_dir() and (step := trainer_step(p)) is not None)
     if not found:
         raise CliError(f"--checkpoints-of {run} holds no Trainer checkpoint (checkpoint-N directories): give the "
                        "run's output_dir, or the checkpoints with --model")
     paths = [path for _, path in found]
     return paths[-last:] if last else paths
+
+
+def trainer_step(path: Path) -> int | None:
+    """The step ``N`` of a Trainer ``checkpoint-N`` directory (by its name), else None."""
+    found = re.fullmatch(r"checkpoint-(\d+)", path.name)
+    return int(found.group(1)) if found else None
+
+
+def latest_checkpoint(models: Sequence[Path]) -> int | None:
+    """Which of ``models`` is the latest checkpoint of one training run: the highest step ``N`` when there are
+    several and every one is a Trainer ``checkpoint-N`` directory of the same run directory; else None
+    (independently trained models, checkpoints of several runs, or one model)."""
+    steps = [trainer_step(m) for m in models]
+    if len(models) < 2 or None in steps or len({m.resolve().parent for m in models}) > 1:
+        return None
+    return max(range(len(models)), key=lambda c: steps[c] or 0)
+
+
+def attributed_first(models: Sequence[Path]) -> list[int]:
+    """The order the printed ``gradtrace score`` command lists the stores of ``models`` in: the checkpoints of one
+    Trainer run latest first -- STORE is then the final model, the one explained, which answers ``--generate`` --
+    and other models as given (STORE: the first)."""
+    if latest_checkpoint(models) is None:
+        return list(range(len(models)))
+    return sorted(range(len(models)), key=lambda c: -(trainer_step(models[c]) or 0))
 
 
 def _targets(models: list[Path], store_opts: StoreGroup) -> list[_Target]:
@@ -191,13 +231,18 @@ def _targets(models: list[Path], store_opts: StoreGroup) -> list[_Target]:
 def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, final: CollectOptions, phases: Phases,
                  *, progress: bool) -> Path:
     """Collect one store (``final``: the resolved options, completed with this store's model and path) and print
-    what it holds; its resolved configuration is written beside it."""
+    what it holds; its resolved configuration is written beside it (with the base model of a PEFT adapter, which
+    ``gradtrace score`` then loads it on)."""
     settings = final.store_options.settings
-    out, capture_options = target.out, final.projection_options.capture_options()
-    values = resolved(replace(final, model=target.model, store_options=replace(final.store_options, out=out)))
+    out, capture_options = target.out, final.capture_options()
+    strict = capture_options.strict  # collect() takes no strict: check_layers() and _strict_capture() enforce it
+    capture_options = replace(capture_options, strict=False)
+    base = adapter_base(target.model, final.model_options.base_model)
+    values = resolved(replace(final, model=target.model, store_options=replace(final.store_options, out=out),
+                              model_options=replace(final.model_options, base_model=base)))
     for key in ("models", "checkpoints_of", "last"):  # each store records its own model (MODEL_DIR)
         values.pop(key)
-    with phases("gradients"), _interrupt_reported(out):
+    with phases("gradients"), _interrupt_reported(out), _strict_capture(strict, out):
         store = gradtrace.collect(model, batches, options=capture_options, store=out, store_options=settings,
                                   device=final.model_options.device, progress=progress,
                                   config=record_paths({META_KEY: provenance("collect", final.data,
@@ -230,6 +275,24 @@ def _print_stored(store: Any, out: Path, already: int, resume: bool, written: Pa
 
 
 @contextmanager
+def _strict_capture(strict: bool, out: Path) -> Iterator[None]:
+    """``--strict`` while capturing: a parameter whose gradient no captured layer's hooks saw (used functionally,
+    found at the first backward pass) stops the run with one line, as the warning it is otherwise. The layers no
+    rule can capture were refused before, on the model (:func:`check_layers`)."""
+    if not strict:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"gradtrace: parameter\(s\) .* received gradients",
+                                category=UserWarning)
+        try:
+            yield
+        except UserWarning as err:
+            raise CliError(f"--strict: {str(err).removeprefix('gradtrace: ')}; {out} is incomplete: collect again "
+                           "with --overwrite and --layers naming the modules to capture, or without --strict") from None
+
+
+@contextmanager
 def _interrupt_reported(out: Path) -> Iterator[None]:
     """Ctrl-C or SIGTERM during the capture: one line saying what is committed and how to go on; exit code
     128 + the signal's number (130, 143), as a shell reports a process stopped by it."""
@@ -245,6 +308,49 @@ def _interrupt_reported(out: Path) -> Iterator[None]:
             rows = "nothing is"
         raise CliError(f"interrupted by {signal.Signals(signum).name}: {rows} committed in {out} (marked interrupted); "
                        "run the same command with --resume to finish it", exit_code=128 + signum) from None
+
+
+def store_layers(store: Any) -> list[str] | None:
+    """The modules whose parameters ``store`` holds, when it was collected with ``--layers`` / ``--exclude`` (its
+    recorded capture options name patterns): what other gradients compared with it (the queries of gradtrace score,
+    a re-capture) must capture. None for a store of every supported module, which the default selection gives."""
+    config = store.manifest.get("config") or {}
+    recorded = (((config.get("gradtrace") or {}).get("options") or {}).get("capture")) or {}
+    if not (recorded.get("layers") or recorded.get("exclude")):
+        return None
+    from ..curvature.fit import modules_of
+
+    return modules_of([name for name, _ in store.spec.params])
+
+
+def check_layers(model: Any, options: Any) -> None:
+    """``--layers`` / ``--exclude`` / ``--strict`` checked on the loaded model, before the plan's warm-up: a pattern
+    that matches no module, or a left-out module that shares a parameter with a captured one, is refused on one line
+    (as ``gradtrace.collect`` would refuse it); with ``--strict``, so is a trainable parameter that no layer rule can
+    capture per example (without it, the capture leaves it out with a warning)."""
+    from ..capture.layer_selection import select_layers
+
+    try:
+        selection = select_layers(model, options.layers, options.exclude, options.include_frozen)
+    except ValueError as err:
+        message = str(err)
+        for name in ("layers", "exclude"):  # the API names its arguments: name the flags
+            if message.startswith((f"{name}:", f"{name}=")):
+                message = f"--{name}{message[len(name):]}"
+                break
+        else:
+            given = [flag for flag, value in (("--layers", options.layers), ("--exclude", options.exclude)) if value]
+            message = f"{' / '.join(given)}: {message}" if given else message
+        if "is excluded but shares parameter" in message:
+            message += ": leave out every module that holds the tied weight, or none of them"
+        raise CliError(message) from None
+    if options.strict and selection.unsupported:
+        left = selection.unsupported
+        listing = "; ".join(f"{u.module} ({u.type_name}: {u.reason})" for u in left[:4])
+        more = f" and {len(left) - 4} more" if len(left) > 4 else ""
+        raise CliError(f"--strict: {len(left)} module(s) with trainable parameters cannot be captured per example: "
+                       f"{listing}{more}; name the modules to capture with --layers PATTERN, or drop --strict to "
+                       "collect without them (left out with a warning)")
 
 
 def _check_shard_bytes(shard_bytes: int | None, dim: int, dtype: str) -> None:
@@ -268,9 +374,20 @@ def plan_lines(planned: Any, out: Path, stores: int = 1) -> str:
         f"Plan: {planned.examples:,} examples{tokens}; {planned.params:,} captured parameters",
         f"  per example {planned.dim:,} dims, {human_bytes(planned.bytes_per_example)} ({planned.dtype})",
         f"  store{'s' if stores > 1 else ' '}      about {human_bytes(stores * planned.store_bytes)}{each} in "
-        f"{out}{free}",
+        f"{out}{free}", *_memory_line(planned.memory),
         f"  time        about {stores * planned.seconds:,.0f} s{times} ({planned.seconds_per_example * 1e3:,.1f} "
         "ms/example, from a warm-up)"])
+
+
+def _memory_line(memory: Any) -> list[str]:
+    """The plan's memory line (none without an estimate): the peak of one capture step, beside the weights
+    (:func:`gradtrace.capture.memory.estimate_step_memory`)."""
+    if memory is None:
+        return []
+    return [f"  memory      about {human_bytes(memory.total)} per step at batch {memory.batch} x {memory.length} "
+            f"tokens: activations {human_bytes(memory.activations)}, logits {human_bytes(memory.logits)}, backward "
+            f"{human_bytes(memory.backward)}, rows {human_bytes(memory.rows)} (model weights "
+            f"{human_bytes(memory.weights)} besides)"]
 
 
 def _check_target(store_opts: StoreGroup) -> int:

@@ -31,8 +31,8 @@ from ..common.checks import Range, range_from
 from .config import CONFIG_HELP, load_config, resolve_against
 from .errors import CliError, fail, reported_errors
 
-__all__ = ["COMMANDS", "Group", "check_values", "cli", "config_keys", "flat_fields", "make_command", "numeric_kind",
-           "progress_flag", "resolved"]
+__all__ = ["COMMANDS", "QUIET_PROGRESS", "Group", "check_values", "cli", "config_keys", "flat_fields", "make_command",
+           "numeric_kind", "progress_flag", "resolved"]
 
 T = TypeVar("T")
 
@@ -54,8 +54,15 @@ def cli(help: str, *flags: str, argument: bool = False, **typer_kwargs: Any) -> 
     return {"cli": {"kind": kind, "decls": flags, "help": help, "kwargs": typer_kwargs, "bounds": bounds}}
 
 
+QUIET_PROGRESS = ("Show progress (this command has no long loop, so there is none to show; --no-progress is "
+                  "accepted, as by every command).")
+"""The ``--progress/--no-progress`` help of a command that shows no progress."""
+
+
 def progress_flag(help: str = "Show progress bars and the time profile.") -> Any:
-    """The ``progress: bool`` field of a command's options: ``--progress/--no-progress``, on by default."""
+    """The ``progress: bool`` field of a command's options: ``--progress/--no-progress``, on by default. Every
+    command has one (a script may pass ``--no-progress`` to all); the bars are tqdm on a terminal and plain lines
+    in a log (:func:`gradtrace.common.progress.progress_bar`)."""
     return field(default=True, metadata=cli(help, "--progress/--no-progress"))
 
 

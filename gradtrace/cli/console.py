@@ -1,7 +1,16 @@
-"""Console output of the commands: a per-phase time profile and human-readable sizes."""
+"""Console output of the commands: their width, a per-phase time profile and human-readable sizes.
+
+Output to a terminal is as wide as the terminal. Output to anything else (a pipe, a file, a CI log) is not cut
+or wrapped at 80 columns, rich's default there: each line is as long as its content (up to
+:data:`UNLIMITED_WIDTH`), so ``gradtrace topk ... | grep`` sees whole texts. ``gradtrace --width N COMMAND``
+(:func:`set_width`) sets the width of both; the ``COLUMNS`` environment variable, when set, is honoured as rich
+does.
+"""
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,12 +20,35 @@ from rich.table import Table
 
 from ..common.units import human_bytes
 
-__all__ = ["Phases", "console", "human_bytes"]
+__all__ = ["UNLIMITED_WIDTH", "Phases", "console", "human_bytes", "set_width"]
+
+UNLIMITED_WIDTH = 100_000
+"""Columns of output that is not a terminal: in effect unlimited (tables are as wide as their content)."""
+
+_width: int | None = None  # gradtrace --width N
+
+
+def set_width(width: int | None) -> None:
+    """The width of every console made from now on (None: the terminal's, unlimited for a pipe or a file)."""
+    global _width
+    _width = width
 
 
 def console(stderr: bool = False) -> Console:
-    """A rich console on the current stdout/stderr (made per call, so redirected streams are honoured)."""
-    return Console(stderr=stderr, highlight=False, soft_wrap=False)
+    """A rich console on the current stdout/stderr (made per call, so redirected streams are honoured), as wide as
+    ``--width``, else the terminal, else unlimited (not a terminal, no ``COLUMNS``)."""
+    width = _width
+    if width is None and not os.environ.get("COLUMNS") and not _is_terminal(sys.stderr if stderr else sys.stdout):
+        width = UNLIMITED_WIDTH
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=width)
+
+
+def _is_terminal(stream: object) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):  # a closed stream
+        return False
 
 
 class Phases:

@@ -6,7 +6,7 @@ import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .commands import cli
+from .commands import QUIET_PROGRESS, cli, progress_flag
 from .errors import CliError
 
 __all__ = ["OPTIONS", "DemoOptions", "run"]
@@ -18,6 +18,7 @@ class DemoOptions:
 
     out: Path = field(default=Path("gradtrace-demo"), metadata=cli(
         "Directory for the demo's model, stores and scores.", "--out", "-o", metavar="DIR"))
+    progress: bool = progress_flag(QUIET_PROGRESS)
 
 
 OPTIONS = DemoOptions

@@ -8,6 +8,12 @@ STORE, ``--member-curvature`` for each further store, in order: ``gradtrace fit`
 and for trackstar its own checkpoint's ``--optimizer``), each member's scores divided by their mean absolute value
 and combined with ``--ensemble-weights`` (default equal).
 Cost: C x the collection, C x the fit, 2 C x the scoring products of one model.
+
+With several stores (an ensemble, or tracin's checkpoints) ``--generate`` answers the query prompts with one
+model, the model being explained, and every member's query gradients are taken on those answers
+(:func:`answering_model`): ``--answer-model MODEL_DIR`` (one of the stores' models); else the latest checkpoint
+when every model is a Trainer ``checkpoint-N`` directory of one run (the highest ``N``; an early checkpoint's
+answers are not the trained model's); else STORE's model. The output and the saved configuration name it.
 """
 
 from __future__ import annotations
@@ -16,12 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..methods import method_class, saves_fit
 from .commands import Group, cli
 from .errors import CliError
 from .score_fit import needs_fit
 
-__all__ = ["EnsembleOptions", "check_ensemble", "is_ensemble", "score_ensemble"]
+__all__ = ["EnsembleOptions", "answering_model", "check_ensemble", "is_ensemble", "score_ensemble"]
 
 
 @dataclass(kw_only=True)
@@ -40,12 +45,39 @@ class EnsembleOptions(Group):
 
 def is_ensemble(method: str, store_count: int) -> bool:
     """Whether the stores make an ensemble: several of them for a method that does not combine checkpoints."""
+    from ..methods import method_class
+
     return store_count > 1 and not method_class(method).multi_checkpoint
+
+
+def answering_model(models: list[Path], generate: bool, given: Path | None) -> tuple[int, str]:
+    """Which store's model answers the query prompts with ``--generate`` (its position in ``models``, one per
+    store), and why in words (module docstring); checked before any model is loaded."""
+    from .collect import latest_checkpoint, trainer_step
+
+    if given is not None:
+        if not generate:
+            raise CliError("--answer-model chooses the model that answers the query prompts with --generate: pass "
+                           "--generate, or drop --answer-model")
+        where = [c for c, model in enumerate(models) if model.resolve() == given.resolve()]
+        if not where:
+            listing = ", ".join(str(m) for m in models)
+            raise CliError(f"--answer-model {given} is not one of the stores' models ({listing}): the answers must "
+                           "come from a model the scores explain; give one of them")
+        return where[0], "--answer-model"
+    if len(models) == 1:
+        return 0, ""
+    latest = latest_checkpoint(models)
+    if latest is not None:
+        return latest, f"the latest checkpoint, step {trainer_step(models[latest])}; --answer-model for another"
+    return 0, "STORE's model; --answer-model for another"
 
 
 def check_ensemble(method: str, opts: EnsembleOptions, store_count: int, *, curvature: Path | None,
                    index: Any, tokens: bool, world: int) -> None:
     """Refuse ensemble flags that do not fit the stores (wrong counts, flags of one-store features)."""
+    from ..methods import saves_fit
+
     ensemble = is_ensemble(method, store_count)
     if not ensemble:
         if opts.member_curvature or opts.ensemble_weights:

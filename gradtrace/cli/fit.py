@@ -30,6 +30,7 @@ from .errors import CliError
 from .groups import DataOptions, ModelOptions
 from .load_data import read_dataset
 from .load_model import (
+    base_model_dir,
     load_model,
     load_tokenizer,
     pad_id,
@@ -172,8 +173,9 @@ def run(opts: FitOptions) -> None:
         projection = projection_from_dict(store.spec.projection, expect=LoGra,
                                           what=f"the gradients of store {store.root}")
         with phases("load model"):
-            tokenizer = load_tokenizer(tokenizer_dir(model_opts.tokenizer, store, model_dir))
-            model = load_model(model_dir, device, model_opts.model_dtype)
+            base_model = base_model_dir(model_opts.base_model, store, model_dir)
+            tokenizer = load_tokenizer(tokenizer_dir(model_opts.tokenizer, store, model_dir), base_model)
+            model = load_model(model_dir, device, model_opts.model_dtype, base_model)
         with phases("read data"):
             max_length = resolve_max_length(data_opts.max_length, model)
             batches = read_dataset(opts.data, tokenizer, data_opts, max_length, pad_id(tokenizer))
@@ -295,7 +297,8 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
         settings.update(precondition=precondition, structure=kv.structure)
         model_dir = model_dir or recorded_model(store)
         with phases("load model"):
-            fit_args = {"model": load_model(model_dir, "cpu", opts.model_options.model_dtype),
+            fit_args = {"model": load_model(model_dir, "cpu", opts.model_options.model_dtype,
+                                            base_model_dir(opts.model_options.base_model, store, model_dir)),
                         "optimizer": kv.optimizer}
     with phases("fit"):
         attributor = gradtrace.Attributor(cv.method, store, device=device, **settings)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from ..common.checks import SEED
 from ..options import CaptureOptions
-from ..projection import LoGra
 from .commands import Group, cli
 
-__all__ = ["DATA_HELP", "DataOptions", "GenerateOptions", "ModelOptions", "ProjectionOptions", "TextOptions"]
+__all__ = ["DATA_HELP", "LAYER_PATTERNS", "DataOptions", "GenerateOptions", "LayerOptions", "ModelOptions",
+           "ProjectionOptions", "TextOptions"]
+
+LAYER_PATTERNS = ("a module name or a shell-style glob over module names, as the Python API's layers=/exclude= take "
+                  "them: 'lm_head', 'transformer.h.0.*', '*.mlp.*' (names as model.named_modules() gives them)")
 
 DATA_HELP = ("Training examples: .jsonl, .json, .parquet, .csv, .txt (one per line) or a save_to_disk directory; "
              "formats text, prompt-completion or messages, detected from the fields (see --format).")
@@ -30,6 +33,10 @@ class ModelOptions(Group):
         "Tokenizer directory (tokenizer.save_pretrained), for model directories without one -- a Trainer's "
         "checkpoint-N saved without processing_class. Default: the one the store records, else the model's.",
         metavar="TOKENIZER_DIR"))
+    base_model: Path | None = field(default=None, metadata=cli(
+        "Base model directory of a PEFT/LoRA adapter given as the model (adapter_config.json, no config.json: "
+        "save_pretrained of a PeftModel, a LoRA run's checkpoint-N). Default: the one the store records, else the "
+        "local directory adapter_config.json names (never the hub).", metavar="BASE_DIR"))
 
 
 @dataclass(kw_only=True)
@@ -70,8 +77,12 @@ class GenerateOptions(Group):
 
     panel = "Generate"
     generate: bool = field(default=False, metadata=cli(
-        "Answer each query prompt with the (first) model and attribute the loss of its answer; the answers are saved "
-        "with the scores."))
+        "Answer each query prompt with the model and attribute the loss of its answer; the answers are saved with the "
+        "scores. Several stores: the model explained answers (--answer-model)."))
+    answer_model: Path | None = field(default=None, metadata=cli(
+        "With --generate and several stores: the model that answers, one of the stores' models (default: the latest "
+        "checkpoint, by step, when every model is a checkpoint-N directory of one run; else STORE's model).",
+        metavar="MODEL_DIR"))
     max_new_tokens: int = field(default=64, metadata=cli("Longest generated answer, in tokens.", min=1))
     temperature: float = field(default=0.0, metadata=cli(
         "0: greedy decoding; above 0: sample at this temperature (no top-k/top-p).", min=0.0))
@@ -86,6 +97,30 @@ class GenerateOptions(Group):
             return None
         return Generate(model, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                         seed=self.generate_seed)
+
+
+@dataclass(kw_only=True)
+class LayerOptions(Group):
+    """Which layers are captured: the ``layers`` / ``exclude`` / ``strict`` of the Python API's
+    :class:`gradtrace.options.CaptureOptions` (``gradtrace.collect(..., layers=..., exclude=...)``)."""
+
+    panel = "Layers"
+    layers: list[str] = field(default_factory=list, metadata=cli(
+        f"Capture only the modules this pattern matches (repeat for several; default: every supported module): "
+        f"{LAYER_PATTERNS}. A pattern that matches no module is an error naming close ones.", "--layers",
+        metavar="PATTERN"))
+    exclude: list[str] = field(default_factory=list, metadata=cli(
+        "Leave out the modules this pattern matches (repeat for several; same patterns as --layers). A module that "
+        "shares a parameter with a captured one (tied embeddings) cannot be left out alone.", "--exclude",
+        metavar="PATTERN"))
+    strict: bool = field(default=False, metadata=cli(
+        "Stop with an error when a trainable parameter cannot be captured per example (default: it is left out "
+        "with a warning, and the store does not hold it)."))
+
+    def apply(self, options: CaptureOptions) -> CaptureOptions:
+        """``options`` with these layers, exclusions and strictness (the API's ``None`` for no pattern)."""
+        return replace(options, layers=list(self.layers) or None, exclude=list(self.exclude) or None,
+                       strict=self.strict)
 
 
 @dataclass(kw_only=True)
@@ -105,6 +140,8 @@ class ProjectionOptions(Group):
 
     def capture_options(self) -> CaptureOptions:
         """The Python API's :class:`gradtrace.options.CaptureOptions` these options stand for (its projection)."""
+        from ..projection import LoGra
+
         if self.projection == "none":
             return CaptureOptions()
         return CaptureOptions(projection=LoGra(rank=self.rank, seed=self.seed, ranks=self.logra_ranks()))
@@ -132,10 +169,11 @@ class TextOptions(Group):
 
     panel = "Texts"
     data: Path | None = field(default=None, metadata=cli(
-        "Training data (as given to collect) for the training examples' texts (report: default the data the store "
-        "was collected from)."))
+        "Training data (as given to collect) for the training examples' texts (default: the data the store was "
+        "collected from, when it still exists)."))
     queries: Path | None = field(default=None, metadata=cli(
-        "Query data (as given to score) for the queries' texts (report: default the file gradtrace score read)."))
+        "Query data (as given to score) for the queries' texts (default: the file gradtrace score read, when it "
+        "still exists)."))
     text_field: str | None = field(default=None, metadata=cli(
         "Text field of --data and --queries (default: as recorded when collecting/scoring, else 'text')."))
     train_text_field: str | None = field(default=None, metadata=cli(

@@ -8,6 +8,7 @@ grad_cos needs an index built with ``--normalize``. Needs FAISS: ``pip install '
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,9 +29,11 @@ class BuildOptions(Group):
     """What kind of index is built and how."""
 
     panel = "Index"
-    kind: Literal["flat", "ivfpq"] = field(default="ivfpq", metadata=cli(
+    kind: Literal["auto", "flat", "ivfpq"] = field(default="auto", metadata=cli(
         "flat: exact inner product over float32 copies of all rows (rows x dim x 4 bytes in memory); ivfpq: "
-        "inverted file of k-means cells with product-quantized rows (compact; trained on a sample)."))
+        "inverted file of k-means cells with product-quantized rows (compact; trained on a sample); auto: flat "
+        "below 10,000 rows (too few to train ivfpq's codebooks, whose index would be larger than the rows), else "
+        "ivfpq, and ivfpq whenever an ivfpq option is given."))
     normalize: bool = field(default=False, metadata=cli(
         "Index unit-norm rows: the index for --method grad_cos (and only for it).", "--normalize"))
     nlist: int | None = field(default=None, metadata=cli(
@@ -83,6 +86,7 @@ def run(opts: IndexOptions) -> None:
     An index built before row norms were recorded: gradtrace index ./store --out ./index --add-norms
     """
     from ..score.index import FaissMissing, build_index
+    from ..score.index_training import FaissTrainingWarning
     from ..store import GradientStore
 
     b = opts.build_options
@@ -96,12 +100,14 @@ def run(opts: IndexOptions) -> None:
     with phases("open store"):
         store = GradientStore.open(opts.store)
     try:
-        with phases("build"):
+        with phases("build"), warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", FaissTrainingWarning)
             index = build_index(store, b.kind, normalize=b.normalize, nlist=b.nlist, m=b.m, nbits=b.nbits,
                                 nprobe=b.nprobe, train_rows=b.train_rows, seed=b.seed, fast_scan=b.fast_scan,
                                 block_rows=b.block_rows, progress=opts.progress)
     except FaissMissing as err:
         raise CliError(str(err)) from None
+    _say_warnings(said)
     with phases("save"):
         index.save(opts.out, overwrite=opts.overwrite)
         written = write_resolved(opts.out, "index", resolved(opts))
@@ -113,6 +119,9 @@ def run(opts: IndexOptions) -> None:
         f"{params.train_rows:,} rows"
     size = sum(f.stat().st_size for f in opts.out.iterdir() if f.is_file())
     out.print(f"Indexed {len(index):,} rows of {opts.store} ({params.kind}: {detail}); saved in {opts.out}")
+    if index.meta.get("auto_kind"):
+        out.print(f"  kind        {params.kind}, chosen by --kind auto: {index.meta['auto_kind']}", markup=False,
+                  soft_wrap=True)
     rows = "normalized (for grad_cos)" if params.normalize else "raw (grad_dot, kfac, ekfac, ggn, logra)"
     out.print(f"  rows        {rows}")
     out.print(f"  size        {human_bytes(size)}")
@@ -120,6 +129,17 @@ def run(opts: IndexOptions) -> None:
     out.print(f"Next: gradtrace score {opts.store} QUERIES --index {opts.out} --rerank 1000 --out SCORES_DIR")
     if opts.progress:
         console(stderr=True).print(phases.table())
+
+
+def _say_warnings(said: list[warnings.WarningMessage]) -> None:
+    """FAISS's training warning as one ``Warning: ...`` line on stderr; other warnings pass on as they are."""
+    from ..score.index_training import FaissTrainingWarning
+
+    for warning in said:
+        if issubclass(warning.category, FaissTrainingWarning):
+            console(stderr=True).print(f"Warning: {warning.message}", style="yellow", markup=False, soft_wrap=True)
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def _add_norms(opts: IndexOptions) -> None:

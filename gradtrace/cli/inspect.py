@@ -13,7 +13,7 @@ from rich.table import Table
 from ..common.paths import why_missing
 from ..common.provenance import resolve_paths
 from .collect import projection_label
-from .commands import cli
+from .commands import QUIET_PROGRESS, cli, progress_flag
 from .config import META_KEY
 from .console import console, human_bytes
 from .errors import CliError
@@ -31,6 +31,7 @@ class InspectOptions:
     verify: bool = field(default=False, metadata=cli(
         "Also check every shard's data checksum (reads the whole store); the manifest, the shard lists and the "
         "records are always checked.", "--verify"))
+    progress: bool = progress_flag(QUIET_PROGRESS)
 
 
 OPTIONS = InspectOptions
@@ -78,7 +79,7 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
                 "train": len(scores.train_ids), "matrix": scores.matrix is not None,
                 "top_k": int(scores.top[0].shape[1]) if scores.top is not None else None,
                 "bottom_k": int(scores.bottom[0].shape[1]) if scores.bottom is not None else None, **combines,
-                "meta": scores.meta, "environment": _environment_of(path / "scores.json")}
+                "units": scores.units, "meta": scores.meta, "environment": _environment_of(path / "scores.json")}
     if (path / "curvature.json").exists():
         from ..curvature import Curvature
 
@@ -158,7 +159,8 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
                 f"bottom {info['bottom_k']}" if info["bottom_k"] else ""]
         rows = [("method", info["method"]),
                 ("shape", f"{info['queries']:,} queries x {info['train']:,} training examples"),
-                ("kept", ", ".join(k for k in kept if k)), ("sign", str(meta.pop("sign", "")))]
+                ("kept", ", ".join(k for k in kept if k)), ("sign", str(meta.pop("sign", ""))),
+                ("units", str(info.get("units", "")))]  # an ensemble's: normalised ensemble scores, not cosines
         if info.get("combines"):
             rows.append(("combines", info["combines"]))
         spec = meta.pop("spec", {}) or {}
@@ -168,6 +170,14 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
             rows.append(("model", _model(spec.get("model") or {})))
         meta.pop("method", None)
         profile = meta.pop("profile", None) or {}
+        meta.pop("distribution", None)  # per-query numbers: summarised by the diagnostics
+        diagnostics = meta.pop("diagnostics", None)
+        if diagnostics:
+            from ..score.diagnostics import Diagnosis
+
+            found = Diagnosis.from_dict(diagnostics)
+            rows += [("diagnostics", line) for line in found.lines()]
+            rows += [("warning", warning) for warning in found.warnings]
         rows += [(key, _short(value)) for key, value in meta.items()]
         if profile:
             rows.append(("profile", ", ".join(_profile_item(k, v) for k, v in profile.items())))

@@ -3,30 +3,30 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..capture.collect import NonFiniteError, check_finite_parameters
-from ..common.model_dir import load_causal_lm, load_tokenizer
-from ..common.modules import context_limit
+from ..common.model_dir import is_adapter_dir, load_causal_lm, load_tokenizer
 from .errors import CliError
 
-__all__ = ["context_limit", "load_model", "load_tokenizer", "pad_id", "recorded_model", "resolve_device",
-           "resolve_max_length", "tokenizer_dir"]
+if TYPE_CHECKING:
+    import torch  # imported where a model is loaded or a device resolved: the commands' --help needs no torch
+
+__all__ = ["base_model_dir", "load_model", "load_tokenizer", "pad_id", "recorded_model",
+           "resolve_device", "resolve_max_length", "tokenizer_dir"]
 
 
 def recorded_model(store: Any) -> Path:
     """The model directory ``store`` records (the one it was collected with), for a command given no ``--model``.
 
     A store a ``GradtraceCallback`` wrote records the Trainer's output directory, which holds a model only once the
-    final one is saved there: without it the error names the two fixes."""
+    final one is saved there (a full model, or a LoRA run's adapter): without it the error names the two fixes."""
     from ..common.provenance import resolve_paths
 
     recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("model")
     if not recorded:
         raise CliError(f"store {store.root} does not record the model it was collected with: pass --model MODEL_DIR")
-    if (store.manifest.get("config") or {}).get("trainer") and not (Path(recorded) / "config.json").exists():
+    saved = (Path(recorded) / "config.json").exists() or is_adapter_dir(Path(recorded))
+    if (store.manifest.get("config") or {}).get("trainer") and not saved:
         raise CliError(f"store {store.root} was written during training with output dir {recorded}, which holds "
                        "no saved model: save the final model there (trainer.save_model() after train()) or pass "
                        f"--model {recorded}/checkpoint-STEP")
@@ -47,11 +47,25 @@ def tokenizer_dir(given: Path | None, store: Any, model_dir: Path) -> Path:
     return model_dir
 
 
-def load_model(path: Path, device: str, dtype: str = "float32") -> torch.nn.Module:
+def base_model_dir(given: Path | None, store: Any, model_dir: Path) -> Path | None:
+    """The base model of ``model_dir`` when that is a PEFT adapter directory: ``--base-model`` when given, else the
+    one ``store`` records (the base it was collected on), else None (the one its ``adapter_config.json`` names)."""
+    if given is not None or store is None or not is_adapter_dir(model_dir):
+        return given
+    from ..common.provenance import resolve_paths
+
+    recorded = resolve_paths(store.manifest.get("config") or {}, store.root).get("base_model")
+    return Path(recorded) if recorded else None
+
+
+def load_model(path: Path, device: str, dtype: str = "float32", base_model: Path | None = None) -> torch.nn.Module:
     """The causal LM of model directory ``path`` (:func:`gradtrace.common.model_dir.load_causal_lm`: local files
-    only, pickles refused) on ``device``; a model with a NaN/inf parameter is refused (every gradient through it
-    would be broken)."""
-    model = load_causal_lm(path, dtype)
+    only, pickles refused; a PEFT adapter directory on its base model, ``base_model`` or the one it names, adapter
+    weights trainable) on ``device``; a model with a NaN/inf parameter is refused (every gradient through it would
+    be broken)."""
+    from ..capture.collect import NonFiniteError, check_finite_parameters
+
+    model = load_causal_lm(path, dtype, base_model)
     try:
         check_finite_parameters(model, what=f"model {path}")
     except NonFiniteError as err:
@@ -69,6 +83,8 @@ def pad_id(tokenizer: Any) -> int:
 
 def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when available, else ``cpu``; other values are checked."""
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -82,6 +98,8 @@ def resolve_device(device: str) -> str:
 
 def resolve_max_length(requested: int | None, model: torch.nn.Module) -> int | None:
     """``--max-length``: the model's context when not given; more than the context is an error."""
+    from ..common.modules import context_limit
+
     limit = context_limit(model)
     if requested is None:
         return limit

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import typer
 
-from . import collect, demo, fit, index, inspect, report, score, self_influence, topk
+from . import attribute, collect, demo, fit, index, inspect, report, score, self_influence, topk
 from .commands import make_command
+from .console import set_width
 
 __all__ = ["app", "main"]
 
@@ -36,12 +37,17 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
-                                       help="Print the gradtrace version and exit.")) -> None:
+                                       help="Print the gradtrace version and exit."),
+          width: int | None = typer.Option(None, "--width", min=20, metavar="N", help=(
+              "Columns of the commands' output (before the command: gradtrace --width 120 topk ...). Default: the "
+              "terminal's width; output to a pipe or a file is not cut or wrapped."))) -> None:
     """Training data attribution for language models."""
+    set_width(width)
 
 
 for _name, _module in (("collect", collect), ("fit", fit), ("score", score), ("topk", topk), ("inspect", inspect),
-                       ("report", report), ("index", index), ("self-influence", self_influence), ("demo", demo)):
+                       ("report", report), ("index", index), ("self-influence", self_influence), ("demo", demo),
+                       ("attribute", attribute)):
     app.command(_name)(make_command(_name, _module.OPTIONS, _module.run))
 
 

@@ -4,7 +4,9 @@ A store keeps one vector per training example, so the training side re-reads the
 and data options it records), selects the pairs' training examples by id, and collects only those rows with
 token-level factors, with the store's projection and the scoring model. The query side uses the queries'
 gradients, collected with their tokens. Both are checked to sum to the kept scores
-(:func:`gradtrace.score.pairs.token_attributions`).
+(:func:`gradtrace.score.pairs.token_attributions`). The re-captured rows are float32 whatever the store's dtype:
+from a bfloat16 or int8 store they are checked to round to the stored rows, and the training side sums to the
+pairs' float32 scores (those a float32 store keeps), recorded with them.
 """
 
 from __future__ import annotations
@@ -52,17 +54,25 @@ def _token_strings(dataset: Any, ids: list[str], tokenizer: Any) -> dict[str, li
             for ident in ids}
 
 
+def _loss_masks(dataset: Any, ids: list[str]) -> dict[str, list[bool]]:
+    """``{id: [in the loss, ...]}`` of examples of a tokenized dataset, one flag per token."""
+    where = {ident: i for i, ident in enumerate(dataset.ids)}
+    return {ident: dataset.example(where[ident])[1].astype(bool).tolist() for ident in ids if ident in where}
+
+
 def token_attributions(attributor: Any, queries: Any, query_data: Any, scores: Any, *, store: Any, model_dir: Path,
                        projection: Any, device: str, model_dtype: str, k: int, progress: bool,
-                       tokenizer_dir: Path | None = None) -> None:
+                       tokenizer_dir: Path | None = None, base_model: Path | None = None) -> None:
     """Record ``scores.meta["tokens"]`` for the top and bottom ``k`` pairs of every query (both sides);
-    ``tokenizer_dir``: where the tokenizer is (default the model's)."""
+    ``tokenizer_dir``: where the tokenizer is (default the model's); ``base_model``: that of a PEFT adapter
+    ``model_dir`` (default: the one it names)."""
     import gradtrace
 
     from ..score.pairs import pair_rows
+    from .collect import store_layers
 
     data_path, data_opts = recorded_data(store)
-    tokenizer = load_tokenizer(tokenizer_dir or model_dir)
+    tokenizer = load_tokenizer(tokenizer_dir or model_dir, base_model)
     train_data = read_dataset(data_path, tokenizer, data_opts, data_opts.max_length, pad_id(tokenizer),
                               what="training data")
     pairs = pair_rows(scores, k)
@@ -75,12 +85,18 @@ def token_attributions(attributor: Any, queries: Any, query_data: Any, scores: A
     rows = np.asarray([where[ident] for ident in wanted], dtype=np.int64)
     size = data_opts.batch_size
     batches = [train_data.rows(rows[start:start + size]) for start in range(0, len(rows), size)]
-    model = load_model(model_dir, device, model_dtype)
-    recaptured = gradtrace.collect(model, batches, projection=projection, keep_tokens=True, device=device,
-                                   progress=progress)
+    model = load_model(model_dir, device, model_dtype, base_model)
+    recaptured = gradtrace.collect(model, batches, projection=projection, layers=store_layers(store), keep_tokens=True,
+                                   device=device, progress=progress)  # in memory: float32 whatever the store's dtype
     tokens = {**_token_strings(query_data, list(scores.query_ids), tokenizer),
               **_token_strings(train_data, wanted, tokenizer)}
     try:
         attributor.token_attributions(queries, scores, train_tokens=recaptured, tokens=tokens, k=k)
     except ValueError as err:
         raise CliError(f"--tokens: {err}") from None
+    in_loss = {**_loss_masks(query_data, list(scores.query_ids)), **_loss_masks(train_data, wanted)}
+    for record in scores.meta.get("tokens") or []:  # which tokens were in the loss: the report marks them
+        for side, ident in (("query", record["query_id"]), ("train", record["train_id"])):
+            mask = in_loss.get(ident)
+            if mask is not None and len(mask) == len(record.get(f"{side}_tokens") or []):
+                record[f"{side}_in_loss"] = mask

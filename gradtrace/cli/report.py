@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..common.paths import why_missing
-from .commands import cli
+from .commands import QUIET_PROGRESS, cli, progress_flag
 from .console import console, human_bytes
 from .errors import CliError
 from .groups import TextOptions
@@ -43,6 +43,7 @@ class ReportOptions:
     self_method: MethodName | None = field(default=None, metadata=cli(
         "Method of the self-influence (default: the scores' method; grad_cos gives 1 for every example)."))
     self_k: int = field(default=20, metadata=cli("Training examples listed by self-influence.", min=1))
+    progress: bool = progress_flag(QUIET_PROGRESS)
 
 
 OPTIONS = ReportOptions

@@ -19,18 +19,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from ..common.model_dir import adapter_base
 from ..common.paths import why_missing
-from ..methods import available_methods, get_method, method_class
-from ..projection import LoGra, projection_from_dict
-from ..store.atomic import naming
 from .commands import Group, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
 from .console import Phases, console
-from .ensemble import EnsembleOptions, check_ensemble, is_ensemble, score_ensemble
+from .ensemble import EnsembleOptions, answering_model, check_ensemble, is_ensemble, score_ensemble
 from .errors import CliError, os_error_line
 from .groups import DataOptions, GenerateOptions, ModelOptions
 from .load_data import read_dataset
 from .load_model import (
+    base_model_dir,
     load_model,
     load_tokenizer,
     pad_id,
@@ -39,29 +38,13 @@ from .load_model import (
     resolve_max_length,
     tokenizer_dir,
 )
+from .method_choice import MethodName, method_help
 from .outputs import check_output_dir, check_output_file
 from .score_fit import fitted_methods
 
 __all__ = ["OPTIONS", "ScoreOptions", "run"]
 
-CLI_METHODS = ("grad_dot", "grad_cos", "tracin", "kfac", "ekfac", "ggn", "logra", "trak", "trackstar")
-"""The methods the command line runs end to end (their stages: none, learning rates, or ``gradtrace fit``). The
-others (``less``, ``dvemb``, ``arnoldi``, ``cg``, ``ggn_full``) fit from a model and data in Python."""
-MethodName = Literal[tuple(m for m in CLI_METHODS if m in available_methods())]  # type: ignore[valid-type]
 EXPORT_SUFFIXES = (".csv", ".json", ".parquet")
-
-
-def _method_help() -> str:
-    parts = []
-    for name in (m for m in CLI_METHODS if m in available_methods()):
-        try:
-            description = get_method(name).description
-        except Exception:  # a method that needs options to be built: list its name only
-            description = ""
-        parts.append(f"{name} ({description})" if description else name)
-    others = ", ".join(m for m in available_methods() if m not in CLI_METHODS)
-    return (f"Attribution method: {'; '.join(parts)}. Others ({others}) are fitted from a model and data with the "
-            "Python API (gradtrace.Attributor).")
 
 
 @dataclass(kw_only=True)
@@ -71,7 +54,7 @@ class ScoringOptions(Group):
     panel = "Scoring"
     out: Path = field(metadata=cli("Directory to save the scores in (read it with gradtrace topk).", "--out", "-o",
                                    metavar="SCORES_DIR"))
-    method: MethodName = field(default="grad_dot", metadata=cli(_method_help()))
+    method: MethodName = field(default="grad_dot", metadata=cli(method_help()))
     topk: int = field(default=100, metadata=cli(
         "Keep the k highest and k lowest scores of every query (0: none; the full matrix is then needed).", min=0))
     matrix: Literal["auto", "yes", "no"] = field(default="auto", metadata=cli(
@@ -185,8 +168,12 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
     import gradtrace
 
     from ..distributed import agreed
+    from ..methods import method_class
+    from ..projection import LoGra, projection_from_dict
+    from ..score.diagnostics import diagnose
     from ..score.sharded import score_sharded
     from ..store import GradientStore
+    from ..store.atomic import naming
 
     phases = Phases()
     sc, ck, data_opts, model_opts = (opts.scoring_options, opts.checkpoint_options, opts.data_options,
@@ -217,11 +204,14 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         fitted = fitted_methods(sc, store_paths[0], opts.ensemble_options)  # gradtrace.cli.score_fit
         index = _open_index(sc, stores[0], multi or ensemble, world)
         models = _models(opts.model, stores)
+        gen = opts.generate_options  # --generate: the model explained answers (gradtrace.cli.ensemble)
+        answering, answer_why = answering_model(models, gen.generate, gen.answer_model)
         text_with = tokenizer_dir(model_opts.tokenizer, stores[0], models[0])  # --tokenizer, recorded, or the model's
         if not _preflight(opts, stores, device, phases, rank):  # gradtrace.cli.preflight
             return
         query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, text_with,
-                                                                       device, phases, opts.progress and rank == 0)
+                                                                       device, phases, opts.progress and rank == 0,
+                                                                       answering)
     with phases("score"):
         matrix = {"auto": "auto", "yes": True, "no": False}[sc.matrix]
         if ensemble:  # several stores of a single-checkpoint method: one member each (gradtrace.cli.ensemble)
@@ -248,19 +238,27 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         with phases("tokens"):  # every rank: the same pairs re-captured, no collective
             token_attributions(attributor, query_sets[0], query_data, scores, store=stores[0], model_dir=models[0],
                                tokenizer_dir=text_with,
+                               base_model=base_model_dir(model_opts.base_model, stores[0], models[0]),
                                projection=projection_from_dict(stores[0].spec.projection, expect=LoGra,
                                                                what=f"the gradients of store {stores[0].root}"),
                                device=device, model_dtype=model_opts.model_dtype, k=sc.topk,
                                progress=opts.progress and rank == 0)
     final = replace(opts, model=list(models), data_options=replace(data_opts, max_length=max_length),
+                    generate_options=replace(gen, answer_model=models[answering] if gen.generate else None),
                     model_options=replace(model_opts, device=device,  # recorded when not the model's own
-                                          tokenizer=None if text_with == models[0] else text_with))
+                                          tokenizer=None if text_with == models[0] else text_with,
+                                          base_model=adapter_base(models[0], base_model_dir(
+                                              model_opts.base_model, stores[0], models[0]))))
     values = resolved(final)
     scores.meta["config"] = {META_KEY: provenance("score", opts.queries, len(scores.query_ids)), **values}
     if dropped:
         scores.meta["dropped_queries"] = {"ids": dropped, "reason": "NaN/inf gradients"}
     if answers is not None:
         scores.meta["answers"] = answers  # --generate: the model's answer to each query prompt, by query id
+    with phases("diagnose"):  # is the ranking to be trusted? (saved with the scores; topk and the report show it)
+        diagnosis = diagnose(scores, train=list(stores), queries=list(query_sets),
+                             label="the model" if len(stores) == 1 else "every member")
+        scores.meta["diagnostics"] = diagnosis.to_dict()
     written = None
     with agreed("saving the scores"), phases("save"):
         if rank == 0:  # every rank holds the same scores; one writes them
@@ -289,12 +287,20 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         shares = ", ".join(f"{n:,}" for n in scores.meta["distributed"]["rows"])
         out.print(f"  ranks       {world} (training rows per rank: {shares}); outputs written by rank 0")
     out.print("  sign        positive = the training example helps the query (lowers its loss)")
+    for line in diagnosis.lines():
+        out.print(f"  diagnostics {line}")
+    for warning in diagnosis.warnings:
+        out.print(f"[yellow]Warning: {warning}[/yellow]")
+    if scores.meta.get("ensemble"):  # not the method's values (a grad_cos ensemble's are not cosines)
+        out.print(f"  scores      {scores.units}")
     if sc.export:
         out.print(f"  export      {sc.export} (top {sc.topk or 'all'} rows per query)")
     out.print(f"  config      {written}")
     if answers is not None:
-        out.print(f"  answers     {len(answers):,} generated by {models[0]} (saved with the scores; shown by topk)")
-    out.print(f"Next: gradtrace topk {sc.out} --data TRAIN.jsonl")
+        why = f"{answer_why}; " if answer_why else ""  # several stores: which one answered, and why
+        out.print(f"  answers     {len(answers):,} generated by {models[answering]} ({why}saved with the scores; shown "
+                  "by topk)")
+    out.print(f"Next: gradtrace topk {sc.out}")  # texts: from the data the store records (or --data)
     if opts.progress:
         console(stderr=True).print(phases.table())
 
@@ -322,26 +328,32 @@ def _preflight(opts: ScoreOptions, stores: list[Any], device: str, phases: Phase
 
 
 def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], text_with: Path, device: str,
-                     phases: Phases, progress: bool
+                     phases: Phases, progress: bool, answering: int = 0
                      ) -> tuple[list[Any], int | None, list[str], dict[str, str] | None, Any]:
-    """The queries' gradients at every checkpoint, each with its store's projection; the resolved
-    ``--max-length``; the ids of the queries left out for NaN/inf gradients (an error unless
-    ``--allow-partial``); with --generate, the first model's answer to each query by id; the tokenized queries.
-    The queries are tokenized (and answered) once, with the tokenizer in ``text_with``; with --tokens their
-    gradients keep their token-level factors."""
+    """The queries' gradients at every checkpoint, each with its store's projection (in store order); the
+    resolved ``--max-length``; the ids of the queries left out for NaN/inf gradients (an error unless
+    ``--allow-partial``); with --generate, the answer of model ``answering`` (loaded first) to each query by id;
+    the tokenized queries. The queries are tokenized (and answered) once, with the tokenizer in ``text_with``;
+    with --tokens their gradients keep their token-level factors."""
     import gradtrace
 
     from ..capture.collect import NonFiniteError
+    from ..projection import LoGra, projection_from_dict
+    from .collect import store_layers
 
     data_opts = opts.data_options
     projections = [projection_from_dict(s.spec.projection, expect=LoGra, what=f"the gradients of store {s.root}")
                    for s in stores]
+    base_model = opts.model_options.base_model
     with phases("read queries"):
-        tokenizer = load_tokenizer(text_with)
-    query_sets, max_length, batches = [], None, None
-    for store, model_dir, projection in zip(stores, models, projections):
+        tokenizer = load_tokenizer(text_with, base_model_dir(base_model, stores[0], models[0]))
+    query_sets: list[Any] = [None] * len(stores)
+    max_length, batches = None, None
+    for c in [answering, *(c for c in range(len(stores)) if c != answering)]:  # the answering model first
+        store, model_dir, projection = stores[c], models[c], projections[c]
         with phases("load model"):
-            model = load_model(model_dir, device, opts.model_options.model_dtype)
+            model = load_model(model_dir, device, opts.model_options.model_dtype,
+                               base_model_dir(base_model, store, model_dir))
         if batches is None:
             with phases("read queries"):
                 max_length = resolve_max_length(data_opts.max_length, model)
@@ -350,32 +362,34 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
             console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("query gradients"):
             try:
-                queries = gradtrace.collect(model, batches, projection=projection, device=device,
+                queries = gradtrace.collect(model, batches, projection=projection, layers=store_layers(store),
+                                            device=device,
                                             progress="collect queries" if progress else False,
                                             keep_tokens=opts.scoring_options.tokens)
             except NonFiniteError as err:
                 raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None
         _check_match(store, queries, model_dir)
-        _check_dropped(queries, batches.num_examples, model_dir, opts, query_sets)
-        query_sets.append(queries)
+        _check_dropped(queries, batches.num_examples, model_dir, opts, query_sets[answering], models[answering])
+        query_sets[c] = queries
         del model
     answers = dict(zip(batches.ids, batches.answers)) if batches.answers is not None else None
     return query_sets, max_length, list(getattr(query_sets[0], "dropped", [])), answers, batches
 
 
-def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreOptions, earlier: list[Any]) -> None:
+def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreOptions, first: Any, first_model: Path
+                   ) -> None:
     """Queries whose gradients are NaN/inf are left out by collect(): an error naming them, unless
-    ``--allow-partial`` (then every checkpoint must leave out the same ones)."""
+    ``--allow-partial`` (then every checkpoint must leave out the same ones as ``first``, the query gradients
+    taken first, with ``first_model``; None for those)."""
     dropped = list(getattr(queries, "dropped", []))
     if dropped and not opts.scoring_options.allow_partial:
         listing = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
         raise CliError(f"{len(dropped)} of {total} queries of {opts.queries} have NaN/inf gradients with model "
                        f"{model_dir} and cannot be scored: {listing}. Fix them, or pass --allow-partial to score the "
                        f"other {total - len(dropped)}")
-    if earlier and list(queries.ids) != list(earlier[0].ids):
+    if first is not None and list(queries.ids) != list(first.ids):
         raise CliError(f"with model {model_dir} other queries have NaN/inf gradients ({', '.join(dropped[:5])}) than "
-                       f"with {opts.model[0] if opts.model else 'the first model'}; the checkpoints cannot be scored "
-                       "on the same queries")
+                       f"with {first_model}; the checkpoints cannot be scored on the same queries")
 
 
 def _check_out(sc: ScoringOptions) -> None:
@@ -441,6 +455,7 @@ def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
                 raise CliError(f"{flag} applies to the shortlist of --index; pass --index INDEX (written by "
                                "gradtrace index)")
         return None
+    from ..methods import get_method
     from ..score.index import FaissMissing, Index
     from ..score.shortlist import check_norm_rows, index_normalization
 

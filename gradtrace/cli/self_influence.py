@@ -12,8 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..common.paths import why_missing
-from ..store.atomic import atomic_output
-from .commands import cli
+from .commands import QUIET_PROGRESS, cli, progress_flag
 from .console import console
 from .ensemble import EnsembleOptions, check_ensemble
 from .errors import CliError
@@ -50,6 +49,7 @@ class SelfInfluenceOptions:
         "Another store of the same examples, one per further checkpoint or model (repeat): an ensemble.",
         "--store", metavar="STORE"))
     ensemble_options: EnsembleOptions
+    progress: bool = progress_flag(QUIET_PROGRESS)
 
 
 OPTIONS = SelfInfluenceOptions
@@ -117,13 +117,16 @@ def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
         return {}
     tokenizer, source = None, recorded.get("tokenizer") or recorded.get("model")  # as collect tokenized it
     if source and Path(source).exists():
-        tokenizer = load_tokenizer(Path(source))
+        base = recorded.get("base_model")  # of a PEFT adapter: the base it was collected on
+        tokenizer = load_tokenizer(Path(source), Path(base) if base else None)
     with data_warnings_shown():  # the data changed since collect: one line on stderr
         return dataset_texts(path, tokenizer, recorded, text_field=recorded.get("text_field") or "text",
                              id_field=recorded.get("id_field") or "id", what="data")
 
 
 def _write(path: Path, rows: list[dict[str, Any]]) -> None:
+    from ..store.atomic import atomic_output
+
     fields = ["rank", "id", "self_influence", "num_targets"]
     plain = [{k: row[k] for k in fields} for row in rows]
     with atomic_output(path) as tmp, tmp.open("w", newline="") as handle:  # a failure leaves no half file

@@ -13,8 +13,7 @@ from rich.table import Table
 
 from ..common.paths import why_missing
 from ..common.provenance import resolve_paths
-from ..report.texts import recorded_sources
-from .commands import cli
+from .commands import QUIET_PROGRESS, cli, progress_flag
 from .config import read_resolved
 from .console import console
 from .errors import CliError
@@ -38,18 +37,23 @@ class TopkOptions:
     format: Literal["table", "csv", "json"] = field(default="table", metadata=cli(
         "Output: a table, or CSV/JSON rows on stdout.", "--format", "-f"))
     width: int = field(default=60, metadata=cli("Characters of text shown per snippet in the table.", min=10))
+    progress: bool = progress_flag(QUIET_PROGRESS)
 
 
 OPTIONS = TopkOptions
 
 
 def run(opts: TopkOptions) -> None:
-    """Show the top-k training examples of each query (with their texts when --data/--queries are given).
+    """Show the top-k training examples of each query, with their texts.
+
+    The texts come from the training data the store was collected from and the query file gradtrace score read
+    (when they still exist), or from --data and --queries.
 
     Positive score = the training example helps the query (lowers its loss); --bottom shows the most harmful.
 
-    Example: gradtrace topk ./scores --k 5 --data train.jsonl
+    Example: gradtrace topk ./scores --k 5
     """
+    from ..report.texts import recorded_sources
     from ..score import Scores
 
     if not opts.scores.exists():
@@ -58,20 +62,21 @@ def run(opts: TopkOptions) -> None:
         raise CliError(f"{opts.scores} holds no saved scores (no scores.json); write them with gradtrace score")
     scores = Scores.load(opts.scores)
     rows = _rows(scores, opts)
+    for warning in (scores.meta.get("diagnostics") or {}).get("warnings", []):  # recorded by gradtrace score
+        console(stderr=True).print(f"Warning: {warning}", style="yellow", markup=False, soft_wrap=True)
     texts = opts.text_options
     config = scores.meta.get("config") or resolve_paths(read_resolved(opts.scores, "score") or {}, opts.scores)
     train_source, query_source = recorded_sources({"config": config})
-    if texts.data is not None:
-        train_texts, _ = texts.texts("train", train_source)
+    train_texts = _side_texts(texts, "train", train_source)
+    if train_texts is not None:
         for row in rows:
             row["train_text"] = train_texts.get(row["train_id"])
     answers = scores.meta.get("answers") or {}  # gradtrace score --generate: the model's answers
     if answers:
         for row in rows:
             row["answer"] = answers.get(row["query_id"])
-    query_texts: dict[str, str] = {}
-    if texts.queries is not None:
-        query_texts, _ = texts.texts("query", query_source)
+    query_texts = _side_texts(texts, "query", query_source) or {}
+    if query_texts:
         for row in rows:
             row["query_text"] = query_texts.get(row["query_id"])
     if opts.format == "json":
@@ -82,7 +87,25 @@ def run(opts: TopkOptions) -> None:
         writer.writeheader()
         writer.writerows(rows)
     else:
-        _print_tables(scores, rows, opts, query_texts)
+        _print_tables(scores, rows, opts, query_texts, train_texts is not None)
+
+
+def _side_texts(texts: TextOptions, side: Literal["train", "query"], recorded: Any) -> dict[str, str] | None:
+    """``{id: text}`` of one side: from --data/--queries when given (an error if they cannot be read); else from the
+    file the store/scores record, when it exists and reads (a data file changed since: a warning line on stderr;
+    one that no longer reads: a warning line and no texts); None without either."""
+    given = texts.data if side == "train" else texts.queries
+    if given is None and (recorded is None or not recorded.path.exists()):
+        return None
+    try:
+        return texts.texts(side, recorded)[0]
+    except CliError as err:
+        if given is not None:
+            raise
+        flag = "--data" if side == "train" else "--queries"
+        console(stderr=True).print(f"Warning: texts not shown: {err}; pass {flag}", style="yellow", markup=False,
+                                   soft_wrap=True)
+        return None
 
 
 def _rows(scores: Any, opts: TopkOptions) -> list[dict[str, Any]]:
@@ -102,17 +125,23 @@ def _snippet(text: str | None, width: int) -> str:
     return flat if len(flat) <= width else flat[:width - 1] + "…"
 
 
-def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, query_texts: dict[str, str]) -> None:
+def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, query_texts: dict[str, str],
+                  show_text: bool) -> None:
     out = console()
     which = "lowest (most harmful)" if opts.bottom else "highest (most helpful)"
-    out.print(f"[bold]{scores.method}[/bold] scores of {len(scores.query_ids):,} queries against "
-              f"{len(scores.train_ids):,} training examples: top {opts.k} {which} per query.")
+    ensemble = bool((scores.meta or {}).get("ensemble"))
+    out.print(f"{'Ensemble ' if ensemble else ''}[bold]{scores.method}[/bold] scores of {len(scores.query_ids):,} "
+              f"queries against {len(scores.train_ids):,} training examples: top {opts.k} {which} per query.")
     if scores.combination:
         out.print(f"Combines: {scores.combination}.")
+    if ensemble:  # not the method's values (a grad_cos ensemble's are not cosines)
+        out.print(f"Scores: {scores.units}.")
+    answered_by = ((scores.meta or {}).get("config") or {}).get("answer_model")
+    if answered_by and any(row.get("answer") is not None for row in rows):
+        out.print(f"Answers generated by {answered_by}.", markup=False, highlight=False)
     by_query: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_query.setdefault(row["query_id"], []).append(row)
-    show_text = opts.text_options.data is not None
     for query_id, query_rows in by_query.items():
         title = f"query {query_id}"
         if query_id in query_texts:

@@ -9,8 +9,18 @@ The per-example losses, ``LossFn`` and ``LossConvention`` are on the same floor 
 version in :mod:`gradtrace.version` (see ``docs/architecture.md``).
 """
 
-from .batches import to_device
-from .modules import canonical_param_names, context_limit, strip_wrappers, unwrap
-from .ranks import rank_and_world
+import importlib
+from typing import Any
 
 __all__ = ["canonical_param_names", "context_limit", "rank_and_world", "strip_wrappers", "to_device", "unwrap"]
+
+_EXPORTS = {"to_device": ".batches", "canonical_param_names": ".modules", "context_limit": ".modules",
+            "strip_wrappers": ".modules", "unwrap": ".modules", "rank_and_world": ".ranks"}
+
+
+def __getattr__(name: str) -> Any:
+    """The helpers above, imported on first use: the torch-free modules of this floor (``checks``, ``paths``,
+    ``errors``, ``units``, ``provenance``) are imported without torch (the command line's ``--help`` needs them)."""
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

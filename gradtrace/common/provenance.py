@@ -20,7 +20,7 @@ __all__ = ["ORIGIN_KEY", "PATH_KEYS", "environment", "file_fingerprint", "record
 
 _CHUNK = 1 << 22  # 4 MiB reads: hashing streams the file, whatever its size
 _PACKAGES = ("gradtrace", "torch", "transformers", "datasets", "safetensors")
-PATH_KEYS = frozenset({"model", "data", "store", "queries", "out", "export", "curvature", "index",
+PATH_KEYS = frozenset({"model", "base_model", "data", "store", "queries", "out", "export", "curvature", "index",
                        "checkpoint_stores", "path"})
 """Keys of a recorded configuration (the resolved options of a command) whose string values are paths: written
 relative to the artifact's folder by :func:`record_paths`, read back against it by :func:`resolve_paths`."""

@@ -160,9 +160,9 @@ def _outcome(outcome_fn: OutcomeFn, model: Any, expect: int | None, where: str) 
 def _bar(total: int, initial: int, enabled: bool, desc: str):
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from ..common.progress import progress_bar
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="model", dynamic_ncols=True)
+    return progress_bar(total=total, initial=initial, desc=desc, unit="model")
 
 
 def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: int, num_subsets: int = 100,

@@ -124,9 +124,9 @@ def data_value_embeddings(trajectory: Any, *, by: str = "example", max_dim: int 
         filled += len(by_step[step])
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from ..common.progress import progress_bar
 
-        bar = tqdm(total=len(by_step), desc="dvemb", unit="step", dynamic_ncols=True)
+        bar = progress_bar(total=len(by_step), desc="dvemb", unit="step")
     for block in blocks:
         rows = [r for s in block for r in by_step[s]]
         grads = _rows(trajectory, rows, device).to(dtype)  # G of the block's steps [R, dim]

@@ -17,9 +17,9 @@ are in units of the loss gradient, like the other influence methods). For models
 
 Damping: ``damping * mean eigenvalue of Phi^T Phi`` (``damping_mode="relative"``, default 0.1, as the other
 curvature methods) or ``damping`` as is. Positive = helpful. Ensembles over checkpoints / independently trained
-models (TRAK averages ``tau`` over models): ``gradtrace.Attributor("trak", train=[store_1, ..., store_C])`` (a
-:class:`gradtrace.Ensemble`) fits one kernel per member at its weights (``.fit(models=[...], data=..., loss_fn=...)``)
-and combines the members' scores, each divided by its mean absolute value.
+models (TRAK averages ``tau`` over models): ``gradtrace.Ensemble("trak", train=[store_1, ..., store_C])`` fits
+one kernel per member at its weights (``.fit(models=[...], data=..., loss_fn=...)``) and combines the members'
+scores, each divided by its mean absolute value.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Token- and module-level attributions are read from ``Scores.meta`` when present 
 
     meta["tokens"]  = [{"query_id": q, "train_id": t,
                         "query_tokens": [str, ...], "query_scores": [float, ...],    # optional pair of lists
-                        "train_tokens": [str, ...], "train_scores": [float, ...]},   # optional pair of lists
+                        "train_tokens": [str, ...], "train_scores": [float, ...],    # optional pair of lists
+                        "query_in_loss": [bool, ...], "train_in_loss": [bool, ...]}, # optional: loss tokens
                        ...]   # each side's scores sum to the pair's score
     meta["modules"] = [{"query_id": q, "train_id": t, "modules": {block name: float, ...}}, ...]
                               # the blocks sum to the pair's score
@@ -28,12 +29,17 @@ from torch import Tensor
 from .errors import ReportError
 from .svg import histogram_counts, histogram_of, histogram_svg
 
-__all__ = ["ExampleRow", "Heat", "ModuleBar", "QueryView", "Report", "SelfInfluence", "build_report",
-           "pair_attributions"]
+__all__ = ["ExampleRow", "Heat", "ModuleBar", "QueryView", "Rank", "Report", "SelfInfluence", "TrainingEntry",
+           "TrainingIndex", "build_report", "pair_attributions"]
 
 HEAT_LEVELS = 5
 MAX_MODULE_BARS = 12
 FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+RANK_TABLE_QUERIES = 24
+"""Up to this many queries the training-example index is a table with every query's rank of each example (from
+the full matrix when kept); with more, it lists only the queries whose kept top/bottom k hold the example, so the
+file stays bounded by queries x k."""
+PREVIEW_CHARS = 120  # characters of a training text in the training-example index (in full on the query pages)
 CONSTANT_SPREAD = 1e-3
 """Self-influence values within this share of their magnitude are reported as all equal: float32 dot products
 over tens of thousands of dimensions round grad_cos's exact 1 to 1 +- 1e-4 (measured on the demo's store)."""
@@ -41,10 +47,16 @@ over tens of thousands of dimensions round grad_cos's exact 1 to 1 +- 1e-4 (meas
 
 @dataclass
 class Heat:
-    """Tokens with a signed heat level in ``-HEAT_LEVELS..HEAT_LEVELS`` (share of the largest |score|) and score."""
+    """Tokens with a signed heat level in ``-HEAT_LEVELS..HEAT_LEVELS`` (share of the largest |score|), score, and
+    whether the token is in the loss (None: the attribution records no loss mask)."""
 
-    tokens: list[tuple[str, int, float]]
+    tokens: list[tuple[str, int, float, bool | None]]
     cut: int = 0  # tokens left out (text too long)
+
+    @property
+    def marked(self) -> bool:
+        """True when the loss tokens are known (``*_in_loss`` recorded)."""
+        return bool(self.tokens) and self.tokens[0][3] is not None
 
 
 @dataclass
@@ -64,6 +76,7 @@ class ExampleRow:
     width: float  # bar length, percent of the largest |score| shown for the query
     text: str
     cut: int  # characters left out
+    anchor: str = ""  # the example's entry in the training-example index
     train_heat: Heat | None = None
     query_heat: Heat | None = None
     modules: list[ModuleBar] | None = None
@@ -86,12 +99,45 @@ class QueryView:
 
 
 @dataclass
+class Rank:
+    """Where one training example ranks for one query: 1 = the most helpful of all training examples."""
+
+    query: int  # position of the query
+    rank: int | None  # None: not known (only the top/bottom k were kept and it is in neither)
+    score: float | None
+    side: str  # "pos": in the query's shown most helpful, "neg": in its shown most harmful, "": neither
+
+
+@dataclass
+class TrainingEntry:
+    """One training example shown in the report, with its rank for the queries."""
+
+    row: int  # position in the training set
+    anchor: str
+    train_id: str
+    preview: str
+    cut: int
+    ranks: list[Rank]  # table: one per query, in query order; list: only the queries whose shown lists hold it
+
+
+@dataclass
+class TrainingIndex:
+    """Every training example the report shows (in a query's lists or the self-influence list), in training order."""
+
+    entries: list[TrainingEntry]
+    table: bool  # one rank per query (at most RANK_TABLE_QUERIES queries), else only the shown ones
+    complete: bool  # every query's rank is known (the full matrix was kept and the table is drawn)
+    table_queries: int = RANK_TABLE_QUERIES
+
+
+@dataclass
 class SelfInfluence:
     method: str
     rows: list[ExampleRow]
     histogram: Markup
     constant: bool
     count: int
+    train_rows: list[int] = field(default_factory=list)  # the listed examples' positions in the training set
 
 
 @dataclass
@@ -110,6 +156,17 @@ class Report:
     version: str
     notes: list[str] = field(default_factory=list)
     harmful_kept: bool = True  # False: the scores kept the top-k only (an index search with bottom=False)
+    training: TrainingIndex | None = None
+
+    @property
+    def has_answers(self) -> bool:
+        return any(q.answer is not None for q in self.queries)
+
+    @property
+    def loss_marked(self) -> bool:
+        """Some token heat marks its loss tokens."""
+        return any(heat.marked for q in self.queries for row in q.helpful + q.harmful
+                   for heat in (row.train_heat, row.query_heat) if heat is not None)
 
 
 # -- validation ----------------------------------------------------------------------------------------------
@@ -182,16 +239,30 @@ def pair_attributions(meta: Mapping[str, Any]) -> tuple[dict[tuple[str, str], di
     return out[0], out[1]
 
 
-def _heat(tokens: Any, scores: Any, total: float, where: str, max_tokens: int, allowed: Any = None) -> Heat:
+def _loss_mask(in_loss: Any, count: int, where: str) -> list[bool | None]:
+    """``*_in_loss``: one bool (or 0/1) per token, True for the tokens the loss is taken on; None: not recorded."""
+    if in_loss is None:
+        return [None] * count
+    if not isinstance(in_loss, (list, tuple)) or not all(isinstance(v, (bool, int)) and v in (0, 1)
+                                                          for v in in_loss):
+        raise ReportError(f"{where} in_loss: expected one true/false (or 1/0) per token")
+    if len(in_loss) != count:
+        raise ReportError(f"{where}: {count} tokens but {len(in_loss)} in_loss flags")
+    return [bool(v) for v in in_loss]
+
+
+def _heat(tokens: Any, scores: Any, total: float, where: str, max_tokens: int, allowed: Any = None,
+          in_loss: Any = None) -> Heat:
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ReportError(f"{where}: tokens must be a list of strings")
     values = _float_list(scores, f"{where} scores")
     if len(values) != len(tokens):
         raise ReportError(f"{where}: {len(tokens)} tokens but {len(values)} scores")
     _check_sum(values, total, f"{where} scores", allowed)
+    mask = _loss_mask(in_loss, len(tokens), where)
     scale = max((abs(v) for v in values), default=0.0) or 1.0
     levels = [max(-HEAT_LEVELS, min(HEAT_LEVELS, round(v / scale * HEAT_LEVELS))) for v in values]
-    return Heat(list(zip(tokens[:max_tokens], levels[:max_tokens], values[:max_tokens])),
+    return Heat(list(zip(tokens[:max_tokens], levels[:max_tokens], values[:max_tokens], mask[:max_tokens])),
                 max(0, len(tokens) - max_tokens))
 
 
@@ -213,21 +284,24 @@ def _clip(text: str, max_chars: int) -> tuple[str, int]:
     return (text, 0) if len(text) <= max_chars else (text[:max_chars], len(text) - max_chars)
 
 
-def _rows(query_id: str, ids: list[str], values: list[float], scale: float, texts: Mapping[str, str],
-          max_chars: int, tokens: dict, modules: dict) -> list[ExampleRow]:
+def _rows(query_id: str, ids: list[str], columns: list[int], values: list[float], scale: float,
+          texts: Mapping[str, str], max_chars: int, tokens: dict, modules: dict) -> list[ExampleRow]:
+    """Ranked rows of the training examples ``ids`` (at training positions ``columns``) with scores ``values``."""
     rows = []
-    for rank, (tid, value) in enumerate(zip(ids, values), start=1):
+    for rank, (tid, column, value) in enumerate(zip(ids, columns, values), start=1):
         text, cut = _clip(texts[tid], max_chars)
-        row = ExampleRow(rank, tid, value, 100 * abs(value) / scale if scale else 0.0, text, cut)
+        row = ExampleRow(rank, tid, value, 100 * abs(value) / scale if scale else 0.0, text, cut, f"x{column}")
         where = f"token attribution of query {query_id!r} x training example {tid!r}"
         entry = tokens.get((query_id, tid))
         if entry is not None:
             if entry.get("train_tokens") is not None:
                 row.train_heat = _heat(entry["train_tokens"], entry.get("train_scores"), value,
-                                       f"{where} (training side)", max_chars, entry.get("train_tolerance"))
+                                       f"{where} (training side)", max_chars, entry.get("train_tolerance"),
+                                       entry.get("train_in_loss"))
             if entry.get("query_tokens") is not None:
                 row.query_heat = _heat(entry["query_tokens"], entry.get("query_scores"), value,
-                                       f"{where} (query side)", max_chars, entry.get("query_tolerance"))
+                                       f"{where} (query side)", max_chars, entry.get("query_tolerance"),
+                                       entry.get("query_in_loss"))
         entry = modules.get((query_id, tid))
         if entry is not None:
             row.modules, row.modules_more = _modules(entry, value,
@@ -273,15 +347,9 @@ def _distinct_names(paths: list[str]) -> list[str]:
     return [os.path.relpath(p, common) if p != common else os.path.basename(p) for p in paths]
 
 
-def _units(method: str) -> str:
-    from ..methods import get_method
-
-    try:
-        description = get_method(method).description
-    except Exception:  # an unknown or option-requiring method: no description to show
-        description = ""
-    return (f"{method}: {description}. " if description else "") + \
-        "Compare scores within one report: their scale depends on the method."
+def _units(scores: Any) -> str:
+    """What the scores are (``Scores.units``: an ensemble's are normalised ensemble scores, not the method's)."""
+    return f"{scores.units}. Compare scores within one report: their scale depends on the method."
 
 
 def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, str], *, k: int = 5,
@@ -315,6 +383,7 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
                                     text_source)
     check_ids(shown, texts, "training", text_source)
     views = _query_views(scores, helpful, harmful, texts, queries, max_chars, per_page)
+    training = _training_index(scores, helpful, harmful, self_view, texts)
     sides = "top/bottom" if harmful is not None else "top"
     kept = ("full score matrix" if scores.matrix is not None else
             f"{sides} {scores.top[0].shape[1] if scores.top is not None else 0} per query only (no matrix): "
@@ -325,9 +394,10 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
                  "bottom=False)")
     return Report(title=title or f"GradTrace report: {scores.method}", header=_header(scores),
                   sign=SIGN_CONVENTION + "; negative = it hurts the query (a step on it raises the query's loss)",
-                  units=_units(scores.method), num_queries=len(scores.query_ids), num_train=num_train, k=k,
+                  units=_units(scores), num_queries=len(scores.query_ids), num_train=num_train, k=k,
                   kept_note=kept, queries=views, harmful_kept=harmful is not None,
-                  pages=max(1, math.ceil(len(views) / per_page)), self_influence=self_view, version=__version__)
+                  pages=max(1, math.ceil(len(views) / per_page)), self_influence=self_view, version=__version__,
+                  training=training)
 
 
 def _query_views(scores: Any, helpful: Any, harmful: Any | None, texts: Mapping[str, str], queries: Mapping[str, str],
@@ -347,9 +417,11 @@ def _query_views(scores: Any, helpful: Any, harmful: Any | None, texts: Mapping[
         scale = max(abs(v) for v in top_values + low_values)
         text, cut = _clip(queries[qid], max_chars)
         view = QueryView(q, qid, f"q{q}", text, cut, answers.get(qid), [], [], None, q // per_page + 1)
-        view.helpful = _rows(qid, helpful.ids[q], top_values, scale, texts, max_chars, tokens, modules)
+        view.helpful = _rows(qid, helpful.ids[q], helpful.indices[q].tolist(), top_values, scale, texts, max_chars,
+                             tokens, modules)
         if harmful is not None:
-            view.harmful = _rows(qid, harmful.ids[q], low_values, scale, texts, max_chars, tokens, modules)
+            view.harmful = _rows(qid, harmful.ids[q], harmful.indices[q].tolist(), low_values, scale, texts,
+                                 max_chars, tokens, modules)
         if matrix is not None:
             view.histogram = histogram_svg(counts[q], float(lows[q]), float(highs[q]), top_values, low_values)
             if len(scores.train_ids) > 1:  # how far the top example stands out
@@ -358,6 +430,46 @@ def _query_views(scores: Any, helpful: Any, harmful: Any | None, texts: Mapping[
                                   "above the mean.")
         views.append(view)
     return views
+
+
+def _training_index(scores: Any, helpful: Any, harmful: Any | None, self_view: SelfInfluence | None,
+                    texts: Mapping[str, str]) -> TrainingIndex:
+    """Every training example the report shows, with where it ranks for each query: its place in the query's kept
+    lists (Scores' own order; the r-th most harmful ranks N - r + 1), and, in the table with the full matrix, for
+    the other queries ``1 + #(scores above it)``."""
+    num_queries, num_train = len(scores.query_ids), len(scores.train_ids)
+    shown: list[dict[int, Rank]] = [{} for _ in range(num_queries)]  # per query: training row -> its place
+    for q in range(num_queries):
+        if harmful is not None:  # helpful below overrides, when N < 2k puts an example in both lists
+            for r, (j, value) in enumerate(zip(harmful.indices[q].tolist(), harmful.values[q].tolist())):
+                shown[q][j] = Rank(q, num_train - r, value, "neg")
+        for r, (j, value) in enumerate(zip(helpful.indices[q].tolist(), helpful.values[q].tolist()), start=1):
+            shown[q][j] = Rank(q, r, value, "pos")
+    listed = [j for places in shown for j in places] + (self_view.train_rows if self_view is not None else [])
+    rows = sorted(set(listed))
+    table = num_queries <= RANK_TABLE_QUERIES
+    complete = table and scores.matrix is not None
+    if complete:  # 1 + how many training examples score above it, for every (query, listed example)
+        matrix = scores.matrix  # [Q, N]
+        listed_scores = matrix[:, torch.tensor(rows, dtype=torch.long)].contiguous()  # [Q, U]
+        above = num_train - torch.searchsorted(matrix.sort(dim=1).values, listed_scores, right=True)  # [Q, U]
+        ranks_of, scores_of = (above + 1).T.tolist(), listed_scores.T.tolist()  # [U][Q]
+    if not table:  # the shown places only, in query order
+        places_of: dict[int, list[Rank]] = {j: [] for j in rows}
+        for places in shown:
+            for j, place in places.items():
+                places_of[j].append(place)
+    entries = []
+    for u, j in enumerate(rows):
+        tid = scores.train_ids[j]
+        if table:
+            ranks = [shown[q].get(j) or (Rank(q, ranks_of[u][q], scores_of[u][q], "") if complete else
+                                         Rank(q, None, None, "")) for q in range(num_queries)]
+        else:
+            ranks = places_of[j]
+        preview, cut = _clip(texts[tid], PREVIEW_CHARS)
+        entries.append(TrainingEntry(j, f"x{j}", tid, preview, cut, ranks))
+    return TrainingIndex(entries, table, complete)
 
 
 def _self_influence(scores: Any, self_scores: Tensor | Mapping[str, float], method: str, texts: Mapping[str, str],
@@ -379,6 +491,6 @@ def _self_influence(scores: Any, self_scores: Tensor | Mapping[str, float], meth
     check_ids(ids, texts, "training", text_source)
     top = top_values.tolist()
     scale = max(abs(v) for v in top)
-    rows = _rows("", ids, top, scale, texts, max_chars, {}, {})
+    rows = _rows("", ids, top_indices.tolist(), top, scale, texts, max_chars, {}, {})
     constant = bool((values.max() - values.min()) <= CONSTANT_SPREAD * values.abs().max().clamp_min(1e-30))
-    return SelfInfluence(method, rows, histogram_of(values, top), constant, values.numel())
+    return SelfInfluence(method, rows, histogram_of(values, top), constant, values.numel(), top_indices.tolist())

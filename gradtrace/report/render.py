@@ -1,12 +1,16 @@
 """Rendering a :class:`~gradtrace.report.content.Report` to one self-contained HTML file with jinja2.
 
 Templates ship as package data (``gradtrace/report/templates``); the environment autoescapes everything, so
-training texts, ids and tokens (``<script>`` included) are shown as text, never run. The page has no
-JavaScript and no external resource: paging is CSS (``:target``), plots are inline SVG.
+training texts, ids and tokens (``<script>`` included) are shown as text, never run. The page has no external
+resource: paging is CSS (``:target``), plots are inline SVG. Its one script (``report.js``, the search box of the
+training-example index) only enhances it: the page is complete without it, and its Content-Security-Policy runs
+that script alone (by its hash), so no script can come from a text.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 from collections.abc import Mapping
 from functools import lru_cache
@@ -23,6 +27,7 @@ from .texts import DataSource, read_texts, recorded_sources, resolve_source
 __all__ = ["render_html", "render_report", "write_atomic"]
 
 TEMPLATE = "report.html.j2"
+SCRIPT = "report.js"
 FILE_MODE = 0o644
 
 
@@ -84,12 +89,19 @@ def render_report(scores: Any, texts: Mapping[str, str] | str | Path | None = No
 
 def render_html(report: Report) -> str:
     """The HTML page of a built :class:`Report`."""
-    return _environment().get_template(TEMPLATE).render(report=report, css=_css())
+    script = _source(SCRIPT)
+    return _environment().get_template(TEMPLATE).render(report=report, css=_source("report.css"), script=script,
+                                                        script_hash=script_hash(script))
 
 
-@lru_cache(maxsize=1)
-def _css() -> str:
-    return _environment().loader.get_source(_environment(), "report.css")[0]
+@lru_cache(maxsize=4)
+def _source(name: str) -> str:
+    return _environment().loader.get_source(_environment(), name)[0]
+
+
+def script_hash(script: str) -> str:
+    """The Content-Security-Policy source that allows the inline ``script`` and nothing else: ``'sha256-...'``."""
+    return "sha256-" + base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
 
 
 def write_atomic(path: Path, text: str) -> None:

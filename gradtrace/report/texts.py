@@ -58,8 +58,9 @@ def _tokenizer(source: DataSource) -> Any:
     its own ids needs none, and data without them says to pass ``--model``)."""
     if source.model is None:
         return None
+    base = source.recorded.get("base_model")  # of a PEFT adapter: the base it was collected on
     try:
-        return load_tokenizer(source.model)
+        return load_tokenizer(source.model, Path(base) if base else None)
     except UsageError:
         if source.model_given:
             raise

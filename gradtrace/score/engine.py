@@ -20,8 +20,10 @@ from torch import Tensor
 from ..capture.gradient_set import as_source
 from ..common.checks import count as checked_count
 from ..common.units import block_rows_for
+from ..grad import GradientBatch
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
+from .distribution import ScoreDistribution
 from .scores import Scores, scoring_meta
 
 __all__ = ["Attributor", "ScoringError"]
@@ -45,9 +47,12 @@ def _merge(kept: tuple[Tensor, Tensor] | None, block: Tensor, offset: int, k: in
     return values, indices
 
 
-# ``(wants(method, train) -> bool, ensemble class)``: what ``Attributor(method, [train_1, ...])`` builds instead of
-# a single-model engine (filled by gradtrace.score.ensemble when the score package is imported)
-ENSEMBLES: list[tuple[Callable[[Any, Any], bool], Callable[..., Any]]] = []
+def is_member_list(train: Any) -> bool:
+    """Whether ``train`` is a list of gradient sources (stores, paths, gradient sets, lists of batches), one per
+    checkpoint or model -- not a list of captured :class:`GradientBatch` es, which is one source."""
+    if not isinstance(train, (list, tuple)) or not train:
+        return False
+    return not all(isinstance(item, GradientBatch) for item in train)
 
 
 class Attributor:
@@ -57,7 +62,8 @@ class Attributor:
         method: a registered method name (``"grad_dot"``, ``"grad_cos"``, ``"tracin"``, ...) or instance.
         train: training gradients -- a :class:`gradtrace.GradientStore`, its path, a
             :class:`gradtrace.GradientSet` or captured batches; for multi-checkpoint methods a list with
-            one per checkpoint (same examples); for any other method a list makes an :class:`Ensemble`.
+            one per checkpoint (same examples); for any other method a list is refused (an ensemble is
+            :class:`gradtrace.Ensemble`).
         block_rows: training rows per streamed block (default: as many as fit in
             :data:`gradtrace.common.units.BLOCK_BYTES`, 128 MiB of float32: 8,192 rows of 4,096 dims; the decode
             buffer and each block's products are bounded by it whatever the store's length).
@@ -66,20 +72,18 @@ class Attributor:
         **method_options: passed to the method (e.g. ``weights=[...]`` learning rates for TracIn).
     """
 
-    def __new__(cls, method: str | Method = "grad_dot", train: Any = None, *args: Any, **kwargs: Any) -> Any:
-        """A list of training gradients for a method that scores one model is an ensemble: an :class:`Ensemble`
-        (``score/ensemble.py`` registers itself in :data:`ENSEMBLES`, so the engine imports nothing above it)."""
-        if cls is Attributor:
-            for wants, ensemble in ENSEMBLES:
-                if wants(method, train):
-                    return ensemble(method, train, *args, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, method: str | Method = "grad_dot", train: Any = None, *, block_rows: int | None = None,
                  device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:
+        if isinstance(method, (list, tuple)):
+            raise ValueError("Attributor takes one method; an ensemble of methods or models is "
+                             "gradtrace.Ensemble(methods, [train_1, ...])")
         self.method = get_method(method, **method_options)
         if train is None:
             raise ValueError("Attributor needs training gradients: train=store, path, GradientSet or batches")
+        if is_member_list(train) and not self.method.multi_checkpoint:
+            raise ValueError(f"Attributor({self.method.name!r}, [...]) got {len(train)} training sources, but "
+                             f"{self.method.name} scores one model: an ensemble of checkpoints or models is "
+                             f"gradtrace.Ensemble({self.method.name!r}, [train_1, ...])")
         sources = list(train) if isinstance(train, (list, tuple)) and self.method.multi_checkpoint else [train]
         self.train = [as_source(s) for s in sources]
         self.block_rows = block_rows_for(self.train[0].spec.dim) if block_rows is None else \
@@ -164,6 +168,7 @@ class Attributor:
         keep_matrix = self._keep_matrix(num_q, num_train, topk, matrix)
         full = torch.empty(num_q, num_train, dtype=torch.float32, device=self.device) if keep_matrix else None
         top = bottom = None
+        distribution = ScoreDistribution(num_q, self.device)
         blocks = range(0, num_train, self.block_rows)
         bar = _bar(blocks, progress, num_train, self.block_rows)
         stream = time.perf_counter()
@@ -175,6 +180,7 @@ class Attributor:
                 part = _block_product(prepared[c], source, offset, stop, self.method, c, buffer)
                 scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
             _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
+            distribution.add(scores)
             if full is not None:
                 full[:, offset:stop] = scores
             if topk:
@@ -186,6 +192,7 @@ class Attributor:
         self.profile["rows_per_s"] = num_train / max(self.profile["stream_s"], 1e-9)
         meta = scoring_meta(self.method, self.spec, weights=weights, topk=topk, matrix=keep_matrix,
                             block_rows=self.block_rows, device=self.device, profile=self.profile)
+        meta["distribution"] = distribution.meta()
         cpu = lambda kept: None if kept is None else (kept[0].cpu(), kept[1].cpu())
         return Scores(train_ids=self.train_ids, query_ids=list(query_sets[0].ids), method=self.method.name,
                       matrix=full.cpu() if full is not None else None, top=cpu(top), bottom=cpu(bottom), meta=meta)
@@ -405,9 +412,9 @@ def _bar(blocks: Sequence[int], enabled: bool, rows: int, block_rows: int) -> An
     for the whole stream and shows no rate."""
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from ..common.progress import progress_bar
 
-    bar = tqdm(total=rows, desc="score", unit="row", dynamic_ncols=True)
+    bar = progress_bar(total=rows, desc="score", unit="row")  # tqdm on a terminal, plain lines in a log
     bar.set_postfix_str(f"block 0/{math.ceil(rows / block_rows)}")
     return bar
 

@@ -1,6 +1,6 @@
 """Ensembles: one attribution method over C checkpoints of one training run, or C independently trained models.
 
-``Ensemble(method, train=[store_1, ..., store_C])`` (also reached as ``Attributor(method, train=[...])``) holds
+``Ensemble(method, train=[store_1, ..., store_C])`` holds
 one :class:`~gradtrace.Attributor` per member: training gradients collected at that member's weights, the
 method's state (curvature, kernel) fitted there (:meth:`Ensemble.fit` with ``models=`` or ``checkpoints=``),
 and queries scored with query gradients taken at the same weights (:meth:`Ensemble.score` with one query set
@@ -40,38 +40,16 @@ from torch import Tensor, nn
 
 from ..capture.gradient_set import GradientSet, as_source
 from ..common.checkpoints import checkpoint_path, load_into, read_state_dict, restored_weights
-from ..grad.batch import GradientBatch
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
-from .engine import ENSEMBLES, Attributor, _block_buffer, _block_product, _check_block, _check_prepared
+from .engine import Attributor, _block_buffer, _block_product, _check_block, _check_prepared, is_member_list
 from .scores import Scores
 
-__all__ = ["Ensemble", "EnsembleError", "is_member_list"]
+__all__ = ["Ensemble", "EnsembleError"]
 
 
 class EnsembleError(ValueError):
     """An ensemble's members do not fit together (ids, parameters, projection, counts, weights)."""
-
-
-def is_member_list(train: Any) -> bool:
-    """Whether ``train`` is a list of gradient sources (stores, paths, gradient sets, lists of batches), one per
-    member -- not a list of captured :class:`GradientBatch` es, which is one source."""
-    if not isinstance(train, (list, tuple)) or not train:
-        return False
-    return not all(isinstance(item, GradientBatch) for item in train)
-
-
-def wants_ensemble(method: str | Method, train: Any) -> bool:
-    """Whether ``Attributor(method, train)`` means an ensemble: a list of sources for a method that scores one
-    model (a multi-checkpoint method such as ``tracin`` combines its list itself)."""
-    if not is_member_list(train):
-        return False
-    if isinstance(method, (list, tuple)):
-        return True
-    try:
-        return not (method if isinstance(method, Method) else get_method(method)).multi_checkpoint
-    except TypeError:  # a method that needs options to be built: not a multi-checkpoint one
-        return True
 
 
 class _Aligned:
@@ -419,4 +397,3 @@ class Ensemble:
         return f"Ensemble({self.method.name!r}, members={len(self)}, weights={self.weights})"
 
 
-ENSEMBLES.append((wants_ensemble, Ensemble))

@@ -56,6 +56,7 @@ from ..store.artifact import (
 )
 from ..store.fingerprint import fingerprint_difference, store_fingerprint
 from ..store.layout import StoreError
+from .index_training import auto_kind, faiss_warnings_once
 from .row_norms import NORMS_FILE, block_norms, read_row_norms, store_row_norms
 
 __all__ = [
@@ -440,7 +441,8 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
 
     Args:
         store: a :class:`gradtrace.GradientStore` (or its path).
-        kind: ``"flat"`` (exact; float32 copy of all rows in memory) or ``"ivfpq"`` (see the module doc).
+        kind: ``"flat"`` (exact; float32 copy of all rows in memory), ``"ivfpq"`` (see the module doc) or ``"auto"``
+            (flat below 10,000 rows: :func:`gradtrace.score.index_training.auto_kind`, its reason in ``meta``).
         normalize: index unit-norm rows: the index for ``grad_cos`` (and only for it).
         nlist, m, nbits, nprobe, train_rows, seed, fast_scan: see :class:`IndexParams`.
         block_rows: rows read and added per block (bounds memory while adding); the same pass records every
@@ -458,6 +460,9 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
         raise IndexMismatch(f"store {store.root} is empty: nothing to index")
     if block_rows < 1:
         raise ValueError("block_rows must be positive")
+    why = None
+    if kind == "auto":
+        kind, why = auto_kind(len(store), nlist, m, nbits, nprobe, fast_scan or None)
     params = IndexParams(kind, normalize, nlist, m, nbits, nprobe, train_rows, seed, fast_scan).resolved(
         len(store), store.dim)
     fingerprint = store_fingerprint(store)
@@ -469,14 +474,15 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
     timings: dict[str, float] = {}
     if not faiss_index.is_trained:
         sample = _training_sample(store, params, block_rows)
-        faiss_index.train(sample)
+        with faiss_warnings_once(f"the {params.factory()} index on {len(sample):,} rows"):  # one warning, not one
+            faiss_index.train(sample)  # per sub-quantizer
         del sample
         timings["train_s"] = time.perf_counter() - start
     blocks = store.iter_blocks(block_rows)
     if progress:
-        from tqdm.auto import tqdm
+        from ..common.progress import progress_bar
 
-        blocks = tqdm(blocks, total=math.ceil(len(store) / block_rows), desc="index", unit="block")
+        blocks = progress_bar(blocks, total=math.ceil(len(store) / block_rows), desc="index", unit="block")
     added = time.perf_counter()
     norms = torch.empty(len(store), dtype=torch.float32)
     for offset, block in blocks:
@@ -487,7 +493,7 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
 
     meta = {"store": str(Path(str(store.root)).resolve()), "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "build_s": time.perf_counter() - start, **timings, "gradtrace": __version__,
-            "factory": params.factory()}
+            "factory": params.factory(), **({"auto_kind": why} if why else {})}
     index = Index(faiss_index, params, fingerprint, meta, row_norms=norms)
     index._set_nprobe(params.nprobe)
     return index

@@ -40,9 +40,9 @@ def store_row_norms(store: Any, block_rows: int = 65536, progress: bool = False)
     norms = torch.empty(len(store), dtype=torch.float32)
     blocks = store.iter_blocks(block_rows, reuse=True)
     if progress:
-        from tqdm.auto import tqdm
+        from ..common.progress import progress_bar
 
-        blocks = tqdm(blocks, total=math.ceil(len(store) / block_rows), desc="row norms", unit="block")
+        blocks = progress_bar(blocks, total=math.ceil(len(store) / block_rows), desc="row norms", unit="block")
     for offset, block in blocks:
         norms[offset:offset + len(block)] = block_norms(block)
     return norms

@@ -144,6 +144,30 @@ class Scores:
         return None
 
     @property
+    def units(self) -> str:
+        """What the values are, in words: the label every display of these scores uses (``gradtrace score``,
+        ``topk``, ``inspect``, the HTML report). One model's scores: the method's description (``grad_cos``:
+        cosines in [-1, 1]). An :class:`~gradtrace.Ensemble`'s: *normalised ensemble scores* -- each member's
+        scores divided by their mean |score|, then weighted -- which are not the method's values (a ``grad_cos``
+        ensemble's are not cosines and leave [-1, 1])."""
+        from ..methods import get_method
+
+        try:
+            description = get_method(self.method).description
+        except Exception:  # an unknown or option-requiring method: no description to show
+            description = ""
+        ensemble = (self.meta or {}).get("ensemble")
+        if not ensemble:
+            return f"{self.method}: {description}" if description else self.method
+        members = ensemble.get("members", len(ensemble.get("weights") or []))
+        if not ensemble.get("normalize"):
+            return f"ensemble scores: the weighted sum of {members} members' {self.method} scores (weights sum to 1)"
+        bounded = "cosine" in description  # grad_cos, trackstar: the members' own scores are cosines
+        return (f"normalised ensemble scores of {members} x {self.method}: each member's scores divided by their "
+                "mean |score| (to a mean |score| of 1), then weighted (weights sum to 1); not "
+                + ("cosines, not bounded by [-1, 1]" if bounded else f"{self.method} values"))
+
+    @property
     def has_bottom(self) -> bool:
         """Whether the most harmful examples can be read: the matrix or a bottom-k was kept (an index search
         with ``bottom=False`` keeps the top-k only)."""
@@ -188,13 +212,19 @@ class Scores:
                                    "Attributor.module_scores(queries, scores)")
         return {str(name): float(value) for name, value in record["modules"].items()}
 
-    def tokens(self, query: str, train_id: str) -> dict[str, list]:
+    def tokens(self, query: str, train_id: str) -> dict[str, Any]:
         """The score of pair (``query``, ``train_id``) split by token: ``{"query_tokens", "query_scores",
         "train_tokens", "train_scores"}`` (the sides that were computed), each side's scores summing to the pair's
-        score (``gradtrace score --tokens`` or :meth:`Attributor.token_attributions`)."""
+        score (``gradtrace score --tokens`` or :meth:`Attributor.token_attributions`). From a bfloat16 or int8
+        store the training side is re-captured in float32 and sums to the pair's float32 score, ``"train_score"``
+        (a float, then also returned), rather than to the kept, quantized one."""
         record = self._pair_record("tokens", query, train_id, "gradtrace score --tokens or "
                                    "Attributor.token_attributions(queries, scores, ...)")
-        return {key: list(value) for key, value in record.items() if key.endswith(("_tokens", "_scores"))}
+        out: dict[str, Any] = {key: list(value) for key, value in record.items()
+                               if key.endswith(("_tokens", "_scores"))}
+        if "train_score" in record:
+            out["train_score"] = float(record["train_score"])
+        return out
 
     # -- exports -----------------------------------------------------------------------------------
     def to_records(self, k: int | None = 10, largest: bool = True) -> list[dict[str, Any]]:

@@ -65,6 +65,9 @@ def test_score_tokens_saved_and_reported(ws, runner, store, fresh):
                 assert record[f"{side}_tokens"] == [tokenizer.decode([t]) for t in ids]
                 assert len(record[f"{side}_scores"]) == len(ids)
                 assert _sum_ok(record[f"{side}_scores"], value), (side, qid, tid)
+    for record in scores.meta["tokens"]:  # the loss tokens, which the report marks: the data's own mask
+        for side, data, ident in (("query", queries, record["query_id"]), ("train", train, record["train_id"])):
+            assert record[f"{side}_in_loss"] == data.example(data.ids.index(ident))[1].tolist()
     invoke(runner, "report", out, "--out", fresh / "r.html", "--k", 2)
     html = (fresh / "r.html").read_text(encoding="utf-8")
     assert html.count('class="heat"') >= len(scores.query_ids) * 4  # every training row and query drawn as heat

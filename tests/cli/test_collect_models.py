@@ -41,10 +41,11 @@ def test_one_store_per_model_and_the_printed_ensemble_command(ws, runner, store,
     for opened, model_dir in zip(stores, dirs):
         recorded = resolve_paths(json.loads((opened.root / "manifest.json").read_text())["config"], opened.root)
         assert recorded["model"] == str(model_dir)  # what gradtrace score loads by default
-    # the printed next command, run as printed (QUERIES and SCORES_DIR filled in): models from the stores
+    # the printed next command, run as printed (QUERIES and SCORES_DIR filled in): models from the stores, the
+    # checkpoints of one run latest first (STORE: the model explained; tests/cli/test_ensemble_generate.py)
     line = next(x for x in result.output.splitlines() if x.startswith("Next: gradtrace score"))
     args = shlex.split(line.removeprefix("Next: gradtrace "))
-    assert args == ["score", str(out / "checkpoint-100"), "QUERIES.jsonl", "--store", str(out / "checkpoint-200"),
+    assert args == ["score", str(out / "checkpoint-200"), "QUERIES.jsonl", "--store", str(out / "checkpoint-100"),
                     "--out", "SCORES_DIR"]
     args = [str(ws.queries) if a == "QUERIES.jsonl" else str(fresh / "ens") if a == "SCORES_DIR" else a for a in args]
     invoke(runner, *args, "--no-progress")

@@ -36,8 +36,8 @@ def _poisoning_loader(token: int):
     own data overflows), as a stand-in for a data-dependent NaN."""
     real = cli_score.load_model
 
-    def load(path, device, dtype="float32"):
-        model = real(path, device, dtype)
+    def load(path, device, dtype="float32", base_model=None):
+        model = real(path, device, dtype, base_model)
 
         def hook(mod, args, output):
             rows = (args[0] == token).any(1)
@@ -111,8 +111,8 @@ def test_collect_refuses_a_model_with_a_nan_weight_naming_it(ws, runner, tmp_pat
 def test_collect_where_every_example_is_nan_is_an_error(ws, runner, tmp_path, monkeypatch):
     real = cli_collect.load_model
 
-    def load(path, device, dtype="float32"):
-        model = real(path, device, dtype)
+    def load(path, device, dtype="float32", base_model=None):
+        model = real(path, device, dtype, base_model)
         model.transformer.wte.register_forward_hook(lambda m, a, o: o * float("nan"))
         return model
 

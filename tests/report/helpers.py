@@ -37,8 +37,9 @@ class Page:
     """What the report's HTML holds, from :class:`html.parser.HTMLParser`."""
 
     tags: list[tuple[str, dict[str, str | None]]] = field(default_factory=list)
-    text: str = ""
+    text: str = ""  # the text shown (script content left out)
     ids: dict[str, int] = field(default_factory=dict)  # element id -> position in tags
+    scripts: list[str] = field(default_factory=list)  # the content of each script element
 
     def by_class(self, name: str) -> list[dict[str, str | None]]:
         return [attrs for _, attrs in self.tags if name in (attrs.get("class") or "").split()]
@@ -52,7 +53,7 @@ class _Parser(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.page = Page()
         self.chunks: list[str] = []
-        self.stack: list[tuple[str, list[str]]] = []  # open elements and the text seen inside them
+        self.in_script = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = dict(attrs)
@@ -60,9 +61,18 @@ class _Parser(HTMLParser):
             assert attributes["id"] not in self.page.ids, f"duplicate id {attributes['id']}"
             self.page.ids[attributes["id"]] = len(self.page.tags)  # type: ignore[index]
         self.page.tags.append((tag, attributes))
+        if tag == "script":
+            self.page.scripts.append("")
+            self.in_script = True
+
+    def handle_endtag(self, tag: str) -> None:
+        self.in_script = False if tag == "script" else self.in_script
 
     def handle_data(self, data: str) -> None:
-        self.chunks.append(data)
+        if self.in_script:
+            self.page.scripts[-1] += data
+        else:
+            self.chunks.append(data)
 
 
 def parse(html: str) -> Page:
@@ -71,6 +81,26 @@ def parse(html: str) -> Page:
     parser.close()
     parser.page.text = " ".join(parser.chunks)  # one data chunk per text node (charrefs converted)
     return parser.page
+
+
+def report_script() -> str:
+    """The one script a report holds (the search box), as shipped."""
+    from importlib.resources import files
+
+    return (files("gradtrace.report") / "templates" / "report.js").read_text(encoding="utf-8")
+
+
+def only_our_script(page: Page) -> bool:
+    """The page holds exactly the shipped script, and its Content-Security-Policy runs that one alone."""
+    import base64
+    import hashlib
+
+    digest = base64.b64encode(hashlib.sha256(report_script().encode()).digest()).decode()
+    policies = [a.get("content") for t, a in page.tags if t == "meta" and a.get("http-equiv") ==
+                "Content-Security-Policy"]
+    expected = (f"default-src 'none'; style-src 'unsafe-inline'; script-src 'sha256-{digest}'; base-uri 'none'; "
+                "form-action 'none'")
+    return page.scripts == [report_script()] and policies == [expected]
 
 
 def section(html: str, element_id: str) -> str:

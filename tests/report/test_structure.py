@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from gradtrace.report import render_report
+from gradtrace.report.content import RANK_TABLE_QUERIES
+from gradtrace.report.errors import ReportError
 from gradtrace.report.svg import HEIGHT, PAD_BOTTOM, PAD_TOP, PAD_X, WIDTH, histogram_counts, histogram_of
 from gradtrace.score.scores import SIGN_CONVENTION
-from tests.report.helpers import SCRIPT_TEXT, parse, section, synthetic
+from tests.report.helpers import SCRIPT_TEXT, only_our_script, parse, section, synthetic
 
 
 def _column(html: str, css_class: str, tag: str = r"\w+") -> list[str]:
@@ -50,11 +52,12 @@ def test_score_bars_are_proportional_to_the_scores():
     assert widths == pytest.approx([100 * abs(v) / scale for v in values], abs=0.051)  # one decimal
 
 
-def test_no_external_resource_and_no_executable_element():
+def test_no_external_resource_and_only_our_script():
     scores, texts, queries = synthetic()
     html = render_report(scores, texts, queries, self_scores=torch.rand(60))
     page = parse(html)
-    assert not {"script", "link", "img", "iframe", "object", "embed", "base", "form"} & {t for t, _ in page.tags}
+    assert not {"link", "img", "iframe", "object", "embed", "base", "form"} & {t for t, _ in page.tags}
+    assert only_our_script(page)  # the search box's, allowed by the page's Content-Security-Policy alone
     for tag, attrs in page.tags:
         for name, value in attrs.items():
             assert not name.startswith("on"), (tag, name)
@@ -72,7 +75,7 @@ def test_script_in_training_text_query_and_ids_is_inert():
     scores.meta["answers"] = {scores.query_ids[0]: "</p><script>alert('answer')</script>"}
     html = render_report(scores, texts, queries, k=3)
     page = parse(html)
-    assert page.count("script") == 0 and page.count("img") == 0
+    assert only_our_script(page) and page.count("img") == 0
     assert SCRIPT_TEXT in page.text  # shown as text, exactly
     assert "<img src=x onerror=alert(1)>" in page.text and "</p><script>alert('answer')</script>" in page.text
     assert "&lt;script&gt;document.body" in html
@@ -148,7 +151,7 @@ def test_token_heat_and_module_bars_when_the_scores_carry_them():
                                "modules": {"h.0.mlp": 0.4 * value, "h.1.attn": 0.7 * value, "lm_head": -0.1 * value}}]
     html = render_report(scores, texts, queries, k=3)
     first = section(html, "q0").split("<li>")[1]  # [query, first helpful row, ...]
-    levels = re.findall(r'<span class="([pn]\d)" title="([^"]+)">([^<]*)</span>', first)
+    levels = re.findall(r'<span class="([pn]\d)(?: l)?" title="([^"]+)">([^<]*)</span>', first)
     assert [(cls, tok) for cls, _, tok in levels[:3]] == [("p5", "The"), ("p4", " &lt;keeper&gt;"), ("n1", " counted")]
     assert [float(v) for _, v, _ in levels[:3]] == pytest.approx([0.6 * value, 0.5 * value, -0.1 * value], rel=5e-4)
     assert [(cls, tok) for cls, _, tok in levels[3:]] == [("p2", "How"), ("p5", " many")]  # query side
@@ -164,6 +167,136 @@ def test_answer_is_shown_when_the_scores_carry_it():
     scores.meta["answers"] = {"query-1": "Forty two gulls."}
     html = render_report(scores, texts, queries)
     assert "Forty two gulls." in section(html, "q1") and "Answer" not in section(html, "q0")
+
+
+def _index_rows(html: str) -> list[list[str]]:
+    """The index table's cells, as text, row by row."""
+    body = section(html, "index").split("<tbody>")[1]
+    text = lambda cell: " ".join(htmllib.unescape(re.sub(r"<[^>]+>", " ", cell)).split())
+    return [[text(cell) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)]
+            for row in re.findall(r"<tr>(.*?)</tr>", body, re.S)]
+
+
+def test_answers_on_the_index_next_to_the_prompt_and_in_full_on_the_query_page():
+    scores, texts, queries = synthetic(num_queries=3)
+    long_answer = "The keeper counted forty two gulls on the north rock,\nthen " + "went home and slept " * 10 + "<end>"
+    scores.meta["answers"] = {"query-0": "Forty two.", "query-2": long_answer}  # gradtrace score --generate
+    html = render_report(scores, texts, queries)
+    header = re.findall(r"<th[^>]*>([^<]*)</th>", section(html, "index"))
+    assert header[:3] == ["query", "text", "answer"]
+    rows = _index_rows(html)
+    assert [row[2] for row in rows[:2]] == ["Forty two.", "none"]  # next to the prompt; none for query-1
+    shown = rows[2][2]
+    assert shown.endswith("…") and len(shown) <= 90 and " ".join(long_answer.split()).startswith(shown[:-1])
+    assert not shown[:-1].endswith(" ") and long_answer[len(shown) - 1] == " "  # cut between words
+    page = section(html, "q2")  # in full, line breaks kept (white-space: pre-wrap)
+    assert '<p class="answer">' + htmllib.escape(long_answer, quote=False) + "</p>" in page.replace("&#34;", '"')
+    del scores.meta["answers"]
+    assert "<th>answer</th>" not in render_report(scores, texts, queries)  # no column without answers
+
+
+def _training_index(html: str) -> dict[str, list[tuple[str, str]]]:
+    """``{train id: [(cell class, rank text), ...]}`` of the training-example index, in its row order."""
+    body = section(html, "train").split("<tbody>")[1]
+    out = {}
+    for row in re.findall(r'<tr class="te" id="x\d+">(.*?)</tr>', body, re.S):
+        tid = htmllib.unescape(re.search(r'<code class="tid">([^<]*)</code>', row).group(1))
+        out[tid] = re.findall(r'<td(?: class="(\w+)")?>([\d,·]+)</td>', row)
+    return out
+
+
+def test_training_index_ranks_every_shown_example_as_the_scores_do():
+    scores, texts, queries = synthetic(num_queries=4, num_train=60)
+    self_values = torch.rand(60, generator=torch.Generator().manual_seed(4))
+    html = render_report(scores, texts, queries, k=3, self_scores=self_values, self_k=4)
+    ranking = scores.topk(60)  # Scores' own order of all training examples, per query
+    helpful, harmful = scores.topk(3), scores.topk(3, largest=False)
+    shown = {t for ids in helpful.ids + harmful.ids for t in ids}
+    shown |= {f"t{j}" for j in torch.topk(self_values, 4).indices.tolist()}
+    index = _training_index(html)
+    assert list(index) == sorted(shown, key=lambda t: int(t[1:]))  # every shown example, in training order
+    for tid, cells in index.items():
+        assert [int(rank) for _, rank in cells] == [ranking.ids[q].index(tid) + 1 for q in range(4)], tid
+        sides = ["pos" if tid in helpful.ids[q] else "neg" if tid in harmful.ids[q] else "" for q in range(4)]
+        assert [side for side, _ in cells] == sides, tid
+    rows = re.findall(r'<tr class="te" id="(x\d+)"><td><code class="tid">([^<]*)</code>', section(html, "train"))
+    row_of = {tid: anchor for anchor, tid in rows}
+    for q in range(4):  # each example on a query page links to its row
+        links = re.findall(r'<a class="tl" href="#(x\d+)"[^>]*><code class="tid">([^<]*)</code>',
+                           section(html, f"q{q}"))
+        assert len(links) == 6 and all(row_of[tid] == anchor for anchor, tid in links)
+
+
+def test_training_index_with_the_top_and_bottom_k_only():
+    scores, texts, queries = synthetic(num_queries=3, num_train=50)
+    scores.matrix = None  # kept: top/bottom 10
+    html = render_report(scores, texts, queries, k=4)
+    helpful, harmful = scores.topk(4), scores.topk(4, largest=False)
+    for tid, cells in _training_index(html).items():
+        expected = []
+        for q in range(3):
+            if tid in helpful.ids[q]:
+                expected.append(("pos", str(helpful.ids[q].index(tid) + 1)))
+            elif tid in harmful.ids[q]:  # the r-th most harmful of N ranks N - r + 1
+                expected.append(("neg", str(50 - harmful.ids[q].index(tid))))
+            else:
+                expected.append(("", "·"))  # not known: neither kept
+        assert cells == expected, tid
+    assert "not among them" in section(html, "train")
+
+
+def test_training_index_lists_the_showing_queries_only_with_many_queries():
+    num_queries = RANK_TABLE_QUERIES + 1
+    scores, texts, queries = synthetic(num_queries=num_queries, num_train=40)
+    html = render_report(scores, texts, queries, k=2)
+    helpful, harmful = scores.topk(2), scores.topk(2, largest=False)
+    body = section(html, "train").split("<tbody>")[1]
+    rows = re.findall(r'<code class="tid">([^<]*)</code>.*?<td class="places">(.*?)</td>', body, re.S)
+    assert rows and all(len(re.findall(r"<td", row)) == 2 for row in body.split("<tr")[1:])  # no per-query table
+    for tid, places in rows:
+        found = re.findall(r'<span class="(pos|neg)"><a href="#q(\d+)">([^<]*)</a> #(\d+) \(([^)]*)\)</span>', places)
+        expected = []
+        for q in range(num_queries):
+            if tid in helpful.ids[q]:
+                r = helpful.ids[q].index(tid)
+                expected.append(("pos", str(q), f"query-{q}", str(r + 1), f"{float(helpful.values[q, r]):+.4g}"))
+            elif tid in harmful.ids[q]:
+                r = harmful.ids[q].index(tid)
+                expected.append(("neg", str(q), f"query-{q}", str(40 - r), f"{float(harmful.values[q, r]):+.4g}"))
+        assert found == expected, tid
+
+
+def test_loss_tokens_are_marked_exactly_where_the_mask_says():
+    scores, texts, queries = synthetic(num_queries=2, num_train=20)
+    top = scores.topk(3)
+    value = float(top.values[0, 0])
+    train_mask, query_mask = [False, True, True, False], [0, 0, 1]  # bools or 0/1
+    scores.meta["tokens"] = [{"query_id": "query-0", "train_id": top.ids[0][0],
+                              "train_tokens": ["A", " b", " c", " d"], "train_scores": [0.25 * value] * 4,
+                              "train_in_loss": train_mask,
+                              "query_tokens": ["x", " y", " z"], "query_scores": [0.5 * value, 0.25 * value,
+                                                                                  0.25 * value],
+                              "query_in_loss": query_mask},
+                             {"query_id": "query-1", "train_id": top.ids[1][0], "train_tokens": ["e", "f"],
+                              "train_scores": [0.5 * float(top.values[1, 0])] * 2}]  # no mask recorded
+    html = render_report(scores, texts, queries, k=3)
+    heat = lambda part: [("l" in cls.split(), tok) for cls, tok in re.findall(
+        r'<span class="([pn]\d(?: l)?)" title="[^"]+">([^<]*)</span>', part)]
+    first = section(html, "q0").split("<li>")[1]  # the top helpful row: its training side, then its query side
+    assert heat(first) == [(False, "A"), (True, " b"), (True, " c"), (False, " d"),
+                           (False, "x"), (False, " y"), (True, " z")]
+    assert heat(section(html, "q0").split("<li>")[0]) == [(False, "x"), (False, " y"), (True, " z")]  # query text
+    assert "the tokens in the loss" in section(html, "q0")
+    assert heat(section(html, "q1")) == [(False, "e"), (False, "f")]  # no mask: nothing marked
+    assert '<span class="l">underlined</span>: in the loss' in html.split("<nav>")[0]  # the legend
+    del scores.meta["tokens"][0]
+    assert "in the loss" not in render_report(scores, texts, queries, k=3)  # no legend when nothing is marked
+    scores.meta["tokens"][0]["train_in_loss"] = [True]  # one flag for two tokens
+    with pytest.raises(ReportError, match="2 tokens but 1 in_loss flags"):
+        render_report(scores, texts, queries, k=3)
+    scores.meta["tokens"][0]["train_in_loss"] = ["yes", "no"]
+    with pytest.raises(ReportError, match="one true/false"):
+        render_report(scores, texts, queries, k=3)
 
 
 def test_self_influence_lists_the_highest_in_order():
@@ -193,7 +326,7 @@ def test_pages_index_and_navigation():
     top = scores.topk(1)
     assert re.findall(r"<code>(t\d+)</code>", index) == [ids[0] for ids in top.ids]
     nav = re.search(r"<nav>(.*?)</nav>", html, re.S).group(1)
-    assert re.findall(r'href="#([\w-]+)"', nav) == ["index", "page-1", "page-2", "page-3"]
+    assert re.findall(r'href="#([\w-]+)"', nav) == ["index", "page-1", "page-2", "page-3", "train"]
 
 
 def test_long_texts_are_cut_and_counted():
@@ -207,9 +340,12 @@ def test_long_texts_are_cut_and_counted():
 def test_file_size_does_not_grow_with_the_training_set():
     small, texts, queries = synthetic(num_queries=20, num_train=1_000)
     big, big_texts, _ = synthetic(num_queries=20, num_train=100_000)
-    size_small = len(render_report(small, texts, queries, k=5).encode())
-    size_big = len(render_report(big, big_texts, queries, k=5).encode())
-    assert size_big < 1.05 * size_small  # top-k rows and a fixed-size histogram per query
+    # the rank numbers of the training-example index have more digits; the rest does not grow
+    without_ranks = lambda html: re.sub(r'(<td(?: class="\w+")?>)[\d,]+</td>', r"\1</td>", html)
+    small_html, big_html = render_report(small, texts, queries, k=5), render_report(big, big_texts, queries, k=5)
+    # top-k rows, a fixed-size histogram per query, and at most 2 k examples per query in the index
+    assert len(without_ranks(big_html).encode()) < 1.05 * len(without_ranks(small_html).encode())
+    assert big_html.count('<tr class="te"') <= 2 * 5 * 20
 
 
 def test_to_html_writes_the_same_page(tmp_path):

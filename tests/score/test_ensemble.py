@@ -111,7 +111,7 @@ def test_ensemble_equals_the_normalised_weighted_sum(method, projection, options
     models, batches, trains, qsets, singles = _members(method, projection, options)
     weights = [0.5, 0.2, 0.3]
     want, bound = _hand(singles, trains, qsets, weights)
-    ensemble = gradtrace.Attributor(method, trains, weights=[1.0, 0.4, 0.6], block_rows=4, **(options or {}))
+    ensemble = gradtrace.Ensemble(method, trains, weights=[1.0, 0.4, 0.6], block_rows=4, **(options or {}))
     assert isinstance(ensemble, gradtrace.Ensemble)
     ensemble.fit(None, batches, classification_loss, models=models)
     scores = ensemble.score(qsets, topk=None, matrix=True)
@@ -174,7 +174,7 @@ def test_weights_scale_and_unnormalised_sum():
     assert bool(((plain.matrix.double() - want).abs() <= bound).all())
     assert plain.meta["ensemble"]["mean_abs"] is None
     # one member: normalised scores are that member's divided by their mean absolute value
-    alone = gradtrace.Attributor("grad_dot", [trains[0]]).score([qsets[0]], matrix=True).matrix.double()
+    alone = gradtrace.Ensemble("grad_dot", [trains[0]]).score([qsets[0]], matrix=True).matrix.double()
     want = first / first.abs().mean()
     bound = 2 * (_gemm_bound(singles[0], trains[0], qsets[0], order) / first.abs().mean() + 2 * EPS * want.abs())
     assert bool(((alone - want).abs() <= bound).all())
@@ -358,3 +358,14 @@ def test_checkpoint_directories_and_their_bad_forms(tmp_path):
     torch.save({"weights": state, "note": object.__new__(Net)}, binary / "pytorch_model.bin")  # not tensors only
     with pytest.raises(UsageError, match=r"refusing to load .*pytorch_model\.bin: it holds pickled Python objects"):
         read_state_dict(binary)
+
+
+def test_attributor_refuses_a_list_for_a_single_model_method_naming_ensemble():
+    """One call, one meaning: a list of stores for a method that scores one model is an Ensemble, asked for by
+    name; the Attributor refuses it with that advice rather than returning another type."""
+    trains = _members("grad_dot")[2]
+    with pytest.raises(ValueError, match=r"grad_dot scores one model: .*gradtrace\.Ensemble\('grad_dot'"):
+        gradtrace.Attributor("grad_dot", trains)
+    with pytest.raises(ValueError, match="Attributor takes one method"):
+        gradtrace.Attributor(["grad_dot", "grad_cos"], trains)
+    assert type(gradtrace.Attributor("tracin", trains[:1] * 2, weights=[1.0, 1.0])) is gradtrace.Attributor

@@ -1,5 +1,7 @@
 """Progress bars: scoring counts the training rows block by block (a store smaller than one block no longer sits
-at ``0/1``) and collect over a generator shows its rate (the command's query bar: tests/cli/test_preflight.py)."""
+at ``0/1``) and collect over a generator shows its rate (the command's query bar: tests/cli/test_preflight.py), as a
+tqdm bar on a terminal and as plain lines elsewhere (gradtrace.common.progress; here stderr is captured, not a
+terminal, so the plain lines are what the tests read unless they say otherwise)."""
 
 from __future__ import annotations
 
@@ -34,10 +36,18 @@ def test_score_bar_counts_rows_and_blocks(capsys):
     assert "10/10" in last and "block 1/1" in last
 
 
-def test_collect_over_a_generator_shows_a_rate(capsys):
+def test_collect_over_a_generator_shows_a_rate(capsys, monkeypatch):
+    from gradtrace.common import progress
+
     model = tiny.MLP()
     gradtrace.collect(model, (b for b in _mlp_batches(12)), progress=True)  # no len, no total=
     last = _last_frame(capsys.readouterr().err, "collect")
+    assert last.startswith("collect: 3 batch, done in ") and "batch/s" in last and last.endswith("/s")
+    assert "; 12 examples, " in last
+    monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)  # a terminal: tqdm's bar
+    gradtrace.collect(model, (b for b in _mlp_batches(12)), progress=True)
+    last = _last_frame(capsys.readouterr().err, "collect")
     assert "3batch" in last and "batch/s" in last and "12 examples" in last and "/s]" in last
+    monkeypatch.undo()
     gradtrace.collect(model, _mlp_batches(12), progress="collect queries")
     assert "3/3" in _last_frame(capsys.readouterr().err, "collect queries")
