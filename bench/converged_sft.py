@@ -20,6 +20,7 @@ Seeds 0, 1, 2 (``--seeds``); seed 0 set the diagnostics' thresholds, 1 and 2 che
 
     python bench/converged_sft.py                  # 3 seeds, 40 epochs (~10 min on 2 CPU cores)
     python bench/converged_sft.py --seeds 0 --epochs 20 --docs 200
+    python bench/converged_sft.py --seeds 0 --save runs/converged   # then: gradtrace attribute runs/converged/...
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ import argparse
 import json
 import random
 import time
+from pathlib import Path
 
 KEEP = (2, 5, 10, 20, 30, 40)
 
 
 def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, batch_size: int = 16,
-        max_length: int = 96, lr: float = 3e-3) -> dict:
+        max_length: int = 96, lr: float = 3e-3, save: str | None = None) -> dict:
     import torch
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -57,6 +59,12 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
                     truncate=True, batch_size=batch_size)
     queries = gd.load([{"id": f"query-{p.id}", "text": p.query} for p in PLANTED], tokenizer,
                       max_length=max_length, truncate=True, batch_size=len(PLANTED), what="queries")
+    if save is not None:  # the data as gradtrace attribute reads it
+        Path(save).mkdir(parents=True, exist_ok=True)
+        with open(Path(save) / "train.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in corpus)
+        with open(Path(save) / "queries.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"id": f"query-{p.id}", "text": p.query}) + "\n" for p in PLANTED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     steps = epochs * ((len(corpus) + batch_size - 1) // batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 - s / (steps + 1))
@@ -81,6 +89,10 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
         if epoch in keep:
             kept[epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
             losses[epoch] = total / count
+            if save is not None:  # as a Trainer run directory: checkpoint-<step>, with the tokenizer
+                target = Path(save) / "run" / f"checkpoint-{epoch * ((len(corpus) + batch_size - 1) // batch_size)}"
+                model.save_pretrained(target)
+                tokenizer.save_pretrained(target)
     train_s = time.perf_counter() - started
     projection = gradtrace.LoGra(rank=rank, seed=0)
     truth = [p.id for p in PLANTED]
@@ -124,9 +136,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--docs", type=int, default=400)
+    parser.add_argument("--save", help="also save each seed's run as DIR/seed-S/run/checkpoint-N (+ train.jsonl, "
+                        "queries.jsonl): the input of gradtrace attribute")
     args = parser.parse_args()
     for seed in args.seeds:
-        print(json.dumps(run(seed, args.epochs, args.docs)), flush=True)
+        save = None if args.save is None else str(Path(args.save) / f"seed-{seed}")
+        print(json.dumps(run(seed, args.epochs, args.docs, save=save)), flush=True)
 
 
 if __name__ == "__main__":

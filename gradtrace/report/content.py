@@ -157,6 +157,8 @@ class Report:
     notes: list[str] = field(default_factory=list)
     harmful_kept: bool = True  # False: the scores kept the top-k only (an index search with bottom=False)
     training: TrainingIndex | None = None
+    diagnostics: list[str] = field(default_factory=list)  # what gradtrace score measured (meta["diagnostics"])
+    warnings: list[str] = field(default_factory=list)  # and the warnings it raised, naming the fix
 
     @property
     def has_answers(self) -> bool:
@@ -397,7 +399,8 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
                   units=_units(scores), num_queries=len(scores.query_ids), num_train=num_train, k=k,
                   kept_note=kept, queries=views, harmful_kept=harmful is not None,
                   pages=max(1, math.ceil(len(views) / per_page)), self_influence=self_view, version=__version__,
-                  training=training)
+                  training=training, diagnostics=list((scores.meta.get("diagnostics") or {}).get("lines", [])),
+                  warnings=list((scores.meta.get("diagnostics") or {}).get("warnings", [])))
 
 
 def _query_views(scores: Any, helpful: Any, harmful: Any | None, texts: Mapping[str, str], queries: Mapping[str, str],

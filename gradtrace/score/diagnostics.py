@@ -59,7 +59,8 @@ class Diagnosis:
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, and the printed ``lines`` (what the report shows, which cannot import this module)."""
+        return {**asdict(self), "lines": self.lines()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Diagnosis:

@@ -375,3 +375,17 @@ def test_histogram_counts_of_all_rows_match_torch_histc():
     assert counts.sum(1).tolist() == [1000.0] * 6
     assert low[:5].tolist() == values[:5].min(1).values.double().tolist()
     assert (low[5], high[5]) == (0.125, 0.375)
+
+
+def test_the_diagnostics_of_the_scores_and_their_warnings_are_shown_in_the_header():
+    from gradtrace.score.diagnostics import diagnose
+
+    scores, texts, queries = synthetic(num_queries=3)
+    assert 'class="diagnostics"' not in render_report(scores, texts, queries)  # nothing measured, nothing shown
+    found = diagnose(scores)
+    scores.meta["diagnostics"] = {**found.to_dict(), "warnings": ["the model has memorised <its> training set"]}
+    html = render_report(scores, texts, queries)
+    block = html[html.index('<div class="diagnostics">'):html.index("</div>", html.index('<div class="diagnostics">'))]
+    for line in found.lines():
+        assert htmllib.escape(line, quote=False) in block.replace("&#39;", "'").replace("&#34;", '"')
+    assert '<p class="warning"><b>Warning:</b> the model has memorised &lt;its&gt; training set</p>' in block
