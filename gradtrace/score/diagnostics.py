@@ -9,6 +9,8 @@ both cheap:
   (the same projection on both sides, so the ratio is that of the raw gradients' norms up to the projection's
   distortion). Healthy runs sit near 1; a memorised training set makes it small. Below
   :data:`MEMORISED_BELOW` the warning names the fix: score the run's checkpoints (an ensemble, or an earlier one).
+* **agreement** (several checkpoints or models): how much the members' own top-10 overlap, with each other and
+  with the combined ranking (:mod:`gradtrace.score.agreement`); shown, not judged (no threshold measured yet).
 * **standout**: per query, how many standard deviations its top score lies above the mean of its scores over all
   training rows, against what the top of that many rows of pure noise reaches (:func:`expected_maximum`). A
   query whose top-1 is no more than noise's (``standout - expected_maximum < STANDOUT_MARGIN``) has no training
@@ -57,6 +59,7 @@ class Diagnosis:
     flat: list[str]
     gradient_ratio: list[float | None] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    agreement: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, and the printed ``lines`` (what the report shows, which cannot import this module)."""
@@ -64,7 +67,8 @@ class Diagnosis:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Diagnosis:
-        return cls(**{k: data[k] for k in ("rows", "noise", "standout", "flat", "gradient_ratio", "warnings")})
+        return cls(**{k: data[k] for k in ("rows", "noise", "standout", "flat", "gradient_ratio", "warnings")},
+                   agreement=data.get("agreement"))
 
     def lines(self) -> list[str]:
         """What to print: the measured values and the warnings."""
@@ -78,6 +82,11 @@ class Diagnosis:
         if ratios:
             shown = ", ".join(f"{r:.3g}" for r in self.gradient_ratio if r is not None)
             out.append(f"gradient ratio (median training / query norm): {shown}")
+        if self.agreement and self.agreement.get("pairwise") is not None:
+            line = f"members' top-{self.agreement['k']} overlap: {self.agreement['pairwise']:.2f} between members"
+            if self.agreement.get("with_combined"):
+                line += ", " + ", ".join(f"{v:.2f}" for v in self.agreement["with_combined"]) + " with the combined"
+            out.append(line + " (Jaccard, mean over queries)")
         return out
 
 
@@ -158,4 +167,4 @@ def diagnose(scores: Any, *, train: Any | Sequence[Any] | None = None, queries: 
                         "explains them clearly (a model trained far past convergence does this: score the run's "
                         "checkpoints, gradtrace attribute RUN_DIR ... or gradtrace collect --checkpoints-of RUN_DIR)")
     return Diagnosis(rows=rows, noise=noise, standout=standout, flat=flat, gradient_ratio=ratios,
-                     warnings=warnings)
+                     warnings=warnings, agreement=scores.meta.get("agreement"))

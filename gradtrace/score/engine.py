@@ -23,6 +23,7 @@ from ..common.units import block_rows_for
 from ..grad import GradientBatch
 from ..methods import Method, get_method
 from ..store.spec import GradientSpec
+from .agreement import MemberTops
 from .distribution import ScoreDistribution
 from .scores import Scores, scoring_meta
 
@@ -169,6 +170,7 @@ class Attributor:
         full = torch.empty(num_q, num_train, dtype=torch.float32, device=self.device) if keep_matrix else None
         top = bottom = None
         distribution = ScoreDistribution(num_q, self.device)
+        members = MemberTops(len(self.train)) if len(self.train) > 1 else None  # do the checkpoints agree?
         blocks = range(0, num_train, self.block_rows)
         bar = _bar(blocks, progress, num_train, self.block_rows)
         stream = time.perf_counter()
@@ -178,6 +180,8 @@ class Attributor:
             scores = None
             for c, source in enumerate(self.train):
                 part = _block_product(prepared[c], source, offset, stop, self.method, c, buffer)
+                if members is not None:
+                    members.add(c, part, offset)
                 scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
             _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
             distribution.add(scores)
@@ -193,6 +197,8 @@ class Attributor:
         meta = scoring_meta(self.method, self.spec, weights=weights, topk=topk, matrix=keep_matrix,
                             block_rows=self.block_rows, device=self.device, profile=self.profile)
         meta["distribution"] = distribution.meta()
+        if members is not None:
+            meta["agreement"] = members.meta(top[1] if top is not None else None)
         cpu = lambda kept: None if kept is None else (kept[0].cpu(), kept[1].cpu())
         return Scores(train_ids=self.train_ids, query_ids=list(query_sets[0].ids), method=self.method.name,
                       matrix=full.cpu() if full is not None else None, top=cpu(top), bottom=cpu(bottom), meta=meta)

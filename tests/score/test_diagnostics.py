@@ -98,3 +98,22 @@ def test_diagnosis_round_trips_and_prints():
     lines = found.lines()
     assert "1 of 2 queries within noise" in lines[0] and "0.5" in lines[1]
     assert math.isfinite(expected_maximum(2)) and expected_maximum(1) == 0.0
+
+
+def test_the_members_agreement_is_the_overlap_of_their_own_top_k():
+    from gradtrace.score.agreement import overlap
+
+    queries = _set(_rows(7, 1), "q")
+    base = _rows(60, 0)
+    members = [_set(base, "t"), _set(base + 0.5 * _rows(60, 5), "t"), _set(_rows(60, 9), "t")]  # 0~1, 2 apart
+    scores = gradtrace.Ensemble("grad_dot", members, block_rows=16).score([queries] * 3, topk=10)
+    tops = [gradtrace.Attributor("grad_dot", m).score(queries, topk=10).top[1] for m in members]
+    want = [len(set(a.tolist()) & set(b.tolist())) / len(set(a.tolist()) | set(b.tolist()))
+            for i, j in ((0, 1), (0, 2), (1, 2)) for a, b in zip(tops[i], tops[j])]
+    agreement = scores.meta["agreement"]
+    assert agreement["k"] == 10 and agreement["pairwise"] == pytest.approx(sum(want) / len(want), abs=1e-12)
+    assert agreement["with_combined"] == pytest.approx([overlap(t, scores.top[1]) for t in tops], abs=1e-12)
+    assert overlap(tops[0], tops[1]) > overlap(tops[0], tops[2])  # the related members agree more
+    assert "overlap" in diagnose(scores).lines()[-1]
+    single = gradtrace.Attributor("grad_dot", members[0]).score(queries, topk=3)
+    assert "agreement" not in single.meta
