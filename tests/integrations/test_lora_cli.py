@@ -217,3 +217,21 @@ def test_base_model_option_and_a_missing_base(run, runner, tmp_path):
     line = error_line(invoke(runner, "collect", run.base, run.train, "--out", tmp_path / "s5", "--base-model",
                              other, *COLLECT, code=2))
     assert "is a full model directory" in line and "drop --base-model" in line
+
+
+def test_attribute_on_a_lora_run_scores_its_adapter_checkpoints(run, runner, tmp_path):
+    """gradtrace attribute on a LoRA Trainer output directory: one store per adapter checkpoint (base from
+    adapter_config.json), the ensemble scored latest first, equal to scoring the same stores by hand."""
+    out = tmp_path / "attribution"
+    result = invoke(runner, "attribute", run.out, run.train, run.queries, "--out", out, "--rank", RANK, "--k", 3,
+                    "--no-progress")
+    assert "2 checkpoints" in result.output
+    stores = out / "stores"
+    assert sorted(p.name for p in stores.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    spec = gradtrace.GradientStore.open(stores / "checkpoint-4").spec
+    assert spec.params and all("lora_" in name for name, _ in spec.params)  # the adapters, as in training
+    invoke(runner, "score", stores / "checkpoint-4", run.queries, "--store", stores / "checkpoint-2", "--method",
+           "grad_cos", "--out", tmp_path / "by_hand", "--topk", 3, "--no-progress")
+    got, want = gradtrace.Scores.load(out / "scores"), gradtrace.Scores.load(tmp_path / "by_hand")
+    assert torch.equal(got.top[1], want.top[1]) and torch.equal(got.top[0], want.top[0])
+    assert (out / "report.html").exists()
