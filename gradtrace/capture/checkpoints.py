@@ -38,7 +38,7 @@ from ..common.checkpoints import (
     saved_optimizer_parameter_names,
 )
 from ..common.errors import UsageError
-from ..common.model_dir import load_causal_lm
+from ..common.model_dir import is_adapter_dir, load_causal_lm
 from ..common.paths import why_missing
 from ..common.provenance import record_paths
 from ..store import GradientStore, model_fingerprint
@@ -103,7 +103,8 @@ def checkpoint_names(paths: Sequence[Path], names: Sequence[str] | None = None, 
 
 def resolve_checkpoints(checkpoints: Sequence[Any], names: Sequence[str] | None = None) -> list[Checkpoint]:
     """The checkpoints, checked before any work: a non-empty list of existing model directories (a
-    ``config.json`` in each) or files, with distinct names."""
+    ``config.json`` in each, or a PEFT adapter's ``adapter_config.json``: loaded on the base it names) or files,
+    with distinct names."""
     if isinstance(checkpoints, (str, os.PathLike, Mapping)) or not checkpoints:
         raise UsageError(f"{WHAT}: give a non-empty list of checkpoints (model directories, state-dict files or "
                          "the entries of gradtrace.integrations.checkpoints(store))")
@@ -113,10 +114,11 @@ def resolve_checkpoints(checkpoints: Sequence[Any], names: Sequence[str] | None 
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:3])})" if len(missing) > 1 else ""
         raise UsageError(f"{WHAT}: checkpoint {missing[0]} {why_missing(missing[0])}{more}; give existing model "
                          "directories or state-dict files")
-    not_models = [str(p) for p in paths if p.is_dir() and not (p / "config.json").is_file()]
+    not_models = [str(p) for p in paths if p.is_dir() and not (p / "config.json").is_file() and not is_adapter_dir(p)]
     if not_models:
-        raise UsageError(f"{WHAT}: {not_models[0]} is a directory without config.json, not a Hugging Face model "
-                         "directory; give the directory save_pretrained() wrote, or its state-dict file")
+        raise UsageError(f"{WHAT}: {not_models[0]} is a directory without config.json (nor a PEFT adapter's "
+                         "adapter_config.json), not a Hugging Face model directory; give the directory "
+                         "save_pretrained() wrote, or its state-dict file")
     chosen = checkpoint_names(paths, names)
     return [Checkpoint(p, "model_dir" if p.is_dir() else "state_dict", n, _parameter_names(item))
             for p, n, item in zip(paths, chosen, checkpoints)]

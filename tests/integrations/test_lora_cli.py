@@ -235,3 +235,16 @@ def test_attribute_on_a_lora_run_scores_its_adapter_checkpoints(run, runner, tmp
     got, want = gradtrace.Scores.load(out / "scores"), gradtrace.Scores.load(tmp_path / "by_hand")
     assert torch.equal(got.top[1], want.top[1]) and torch.equal(got.top[0], want.top[0])
     assert (out / "report.html").exists()
+
+
+def test_collect_checkpoints_takes_lora_checkpoint_directories(run):
+    """gradtrace.collect_checkpoints on a LoRA run's checkpoint-N directories: each loaded on the base its
+    adapter_config.json names, trainable, and collected as the Python API does on that PeftModel."""
+    batches = _batches(run.base, run.train, 4)
+    checkpoints = [run.out / "checkpoint-2", run.out / "checkpoint-4"]
+    projection = gradtrace.LoGra(rank=RANK)
+    sets = gradtrace.collect_checkpoints(checkpoints, batches, projection=projection)
+    for checkpoint, got in zip(checkpoints, sets):
+        want = gradtrace.collect(_peft(run.base, checkpoint), batches, projection=projection)
+        assert [n for n, _ in got.spec.params] == [n for n, _ in want.spec.params]
+        assert _max_row_error(got.read(0, len(got)), want.read(0, len(want))) < 1e-5
