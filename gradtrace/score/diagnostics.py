@@ -162,9 +162,12 @@ def diagnose(scores: Any, *, train: Any | Sequence[Any] | None = None, queries: 
         warnings.append(f"members {memorised} of the ensemble have memorised their training set (gradient ratio "
                         f"below {MEMORISED_BELOW}); the others carry the ranking")
     if standout is not None and standout and len(flat) * 2 > len(standout):
+        fix = ("several checkpoints already: a finer projection (a higher --rank) or earlier checkpoints may help"
+               if len(ratios) > 1 or scores.meta.get("agreement") else
+               "a model trained far past convergence does this: score the run's checkpoints, gradtrace attribute "
+               "RUN_DIR ... or gradtrace collect --checkpoints-of RUN_DIR")
         warnings.append(f"for {len(flat)} of {len(standout)} queries the top score stands out of the score "
                         f"distribution no more than the top of {rows:,} rows of noise would: no training example "
-                        "explains them clearly (a model trained far past convergence does this: score the run's "
-                        "checkpoints, gradtrace attribute RUN_DIR ... or gradtrace collect --checkpoints-of RUN_DIR)")
+                        f"explains them clearly ({fix})")
     return Diagnosis(rows=rows, noise=noise, standout=standout, flat=flat, gradient_ratio=ratios,
                      warnings=warnings, agreement=scores.meta.get("agreement"))
