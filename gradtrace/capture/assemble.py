@@ -5,9 +5,9 @@ Here they are mapped to examples (packed rows split into documents), joined per 
 sites of one forward call along the token axis (a module called twice, tied weights of the same
 kind), forward calls along the example axis -- and checked for NaN/inf per example.
 
-Positions that belong to no example (padding) never make an example non-finite: their NaN/inf are
-replaced by 0 (:func:`zero_outside`), which is what a finite padded position contributes anyway (no loss
-reaches it). Finite values are never changed.
+Positions that belong to no example (padding) never make an example non-finite: a padding position holding a
+NaN/inf is replaced by 0 (:func:`zero_outside`), which is what a finite padded position contributes anyway (no loss
+reaches it). Positions inside examples are never changed.
 
 :func:`build_batch` then reduces the joined terms over tokens under LoGra (unless tokens are kept) and gives the
 examples their ids, loss scales and target counts; examples with NaN/inf gradients are flagged (or raise),
@@ -32,7 +32,8 @@ from .example_ids import ExampleIds
 if TYPE_CHECKING:
     from .collector import Capture
 
-__all__ = ["SiteResult", "build_batch", "join_terms", "nonfinite_examples", "outside_examples", "zero_outside"]
+__all__ = ["SiteResult", "build_batch", "join_terms", "nonfinite_examples", "outside_examples", "zero_outside",
+           "zero_outside_on_device"]
 
 
 @dataclass
@@ -72,22 +73,28 @@ def outside_examples(context: ForwardContext) -> Tensor | None:
 
 
 def zero_outside(x: Tensor, outside: Tensor | None) -> Tensor:
-    """``x`` (``[B, T, ...]``) with its NaN/inf at the ``outside`` positions (``[B, T]``) replaced by 0.
+    """``x`` (``[B, T, ...]``) with every ``outside`` position (``[B, T]``) that holds a NaN/inf set to 0 (the
+    whole position: a position's values summed, a non-finite sum marks it).
 
-    Finite values are left as they are; tensors of another layout (integer ids, other position counts) are
-    returned unchanged. The common case -- nothing non-finite -- costs one sum over ``x`` (a reduction, no
-    copy: a NaN/inf anywhere makes it non-finite) and returns ``x`` itself; only then are the outside
-    positions read.
+    Positions inside examples are never changed, nor are finite padding positions (an overflowing sum of finite
+    values aside); tensors of another layout (integer ids, other position counts) are returned unchanged. On the
+    CPU the common case -- nothing non-finite -- costs one sum and returns ``x`` itself. On a device the check is
+    :func:`zero_outside_on_device`: no host read (which would stop the CPU until the device catches up, once per
+    layer per hook), at the cost of one copy of ``x``; the results are the same.
     """
     if outside is None or not x.is_floating_point() or x.dim() < 2 or tuple(x.shape[:2]) != tuple(outside.shape):
         return x
-    if bool(torch.isfinite(x.sum())):  # an overflowing sum of finite values falls through to the exact check
+    if x.device.type == "cpu" and bool(torch.isfinite(x.sum())):  # nothing to wait for on the CPU: skip the copy
         return x
-    outside = outside.to(x.device)
-    if bool(torch.isfinite(x[outside]).all()):
-        return x
-    where = outside.view(*outside.shape, *(1,) * (x.dim() - 2))
-    return x.masked_fill(where & ~torch.isfinite(x), 0)
+    return zero_outside_on_device(x, outside)
+
+
+def zero_outside_on_device(x: Tensor, outside: Tensor) -> Tensor:
+    """:func:`zero_outside` without a host read: a per-position sum, a ``[B, T]`` mask and one ``masked_fill``
+    (whose backward keeps only that mask, not one of ``x``'s size)."""
+    per_position = x.flatten(2).sum(dim=-1) if x.dim() > 2 else x
+    bad = outside.to(x.device) & ~torch.isfinite(per_position)
+    return x.masked_fill(bad.view(*bad.shape, *(1,) * (x.dim() - 2)), 0)
 
 
 def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[ForwardContext],
