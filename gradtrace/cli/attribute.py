@@ -23,6 +23,7 @@ from typing import Literal
 
 import typer
 
+from ..common.paths import why_missing
 from . import collect, report, score
 from .collect import attributed_first, run_checkpoints
 from .commands import cli, make_command, progress_flag
@@ -98,7 +99,7 @@ def run(opts: AttributeOptions) -> None:
     check_output_dir(scores_dir, "--out", stem="scores", what="scores", overwrite=opts.overwrite)
     check_output_file(report_path, "--out", overwrite=opts.overwrite)
     if not opts.queries.exists():
-        raise CliError(f"queries file {opts.queries} does not exist")
+        raise CliError(f"queries file {opts.queries} {why_missing(opts.queries)}")
     names = [c.name for c in checkpoints]
     console().print(f"gradtrace attribute: {len(checkpoints)} checkpoint{'s' * (len(checkpoints) > 1)} of "
                     f"{opts.run_dir} ({', '.join(names)}); method {opts.method}"

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from .distribution import ScoreDistribution, expected_maximum
+from .row_norms import block_norms
 
 __all__ = ["MEMORISED_BELOW", "STANDOUT_MARGIN", "Diagnosis", "diagnose", "gradient_ratio"]
 
@@ -91,16 +92,17 @@ class Diagnosis:
 
 
 def _norms(source: Any, limit: int = _SAMPLE) -> torch.Tensor:
-    """Norms of up to ``limit`` rows of a gradient source, evenly spaced over it (float64)."""
+    """Norms of up to ``limit`` rows of a gradient source, evenly spaced over it (float32, as the index keeps
+    them: :func:`gradtrace.score.row_norms.block_norms`)."""
     count = len(source)
     if count == 0:
-        return torch.zeros(0, dtype=torch.float64)
+        return torch.zeros(0)
     if count <= limit or not hasattr(source, "rows"):
         rows = source.read(0, min(count, limit))
     else:
         index = torch.linspace(0, count - 1, limit).round().long().unique().tolist()
         rows = source.rows(index)
-    return torch.linalg.vector_norm(rows.to(torch.float64), dim=1)
+    return block_norms(rows)
 
 
 def gradient_ratio(train: Any, queries: Any) -> float | None:

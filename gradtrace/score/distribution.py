@@ -28,7 +28,8 @@ class ScoreDistribution:
     def add(self, block: Tensor) -> None:
         """Add the ``[Q, n]`` scores of ``n`` more training rows."""
         self.sums += block.sum(dim=1, dtype=torch.float64)
-        self.squares += block.square().sum(dim=1, dtype=torch.float64)
+        # squared in float64: a float32 square of a large grad_dot score (above ~1.8e19) would overflow to inf
+        self.squares += torch.linalg.vector_norm(block, dim=1, dtype=torch.float64).square()
         self.rows += block.shape[1]
 
     def meta(self) -> dict[str, Any]:
