@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+from gradtrace.options import CaptureOptions, Loss
+
 MODES = ("plain", "exact", "logra8", "logra32")
 
 
@@ -63,8 +65,9 @@ def _capture(model, mode: str, sink: list):
     if mode == "plain":
         return None
     projection = {"logra8": gradtrace.LoGra(rank=8), "logra32": gradtrace.LoGra(rank=32)}.get(mode)
-    return gradtrace.capture(model, reduction="token_mean", projection=projection,
-                             callbacks=[lambda batch: sink.append(len(batch))])
+    return gradtrace.capture(model, loss=Loss(reduction="token_mean"),
+                             callbacks=[lambda batch: sink.append(len(batch))],
+                             options=CaptureOptions(projection=projection))
 
 
 def time_modes(args: argparse.Namespace) -> dict:

@@ -69,14 +69,14 @@ else:
 projection = gradtrace.LoGra(rank=4)
 batch = lambda rows: {"input_ids": torch.randint(1, v, (rows, t)),
                       "attention_mask": torch.ones(rows, t, dtype=torch.long)}
-warm = gradtrace.collect(model, [batch(1)], projection=projection)
+warm = gradtrace.collect(model, [batch(1)], options=gradtrace.CaptureOptions(projection=projection))
 dim = warm.dim
 del warm
 data = [batch(b)]
 gc.collect()
 rss = lambda: int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize()
 before, peak_before = rss(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-gradtrace.collect(model, data, projection=projection)
+gradtrace.collect(model, data, options=gradtrace.CaptureOptions(projection=projection))
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 estimate = estimate_step_memory(model, b, t, dim)
 print(json.dumps({**case, "measured": peak - before, "peak_before_step_over_rss": peak_before - before,

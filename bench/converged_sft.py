@@ -31,6 +31,8 @@ import random
 import time
 from pathlib import Path
 
+from gradtrace.options import CaptureOptions
+
 KEEP = (2, 5, 10, 20, 30, 40)
 
 
@@ -44,6 +46,7 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
     import gradtrace.data as gd
     from gradtrace.data.corpus import PLANTED, Document, load_plays, train_tokenizer
     from gradtrace.loss import lm_labels
+    from gradtrace.options.data import BatchOptions, ReadOptions
     from gradtrace.score.diagnostics import diagnose
 
     transformers.utils.logging.set_verbosity_error()
@@ -55,10 +58,11 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
     model = GPT2LMHeadModel(config)
-    train = gd.load([{"id": d.id, "text": d.text} for d in corpus], tokenizer, max_length=max_length,
-                    truncate=True, batch_size=batch_size)
-    queries = gd.load([{"id": f"query-{p.id}", "text": p.query} for p in PLANTED], tokenizer,
-                      max_length=max_length, truncate=True, batch_size=len(PLANTED), what="queries")
+    read = ReadOptions(max_length=max_length, truncate=True)
+    train = gd.load([{"id": d.id, "text": d.text} for d in corpus], tokenizer, read_options=read,
+                    batch_options=BatchOptions(batch_size=batch_size))
+    queries = gd.load([{"id": f"query-{p.id}", "text": p.query} for p in PLANTED], tokenizer, read_options=read,
+                      batch_options=BatchOptions(batch_size=len(PLANTED)), what="queries")
     if save is not None:  # the data as gradtrace attribute reads it
         Path(save).mkdir(parents=True, exist_ok=True)
         with open(Path(save) / "train.jsonl", "w", encoding="utf-8") as f:
@@ -100,8 +104,8 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
     for epoch, state in kept.items():
         model.load_state_dict(state)
         model.eval()
-        grads[epoch] = (gradtrace.collect(model, train, projection=projection),
-                        gradtrace.collect(model, queries, projection=projection))
+        grads[epoch] = (gradtrace.collect(model, train, options=CaptureOptions(projection=projection)),
+                        gradtrace.collect(model, queries, options=CaptureOptions(projection=projection)))
 
     def recall(scores) -> int:
         top = scores.topk(1)

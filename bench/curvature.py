@@ -40,6 +40,7 @@ from torch import nn
 
 import gradtrace
 from gradtrace.loss.functions import classification_loss
+from gradtrace.options import CaptureOptions
 
 WHOLE_MODEL = ("arnoldi", "cg", "ggn_full")
 SIZES = [(256, 256), (256, 1024), (256, 4096), (64, 1024), (128, 1024), (512, 1024)]
@@ -71,8 +72,8 @@ def _measure(method: str, width: int, n: int) -> tuple[float, float, int]:
     fit_options = {"optimizer": _adam(model, data)} if name == "trackstar" else {}
     projected = name in ("logra", "trak") or precondition.startswith("autocorrelation")
     projection = gradtrace.LoGra(rank=32) if projected else None
-    train = gradtrace.collect(model, data, classification_loss, projection=projection)
-    q = gradtrace.collect(model, queries, classification_loss, projection=projection)
+    train = gradtrace.collect(model, data, classification_loss, options=CaptureOptions(projection=projection))
+    q = gradtrace.collect(model, queries, classification_loss, options=CaptureOptions(projection=projection))
     if name == "trackstar":
         options = {"precondition": precondition or None}
         if precondition == "autocorrelation-parameter":

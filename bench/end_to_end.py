@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from gradtrace.options import CaptureOptions, Loss
+
 MODES = ("train", "exact", "logra8", "logra32", "sft_tok", "sft_parquet")
 WORDS = ("the", "king", "queen", "night", "day", "love", "war", "sword", "crown", "heart", "speak", "hear", "come",
          "go", "fair", "foul", "sweet", "bitter", "lord", "lady", "death", "life", "hand", "eye", "blood", "tears")
@@ -71,13 +73,14 @@ def run_mode(args: argparse.Namespace) -> dict:
         result = {}
     elif args.mode == "exact":
         model.eval()
-        with gradtrace.capture(model, reduction="sum") as qcap:
+        with gradtrace.capture(model, loss=Loss(reduction="sum")) as qcap:
             qcap.annotate(ids=qbatches[0]["id"])
             out = gradtrace.loss.functions.causal_lm_loss(model, qbatches[0])
             torch.autograd.grad(out.sum(), [p for p in model.parameters()])
         query_batch = qcap.batches[0]
         columns = []
-        cap = gradtrace.capture(model, reduction="sum", callbacks=[lambda b: columns.append(inner(query_batch, b))])
+        cap = gradtrace.capture(model, loss=Loss(reduction="sum"),
+                                callbacks=[lambda b: columns.append(inner(query_batch, b))])
         cap.track_outputs = True
         with cap:
             for b in batches:
@@ -88,8 +91,9 @@ def run_mode(args: argparse.Namespace) -> dict:
     else:
         rank = {"logra8": 8, "logra32": 32}[args.mode]
         with tempfile.TemporaryDirectory() as tmp:
-            store = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=rank), store=f"{tmp}/store")
-            q = gradtrace.collect(model, qbatches, projection=gradtrace.LoGra(rank=rank))
+            store = gradtrace.collect(model, batches, store=f"{tmp}/store",
+                                      options=CaptureOptions(projection=gradtrace.LoGra(rank=rank)))
+            q = gradtrace.collect(model, qbatches, options=CaptureOptions(projection=gradtrace.LoGra(rank=rank)))
             scores = gradtrace.Attributor("grad_dot", store).score(q, topk=10)
             result = {"scores": list(scores.matrix.shape), "dim": store.dim}
     seconds = time.perf_counter() - start
@@ -107,6 +111,7 @@ def _sft_mode(args: argparse.Namespace, model) -> dict:
     import gradtrace
     import gradtrace.data as gd
     from gradtrace.data.corpus import train_tokenizer
+    from gradtrace.options.data import BatchOptions, ReadOptions
 
     rng = random.Random(0)
     sentence = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
@@ -118,14 +123,16 @@ def _sft_mode(args: argparse.Namespace, model) -> dict:
         path = f"{tmp}/sft.parquet"
         pq.write_table(pa.Table.from_pylist(records), path)
         pretokenized = None
+        read, batching = ReadOptions(max_length=args.seq), BatchOptions(batch_size=args.batch)
         if args.mode == "sft_tok":  # prepared before the clock starts
-            pretokenized = gd.load(path, tok, batch_size=args.batch, max_length=args.seq)
+            pretokenized = gd.load(path, tok, read_options=read, batch_options=batching)
         base = _rss_mb()
         start = time.perf_counter()
-        data = pretokenized if pretokenized is not None else gd.load(path, tok, batch_size=args.batch,
-                                                                      max_length=args.seq)
+        data = pretokenized if pretokenized is not None else gd.load(path, tok, read_options=read,
+                                                                     batch_options=batching)
         prepared = time.perf_counter() - start
-        store = gradtrace.collect(model, data, projection=gradtrace.LoGra(rank=8), store=f"{tmp}/store")
+        store = gradtrace.collect(model, data, store=f"{tmp}/store",
+                                  options=CaptureOptions(projection=gradtrace.LoGra(rank=8)))
         seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"mode": args.mode, "seconds": seconds, "peak_over_start_mb": peak - base, "dim": store.dim,

@@ -18,6 +18,8 @@ import traceback
 import torch
 from torch.overrides import TorchFunctionMode
 
+from gradtrace.options import CaptureOptions
+
 READS = (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.tolist,
          torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.masked_select,
          torch.masked_select)
@@ -55,7 +57,7 @@ def count(layers: int, logra: bool) -> collections.Counter:
     mask[0, 10:], mask[2, 5:] = 0, 0  # padding
     batch = {"input_ids": ids, "attention_mask": mask, "id": [f"e{i}" for i in range(4)]}
     with HostReads() as reads:
-        gradtrace.collect(model, [batch], projection=gradtrace.LoGra(rank=4) if logra else None)
+        gradtrace.collect(model, [batch], options=CaptureOptions(projection=gradtrace.LoGra(rank=4) if logra else None))
     return reads.sites
 
 

@@ -16,10 +16,11 @@ Setup (fixed before any result was looked at; do not tune it to meet a target):
   8,192 until every row count is covered: the same FLOPs and top-k work as the engine, no I/O or decoding);
   bandwidth -- one sequential read of every shard file of the store (16 MiB reads), just before the exact run
   (both see the same page-cache state; nothing is dropped from the cache).
-* index: ``build_index(store, "ivfpq")`` with ``nlist = 2**round(log2(sqrt(rows)))`` (1,024 at 1M),
-  ``m = 256`` (16 dims per sub-quantizer), ``nbits = 8`` (256 bytes per row), ``nprobe = nlist // 32``
-  (32 at 1M), ``train_rows = min(rows, 64 * nlist)`` (65,536 at 1M); index path:
-  ``score_with_index(..., rerank=1000, topk=100)`` (top and bottom, each re-scored exactly from the store).
+* index: ``build_index(store, IndexOptions(kind="ivfpq", ...))`` with ``nlist = 2**round(log2(sqrt(rows)))``
+  (1,024 at 1M), ``m = 256`` (16 dims per sub-quantizer), ``nbits = 8`` (256 bytes per row),
+  ``train_rows = min(rows, 64 * nlist)`` (65,536 at 1M), searched with ``nprobe = nlist // 32`` (32 at 1M); index
+  path: ``score_with_index(..., SearchOptions(rerank=1000, topk=100, nprobe=nprobe))`` (top and bottom, each
+  re-scored exactly from the store).
 * recall@100: mean over queries of |index top-100 ids & exact top-100 ids| / 100 (and the same for bottom-100).
 
 Targets (issue 14): exact within 1.25x of the limit; recall@100 >= 0.95; index path >= 20x faster than exact.
@@ -51,9 +52,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+
+from gradtrace.options import StoreOptions
+from gradtrace.options.index import IndexOptions, SearchOptions
 
 DIM = 4096
 QUERIES = 100
@@ -65,10 +70,16 @@ BLOCK = 8192
 RESIDENT = 131072
 
 
-def setup(rows: int) -> dict:
-    """The fixed index settings for ``rows`` rows (see the module doc)."""
+def setup(rows: int) -> tuple[IndexOptions, int]:
+    """The fixed index settings for ``rows`` rows, and the IVF cells searched per query (see the module doc)."""
     nlist = 2 ** round(math.log2(math.sqrt(rows)))
-    return {"nlist": nlist, "m": 256, "nbits": 8, "nprobe": max(1, nlist // 32), "train_rows": min(rows, 64 * nlist)}
+    options = IndexOptions(kind="ivfpq", nlist=nlist, m=256, nbits=8, train_rows=min(rows, 64 * nlist))
+    return options, max(1, nlist // 32)
+
+
+def search(nprobe: int, **options) -> SearchOptions:
+    """The fixed search (rerank ``RERANK``, top/bottom ``TOPK``, ``nprobe`` cells) with ``options`` changed."""
+    return SearchOptions(rerank=RERANK, topk=TOPK, nprobe=nprobe, **options)
 
 
 def draw_blocks(rows: int, gen: torch.Generator) -> tuple[torch.Tensor, Iterator[torch.Tensor]]:
@@ -91,7 +102,7 @@ def write_store(root: Path, rows: int, gen: torch.Generator) -> tuple[object, to
     spec = GradientSpec([("synthetic.weight", DIM)], None, {"reduction": "sum", "example_loss": "sum"}, {},
                         "int8")
     centres, blocks = draw_blocks(rows, gen)
-    writer = ShardWriter(root, spec, rank=0, world_size=1, shard_rows=SHARD_ROWS, queue_size=4)
+    writer = ShardWriter(root, spec, StoreOptions(shard_rows=SHARD_ROWS, queue_size=4), rank=0, world_size=1)
     try:
         for start, block in zip(range(0, rows, CHUNK), blocks):
             writer.put([f"row{i}" for i in range(start, start + len(block))], block)
@@ -161,17 +172,16 @@ def bare_compute(store, queries: torch.Tensor) -> float:
     return elapsed
 
 
-def variants(attr, queries, index, exact, exact_s: float, score_with_index) -> None:
+def variants(attr, queries, index, nprobe: int, exact, exact_s: float, score_with_index) -> None:
     """Variants next to the fixed setup (added after its first results; the setup above is unchanged): the top-k
     alone, and the bottom-k's search with more IVF cells (``bottom_nprobe``: 4x and 16x ``nprobe``)."""
     print(f"\n| variant (rerank {RERANK}, {QUERIES} queries) | index path | speed-up over exact | recall@{TOPK} top / "
           "bottom |\n|---|---|---|---|")
-    nprobe = index.params.nprobe
     for label, options in ((f"top only, nprobe {nprobe}", {"bottom": False}),
                            *((f"top and bottom, bottom_nprobe {f * nprobe}", {"bottom_nprobe": f * nprobe})
                              for f in (4, 16))):
         t = time.perf_counter()
-        got = score_with_index(attr, queries, index, rerank=RERANK, topk=TOPK, **options)
+        got = score_with_index(attr, queries, index, search(nprobe, **options))
         elapsed = time.perf_counter() - t
         bottom = f"{recall(got.bottom[1], exact.bottom[1]):.4f}" if got.bottom is not None else "-"
         print(f"| {label} | {elapsed:.2f} s | {exact_s / elapsed:.1f}x | {recall(got.top[1], exact.top[1]):.4f} / "
@@ -181,7 +191,8 @@ def variants(attr, queries, index, exact, exact_s: float, score_with_index) -> N
 NORM_FRACTIONS = (0.01, 0.05)  # fixed before any 200k/1M result of the variant was seen
 
 
-def norm_rows_variant(store, attr, queries, index, exact, exact_s: float, name: str, score_with_index) -> None:
+def norm_rows_variant(store, attr, queries, index, nprobe: int, exact, exact_s: float, name: str,
+                      score_with_index) -> None:
     """A variant next to the fixed setup (added after its results were published; the setup above is unchanged):
     ``index`` with ``norm_rows`` = 1% and 5% of the rows (:data:`NORM_FRACTIONS`), top and bottom. Norms missing
     from a reused index are attached first (one pass over the store, timed separately) and saved with it."""
@@ -197,7 +208,7 @@ def norm_rows_variant(store, attr, queries, index, exact, exact_s: float, name: 
     for fraction in NORM_FRACTIONS:
         norm_rows = max(1, round(len(store) * fraction))
         t, cpu = time.perf_counter(), time.process_time()
-        got = score_with_index(attr, queries, index, rerank=RERANK, topk=TOPK, norm_rows=norm_rows)
+        got = score_with_index(attr, queries, index, search(nprobe, norm_rows=norm_rows))
         elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
         profile = got.meta["profile"]
         print(f"| top and bottom, norm_rows {norm_rows:,} ({fraction:.0%} of rows; scoring them: "
@@ -208,7 +219,7 @@ def norm_rows_variant(store, attr, queries, index, exact, exact_s: float, name: 
     print(f"| load average (1, 5, 15 min) after the variant | {load()} | | | |")
 
 
-def load_or_build(store, where: Path, options: dict):
+def load_or_build(store, where: Path, options: IndexOptions):
     """The ivfpq index saved at ``where`` (checked against ``store``), or one built with ``options`` and saved
     there; and its build seconds (as recorded when it was built)."""
     from gradtrace.score.index import Index, build_index
@@ -219,34 +230,33 @@ def load_or_build(store, where: Path, options: dict):
         print(f"index reused from {where} (built {index.meta.get('built')})")
         return index, float(index.meta["build_s"])
     t = time.perf_counter()
-    index = build_index(store, "ivfpq", **options, block_rows=65536)
+    index = build_index(store, options, block_rows=65536)
     build_s = time.perf_counter() - t
     index.save(where)
     return index, build_s
 
 
-def fast_scan_variant(store, attr, queries, exact, exact_s: float, settings: dict, where: Path,
-                      score_with_index):
+def fast_scan_variant(store, attr, queries, exact, exact_s: float, settings: IndexOptions, nprobe: int,
+                      where: Path, score_with_index):
     """A variant next to the fixed setup (added after its results were published; the setup above is unchanged):
     the same cells, ``nprobe`` and training sample, with 4-bit fast-scan codes of the same size (``m = 512``
     sub-quantizers of 8 dims x 4 bits = 256 bytes per row, as ``PQ256x8``): FAISS's SIMD fast-scan search.
     Built and saved at ``where`` (or reused from there); returned for :func:`norm_rows_variant`."""
-    options = {**settings, "m": 2 * settings["m"], "nbits": None, "fast_scan": True}
-    index, build_s = load_or_build(store, where, options)
+    index, build_s = load_or_build(store, where, replace(settings, m=2 * settings.m, nbits=None, fast_scan=True))
     size = sum(f.stat().st_size for f in where.iterdir())
-    print(f"\n| fast-scan variant ({index.params.factory()}, nprobe {index.params.nprobe}, rerank {RERANK}) | value |"
+    print(f"\n| fast-scan variant ({index.params.factory()}, nprobe {nprobe}, rerank {RERANK}) | value |"
           f"\n|---|---|\n| index build | {build_s:.1f} s (train {index.meta.get('train_s', 0):.1f} s, add "
           f"{index.meta.get('add_s', 0):.1f} s) |\n| index size | {size / 2**20:.1f} MiB |")
     for label, options in (("top and bottom", {}), ("top only", {"bottom": False})):
         t, cpu = time.perf_counter(), time.process_time()
-        got = score_with_index(attr, queries, index, rerank=RERANK, topk=TOPK, **options)
+        got = score_with_index(attr, queries, index, search(nprobe, **options))
         elapsed, cpu = time.perf_counter() - t, time.process_time() - cpu
         profile = got.meta["profile"]
-        search = profile["search_top_s"] + profile.get("search_bottom_s", 0.0)
+        searched = profile["search_top_s"] + profile.get("search_bottom_s", 0.0)
         rescore = profile["rerank_top_s"] + profile.get("rerank_bottom_s", 0.0)
         bottom = f"{recall(got.bottom[1], exact.bottom[1]):.4f}" if got.bottom is not None else "-"
         print(f"| index path, {label} | {elapsed:.2f} s = **{exact_s / elapsed:.1f}x** faster than exact (search "
-              f"{search:.2f} s, re-scoring {rescore:.2f} s; CPU {cpu:.1f} s); recall@{TOPK} top / bottom "
+              f"{searched:.2f} s, re-scoring {rescore:.2f} s; CPU {cpu:.1f} s); recall@{TOPK} top / bottom "
               f"{recall(got.top[1], exact.top[1]):.4f} / {bottom} |")
     print(f"| load average (1, 5, 15 min) after the variant | {load()} |")
     return index
@@ -290,7 +300,7 @@ def main() -> None:
         raise SystemExit(f"{root} is not empty")
     root.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(0)
-    settings = setup(args.rows)
+    settings, nprobe = setup(args.rows)
     print(f"# {platform.machine()} {os.cpu_count()} cpus ({args.threads} threads), torch {torch.__version__}, "
           f"faiss {faiss.__version__}; {args.rows:,} rows x {DIM} int8, {QUERIES} queries, top/bottom-{TOPK}")
     try:
@@ -329,7 +339,7 @@ def main() -> None:
         index, build_s = load_or_build(store, index_dir, settings)
         index_bytes = sum(f.stat().st_size for f in index_dir.iterdir())
         t, cpu = time.perf_counter(), time.process_time()
-        approx = score_with_index(attr, queries, index, rerank=RERANK, topk=TOPK)
+        approx = score_with_index(attr, queries, index, search(nprobe))
         index_s, index_cpu = time.perf_counter() - t, time.process_time() - cpu
 
         same = approx.top[1] == exact.top[1]
@@ -339,7 +349,7 @@ def main() -> None:
         print("| quantity | value |")
         print("|---|---|")
         print("\n".join(exact_table))
-        print(f"| index build ({index.params.factory()}, nprobe {index.params.nprobe}, trained on "
+        print(f"| index build ({index.params.factory()}, searched with nprobe {nprobe}, trained on "
               f"{index.params.train_rows:,} rows) | {build_s:.1f} s (train {index.meta.get('train_s', 0):.1f} s, "
               f"add {index.meta.get('add_s', 0):.1f} s) |")
         print(f"| index size | {index_bytes / 2**20:.1f} MiB ({index_bytes / args.rows:.0f} B/row; store "
@@ -351,19 +361,19 @@ def main() -> None:
         print(f"|   of which search / re-scoring | {profile['search_top_s'] + profile['search_bottom_s']:.2f} s / "
               f"{profile['rerank_top_s'] + profile['rerank_bottom_s']:.2f} s |")
         widened = approx.meta["index"]["widened"]
-        print(f"| queries searched with more cells (fewer than {TOPK} rows in {index.params.nprobe}) top / bottom | "
+        print(f"| queries searched with more cells (fewer than {TOPK} rows in {nprobe}) top / bottom | "
               f"{widened.get('top', 0)} / {widened.get('bottom', 0)} |")
         print(f"| recall@{TOPK} top / bottom | **{recall(approx.top[1], exact.top[1]):.4f}** / "
               f"{recall(approx.bottom[1], exact.bottom[1]):.4f} (target >= 0.95) |")
         print(f"| max relative difference of scores at the same rank and row (index path vs exact) | "
               f"{value_error:.1e} |")
         print(f"| load average (1, 5, 15 min) after the index path | {load()} |")
-        variants(attr, queries, index, exact, exact_s, score_with_index)
-        norm_rows_variant(store, attr, queries, index, exact, exact_s, "fixed index", score_with_index)
+        variants(attr, queries, index, nprobe, exact, exact_s, score_with_index)
+        norm_rows_variant(store, attr, queries, index, nprobe, exact, exact_s, "fixed index", score_with_index)
         if not args.skip_fast_scan:
-            fast = fast_scan_variant(store, attr, queries, exact, exact_s, settings, index_dir.with_name(
+            fast = fast_scan_variant(store, attr, queries, exact, exact_s, settings, nprobe, index_dir.with_name(
                 index_dir.name + "-fastscan"), score_with_index)
-            norm_rows_variant(store, attr, queries, fast, exact, exact_s, "fast-scan index", score_with_index)
+            norm_rows_variant(store, attr, queries, fast, nprobe, exact, exact_s, "fast-scan index", score_with_index)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

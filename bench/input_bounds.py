@@ -67,6 +67,7 @@ def _run_case(case: str, mb: float, unbounded: bool, work: Path) -> dict:
     import gradtrace.data as gd
     from gradtrace.data import tokenize
     from gradtrace.data.corpus import load_plays, train_tokenizer
+    from gradtrace.options.data import ReadOptions
 
     tok = train_tokenizer([d.text for d in load_plays(400)])
     text = _prose(mb)
@@ -77,7 +78,7 @@ def _run_case(case: str, mb: float, unbounded: bool, work: Path) -> dict:
     if unbounded:
         tokenize._prefix_ids = lambda *args: None
     started = time.perf_counter()
-    data = gd.load(path, tok, max_length=1024, truncate=True)
+    data = gd.load(path, tok, read_options=ReadOptions(max_length=1024, truncate=True))
     return {"case": case, "mb": mb, "seconds": round(time.perf_counter() - started, 2),
             "tokens_kept": len(data.example(0)[0]), "cut": data.summary.cut}
 

@@ -200,13 +200,14 @@ def _paired(diff: torch.Tensor) -> str:
 def compare(name: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     import gradtrace
     from gradtrace.eval import MethodSpec, build_lds_ground_truth, evaluate, get_task, lds
+    from gradtrace.options.eval import LDSOptions
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from quality import DEFAULT_SUBSETS
 
     task = get_task(name)
-    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=DEFAULT_SUBSETS[name],
-                                   cache=Path(args.cache) / name, config=task.config)
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, cache=Path(args.cache) / name,
+                                   config=task.config, options=LDSOptions(num_subsets=DEFAULT_SUBSETS[name]))
     print(f"\n### {name}: {task.describe()}\nground truth: {truth.num_subsets} subsets of "
           f"{truth.meta['subset_size']}, {task.num_queries} queries ({Path(args.cache) / name})\n")
     print("| rank | library | method | LDS ± SE | ours - this (paired) | s |\n|---|---|---|---|---|---|")

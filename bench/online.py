@@ -8,9 +8,10 @@ Two workloads (random data, no downloads):
 and five modes, each with its own copy of the model and its own Adam optimizer:
 
 * ``plain``          -- forward, backward, ``optimizer.step()``
-* ``select-batch``   -- ``OnlineSelection(target="batch")`` under ``gradtrace.capture`` (exact per-example
-  gradients, scores against the batch mean, the dropped examples' contributions subtracted from ``param.grad``)
-* ``select-val``     -- ``OnlineSelection(target="validation")``: adds a forward and backward pass of one
+* ``select-batch``   -- ``OnlineSelection`` (its default target, the batch mean) under ``gradtrace.capture``
+  (exact per-example gradients, scores against the batch mean, the dropped examples' contributions subtracted
+  from ``param.grad``)
+* ``select-val``     -- ``OnlineSelection(validation=...)``: adds a forward and backward pass of one
   validation batch (same size as a training batch) through the capture hooks each step
 * ``sama``           -- ``SAMAReweighting``: a meta-gradient on a validation batch, the Adam update Jacobian, and
   two extra forward passes of the training batch (central finite differences) each step
@@ -36,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradtrace
+from gradtrace.options import Loss
+from gradtrace.options.train import ReweightingOptions, SelectionOptions
 from gradtrace.train import OnlineSelection, SAMAReweighting
 
 MODES = ("plain", "select-batch", "select-val", "sama")
@@ -94,13 +97,16 @@ class _Runner:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.cap = self.sama = None
         if mode.startswith("select"):
-            target = "batch" if mode == "select-batch" else "validation"
-            selector = OnlineSelection(self.optimizer, target=target, validation=validation, loss_fn=loss_fn,
-                                       rule=("bottom", 0.25))
-            self.cap = gradtrace.capture(self.model, reduction="mean", callbacks=[selector])
+            options = SelectionOptions(rule="bottom", fraction=0.25)
+            if mode == "select-batch":
+                selector = OnlineSelection(self.optimizer, options=options)
+            else:
+                selector = OnlineSelection(self.optimizer, validation=validation, loss_fn=loss_fn, options=options)
+            self.cap = gradtrace.capture(self.model, loss=Loss(reduction="mean"), callbacks=[selector])
             self.cap.__enter__()
         elif mode == "sama":
-            self.sama = SAMAReweighting(self.model, self.optimizer, validation, loss_fn=loss_fn, normalize=True)
+            self.sama = SAMAReweighting(self.model, self.optimizer, validation, loss_fn=loss_fn,
+                                        options=ReweightingOptions(normalize=True))
 
     def step(self, batch: dict) -> float:
         start = time.perf_counter()

@@ -107,6 +107,7 @@ from gradtrace.eval import (
     unsupported,
 )
 from gradtrace.eval.benchmark import CHECKPOINTS_AFTER, ENSEMBLES, ensemble_models
+from gradtrace.options.eval import LDSOptions
 from gradtrace.plan import available_memory
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
@@ -409,9 +410,9 @@ def run_task(name: str, args: argparse.Namespace, names: list[str], subsets: int
         print(f"its mean training loss: {task.train_loss(model):.4f}")
     cache = Path(args.cache) / (name if args.subset_seed is None else f"{name}-subsets-{args.subset_seed}")
     held = GroundTruth.load(cache).num_subsets if GroundTruth.exists(cache) else 0
-    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=subsets, runs=args.runs,
-                                   cache=cache, config=task.config, progress=args.progress,
-                                   subset_seed=args.subset_seed)
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, cache=cache, config=task.config,
+                                   options=LDSOptions(num_subsets=subsets, runs=args.runs, progress=args.progress,
+                                                      subset_seed=args.subset_seed))
     meta = truth.meta
     state = "cached" if held >= subsets else f"{subsets - held} subsets trained now"
     print(f"ground truth: {truth.num_subsets} subsets of {meta['subset_size']} examples, {args.runs} training "

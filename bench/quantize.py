@@ -25,6 +25,7 @@ import torch
 
 import gradtrace
 from gradtrace.grad.quantize import quantize, spearman
+from gradtrace.options import CaptureOptions
 
 
 def _compare(name: str, train: torch.Tensor, queries: torch.Tensor) -> None:
@@ -61,7 +62,7 @@ def demo_workload() -> None:
         tok = AutoTokenizer.from_pretrained(f"{tmp}/model")
         enc = tok([p.query for p in PLANTED], padding=True, return_tensors="pt")
         q = gradtrace.collect(model, [{**enc, "id": [p.id for p in PLANTED]}],
-                              projection=gradtrace.LoGra(**_logra_args(store)))
+                              options=CaptureOptions(projection=gradtrace.LoGra(**_logra_args(store))))
         _compare("demo (LoGra 64)", train, q.vectors)
 
 
@@ -82,8 +83,9 @@ def random_workload() -> None:
     queries = torch.randint(0, 50257, (16, 128), generator=gen)
     for rank in (8, 32):
         logra = gradtrace.LoGra(rank=rank)
-        g = gradtrace.collect(model, [{"input_ids": train[i:i + 16]} for i in range(0, 256, 16)], projection=logra)
-        q = gradtrace.collect(model, [{"input_ids": queries}], projection=logra)
+        g = gradtrace.collect(model, [{"input_ids": train[i:i + 16]} for i in range(0, 256, 16)],
+                              options=CaptureOptions(projection=logra))
+        q = gradtrace.collect(model, [{"input_ids": queries}], options=CaptureOptions(projection=logra))
         _compare(f"random GPT-2 (LoGra {rank})", g.vectors, q.vectors)
 
 

@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gradtrace.options import CaptureOptions, StoreOptions
+
 MODES = ("train", "collect16", "collect64")
 SEQ, BATCH, VOCAB, QUERIES = 256, 8, 50257, 50
 
@@ -82,14 +84,15 @@ def run_mode(args: argparse.Namespace) -> dict:
         rank = int(args.mode.removeprefix("collect"))
         logra = gradtrace.LoGra(rank=rank)
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-            store = gradtrace.collect(model, _batches(args.examples, 1, "t"), projection=logra,
-                                      store=Path(tmp) / "store", dtype="int8")
+            store = gradtrace.collect(model, _batches(args.examples, 1, "t"), store=Path(tmp) / "store",
+                                      options=CaptureOptions(projection=logra),
+                                      store_options=StoreOptions(dtype="int8"))
             result["seconds"] = time.perf_counter() - start
             result["peak_rss_collect_mib"] = _peak_rss_mib()  # the collection's peak, before the scoring's
             size = sum(f.stat().st_size for f in (Path(tmp) / "store").rglob("*") if f.is_file())
             result.update(dim=store.dim, store_bytes_per_example=size / len(store), rows=len(store))
             t = time.perf_counter()
-            queries = gradtrace.collect(model, _batches(QUERIES, 2, "q"), projection=logra)
+            queries = gradtrace.collect(model, _batches(QUERIES, 2, "q"), options=CaptureOptions(projection=logra))
             result["query_collect_seconds"] = time.perf_counter() - t
             t = time.perf_counter()
             gradtrace.Attributor("grad_dot", store).score(queries, topk=10)

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from gradtrace.options import CaptureOptions
+
 MODES = ("plain", "exact", "logra16")
 
 
@@ -78,7 +80,8 @@ def run_mode(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="gradtrace-bench-") as tmp:
         if args.mode != "plain":
             projection = gradtrace.LoGra(rank=16) if args.mode == "logra16" else None
-            callbacks.append(GradtraceCallback(os.path.join(tmp, "store"), projection=projection))
+            callbacks.append(GradtraceCallback(os.path.join(tmp, "store"),
+                                               options=CaptureOptions(projection=projection)))
         callbacks.append(Stop())
         training = TrainingArguments(os.path.join(tmp, "out"), per_device_train_batch_size=args.batch,
                                      gradient_accumulation_steps=args.accum, max_steps=total_steps, learning_rate=1e-4,

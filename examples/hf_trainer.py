@@ -25,6 +25,7 @@ import gradtrace
 from gradtrace.data.corpus import PLANTED, load_plays, train_tokenizer
 from gradtrace.demo.report import report_planted
 from gradtrace.integrations.hf import GradtraceCallback
+from gradtrace.options import CaptureOptions, StoreOptions
 
 
 def main(out_dir: str | Path = "runs/hf_trainer", *, docs: int = 64, epochs: int = 3, batch_size: int = 8,
@@ -59,7 +60,8 @@ def main(out_dir: str | Path = "runs/hf_trainer", *, docs: int = 64, epochs: int
 
     steps_per_epoch = math.ceil(math.ceil(len(data) / batch_size) / accumulation)
     logra = gradtrace.LoGra(rank=rank, seed=seed)
-    callback = GradtraceCallback(out / "store", projection=logra, ids="id", dtype="int8", overwrite=True,
+    callback = GradtraceCallback(out / "store", options=CaptureOptions(projection=logra),
+                                 store_options=StoreOptions(dtype="int8", overwrite=True), ids="id",
                                  start_step=steps_per_epoch * (epochs - 1))  # the last epoch
     args = TrainingArguments(str(out / "trainer"), per_device_train_batch_size=batch_size, num_train_epochs=epochs,
                              gradient_accumulation_steps=accumulation, learning_rate=1e-3 if peft else 3e-3,
@@ -74,7 +76,7 @@ def main(out_dir: str | Path = "runs/hf_trainer", *, docs: int = 64, epochs: int
     questions = [(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED]
     batch = dict(collate([{"input_ids": tokenizer(q).input_ids} for _, q in questions]))
     batch["id"] = [i for i, _ in questions]
-    queries = gradtrace.collect(trainer.model, [batch], projection=logra)
+    queries = gradtrace.collect(trainer.model, [batch], options=CaptureOptions(projection=logra))
     scores = gradtrace.Attributor("grad_cos", store).score(queries, topk=3)
     say(f"\n{len(store)} documents x {store.dim} dims captured in the last epoch "
         f"({'LoRA adapters' if peft else 'all parameters'}; loss rule: "

@@ -7,7 +7,7 @@ Two tasks, no downloads:
   their tokens shuffled (within the document: same tokens, no language left).
 
 Each method trains the same model from the same initialisation on the same batches; a small clean validation
-set guides selection (``OnlineSelection(target="validation")``: examples whose gradient points against the
+set guides selection (``OnlineSelection(validation=...)``: examples whose gradient points against the
 validation gradient are dropped from the step) and SAMA (``SAMAReweighting``: per-example weights learned so
 that each step lowers the validation loss). Reported: the loss on a held-out clean test set, and the AUC with
 which each method's per-example signal -- the mean selection score, the learned weight -- separates corrupted
@@ -31,6 +31,8 @@ from torch import nn
 
 import gradtrace
 from gradtrace.loss.functions import causal_lm_loss
+from gradtrace.options import Loss
+from gradtrace.options.train import ReweightingOptions, SelectionOptions
 from gradtrace.train import OnlineSelection, SAMAReweighting
 
 
@@ -157,13 +159,14 @@ def train(task: Task, method: str, seed: int = 0) -> dict[str, Any]:
     selector = sama = None
     start_step = task.start_epoch * len(task.train)
     if method == "selection":
-        selector = OnlineSelection(optimizer, target="validation", validation=task.validation, loss_fn=task.loss_fn,
-                                   rule="negative", normalize=True, start_step=start_step, record_scores=True)
-        cap = gradtrace.capture(model, reduction="mean", callbacks=[selector])
+        selector = OnlineSelection(optimizer, validation=task.validation, loss_fn=task.loss_fn,
+                                   options=SelectionOptions(rule="negative", normalize=True, start_step=start_step,
+                                                            record_scores=True))
+        cap = gradtrace.capture(model, loss=Loss(reduction="mean"), callbacks=[selector])
         cap.__enter__()
     elif method == "sama":
-        sama = SAMAReweighting(model, optimizer, task.validation, loss_fn=task.loss_fn, meta_lr=0.5, normalize=True,
-                               start_step=start_step)
+        sama = SAMAReweighting(model, optimizer, task.validation, loss_fn=task.loss_fn,
+                               options=ReweightingOptions(meta_lr=0.5, normalize=True, start_step=start_step))
     try:
         for _epoch in range(task.epochs):
             batches = list(task.train)

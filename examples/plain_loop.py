@@ -1,10 +1,10 @@
 """Per-example gradients from a plain PyTorch training loop: gradient accumulation and bf16 autocast.
 
 ``gradtrace.capture`` wraps the loop unchanged. The loop's loss is Hugging Face's token mean of each
-micro-batch divided by the accumulation steps, so the capture is told ``reduction="token_mean"`` and
-``loss_scale=1/accumulation``: every stored gradient is then the gradient of one document's own summed
-token loss, whatever the batch it came in. The gradients of the last epoch go to a store, and
-questions paraphrasing the planted facts are scored against it.
+micro-batch divided by the accumulation steps, so the capture is told
+``Loss(reduction="token_mean", scale=1/accumulation)``: every stored gradient is then the gradient of one
+document's own summed token loss, whatever the batch it came in. The gradients of the last epoch go to a store,
+and questions paraphrasing the planted facts are scored against it.
 
     .venv/bin/python examples/plain_loop.py [--docs 64] [--epochs 3] [--bf16]
 """
@@ -25,6 +25,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import gradtrace
 from gradtrace.data.corpus import PLANTED, load_plays, train_tokenizer
 from gradtrace.demo.report import report_planted
+from gradtrace.options import CaptureOptions, Loss, StoreOptions
 
 
 def main(out_dir: str | Path = "runs/plain_loop", *, docs: int = 64, epochs: int = 3, batch_size: int = 8,
@@ -55,9 +56,10 @@ def main(out_dir: str | Path = "runs/plain_loop", *, docs: int = 64, epochs: int
     for epoch in range(epochs):
         order = rng.sample(corpus, len(corpus))
         last = epoch == epochs - 1
-        writer = gradtrace.StoreWriter(out / "store", dtype="int8", overwrite=True) if last else None
-        capture = (gradtrace.capture(model, reduction="token_mean", loss_scale=1 / accumulation, projection=logra,
-                                     callbacks=[writer]) if last else nullcontext())
+        writer = gradtrace.StoreWriter(out / "store", StoreOptions(dtype="int8", overwrite=True)) if last else None
+        capture = (gradtrace.capture(model, Loss(reduction="token_mean", scale=1 / accumulation),
+                                     options=CaptureOptions(projection=logra), callbacks=[writer])
+                   if last else nullcontext())
         total, count = 0.0, 0
         with capture as cap:
             for start in range(0, len(order), batch_size):
@@ -79,7 +81,7 @@ def main(out_dir: str | Path = "runs/plain_loop", *, docs: int = 64, epochs: int
     say(str(report).splitlines()[0])
 
     questions = [(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED]
-    queries = gradtrace.collect(model, [batch_of(questions)], projection=logra)
+    queries = gradtrace.collect(model, [batch_of(questions)], options=CaptureOptions(projection=logra))
     scores = gradtrace.Attributor("grad_cos", store).score(queries, topk=3)
     hits = report_planted(scores, dict(corpus), say, show=2)
     seconds = time.perf_counter() - started

@@ -8,6 +8,7 @@ import json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import gradtrace
+from gradtrace.options import CaptureOptions, StoreOptions
 
 model = AutoModelForCausalLM.from_pretrained("gradtrace-demo/model")
 tokenizer = AutoTokenizer.from_pretrained("gradtrace-demo/model")
@@ -24,11 +25,12 @@ def batches(rows, size=16):
 
 
 logra = gradtrace.LoGra(rank=64)  # project at capture time: 42k numbers per example here
-train = gradtrace.collect(model, batches(docs), projection=logra, store="runs/api-train", overwrite=True)
+train = gradtrace.collect(model, batches(docs), store="runs/api-train", options=CaptureOptions(projection=logra),
+                          store_options=StoreOptions(overwrite=True))
 print(train)
 
 question = [{"id": "q-gulls", "text": "What did Orsolya Vantrell count at the lighthouse?"}]
-queries = gradtrace.collect(model, batches(question), projection=logra)
+queries = gradtrace.collect(model, batches(question), options=CaptureOptions(projection=logra))
 scores = gradtrace.Attributor("grad_cos", train).score(queries, topk=5)
 
 top = scores.topk(3)

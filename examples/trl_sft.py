@@ -27,6 +27,7 @@ import gradtrace
 from gradtrace.data.corpus import PLANTED, load_plays, train_tokenizer
 from gradtrace.demo.report import report_planted
 from gradtrace.integrations.hf import GradtraceCallback
+from gradtrace.options import CaptureOptions, StoreOptions
 
 
 def _pairs(docs: int, seed: int) -> list[tuple[str, str, str]]:
@@ -65,8 +66,8 @@ def main(out_dir: str | Path = "runs/trl_sft", *, docs: int = 64, epochs: int = 
 
     steps_per_epoch = math.ceil(math.ceil(len(data) / batch_size) / accumulation)
     logra = gradtrace.LoGra(rank=rank, seed=seed)
-    callback = GradtraceCallback(out / "store", projection=logra, ids="id", overwrite=True,
-                                 start_step=steps_per_epoch * (epochs - 1))
+    callback = GradtraceCallback(out / "store", ids="id", start_step=steps_per_epoch * (epochs - 1),
+                                 options=CaptureOptions(projection=logra), store_options=StoreOptions(overwrite=True))
     args = SFTConfig(str(out / "trainer"), per_device_train_batch_size=batch_size, num_train_epochs=epochs,
                      gradient_accumulation_steps=accumulation, learning_rate=1e-3 if peft else 3e-3,
                      completion_only_loss=True, max_length=128, bf16=False, save_strategy="no",
@@ -88,7 +89,7 @@ def main(out_dir: str | Path = "runs/trl_sft", *, docs: int = 64, epochs: int = 
              "input_ids": torch.tensor([ids + [pad] * (width_q - len(ids)) for _, ids, _ in rows]),
              "attention_mask": torch.tensor([[1] * len(ids) + [0] * (width_q - len(ids)) for _, ids, _ in rows]),
              "labels": torch.tensor([lab + [-100] * (width_q - len(lab)) for _, _, lab in rows])}
-    queries = gradtrace.collect(trainer.model, [batch], projection=logra)
+    queries = gradtrace.collect(trainer.model, [batch], options=CaptureOptions(projection=logra))
     scores = gradtrace.Attributor("grad_cos", store).score(queries, topk=3)
     texts = {i: p + c for i, p, c in pairs}
     config = store.manifest["config"]["trainer"]

@@ -29,7 +29,9 @@ _EXPORTS: dict[str, tuple[str, str]] = {
     "collect": (".capture.collect", "collect"), "GradientSet": (".capture.gradient_set", "GradientSet"),
     "StoreWriter": (".capture.sink", "StoreWriter"),
     "GradientBatch": (".grad", "GradientBatch"), "ParamGradient": (".grad", "ParamGradient"),
-    "LossConvention": (".loss.functions", "LossConvention"),
+    "Loss": (".options", "Loss"), "CaptureOptions": (".options", "CaptureOptions"),
+    "StoreOptions": (".options", "StoreOptions"), "FitOptions": (".options", "FitOptions"),
+    "RunOptions": (".options", "RunOptions"),
     "available_methods": (".methods", "available_methods"),
     "data_value_embeddings": (".methods.dvemb", "data_value_embeddings"),
     "less_features": (".methods.less", "less_features"),
@@ -46,7 +48,8 @@ _EXPORTS: dict[str, tuple[str, str]] = {
 
 __all__ = [
     "capture", "Capture", "CaptureCallback", "CaptureReport", "collect", "GradientBatch", "ParamGradient", "LoGra",
-    "LossConvention", "GradientSet", "GradientStore", "GradientSpec", "StoreWriter", "Attributor", "Scores",
+    "Loss", "CaptureOptions", "StoreOptions", "FitOptions", "RunOptions", "GradientSet", "GradientStore",
+    "GradientSpec", "StoreWriter", "Attributor", "Scores",
     "available_methods", "less_features", "less_query_features", "data_value_embeddings", "TrajectoryWriter",
     "plan", "Plan", "plan_fit", "FitPlan", "plan_score", "ScorePlan", "__version__", "Ensemble", "Unrolled",
     "collect_checkpoints", "load_fit", "save_fit",

@@ -20,8 +20,8 @@ import json
 import math
 import shutil
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,8 @@ from torch import Tensor, nn
 
 from .capture.memory import StepMemory, estimate_step_memory
 from .common.units import block_rows_for
-from .projection.logra import LoGra
+from .options import CaptureOptions, FitOptions, Loss, RunOptions, StoreOptions
+from .options.base import option_object
 from .store.shards import row_bytes
 
 __all__ = ["FitPlan", "Plan", "RECORD_BYTES_PER_ROW", "ScorePlan", "plan", "plan_fit", "plan_score"]
@@ -66,11 +67,11 @@ class Plan:
         return self.examples * self.seconds_per_example
 
 
-def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projection: LoGra | None = None,
-         layers: Sequence[Any] | None = None, exclude: Sequence[Any] | None = None, dtype: str = "float32",
-         store: str | Path | None = None, warmup_batches: int = 2, device: Any = None,
-         id_key: str = "id") -> Plan:
-    """The plan of ``collect(model, data, loss_fn, projection=..., store=..., dtype=...)``; see :class:`Plan`.
+def plan(model: nn.Module, data: Iterable[Any], loss: Any = None, *, store: str | Path | None = None,
+         options: CaptureOptions | None = None, store_options: StoreOptions | None = None,
+         run: RunOptions | None = None, warmup_batches: int = 2) -> Plan:
+    """The plan of ``collect(model, data, loss, store=..., options=..., store_options=..., run=...)``; see
+    :class:`Plan`.
 
     ``data`` is iterated twice (counted, then its first ``warmup_batches`` batches are captured in memory):
     pass a list or a dataset, not a one-shot generator. Arguments as for :func:`gradtrace.collect`.
@@ -78,16 +79,21 @@ def plan(model: nn.Module, data: Iterable[Any], loss_fn: Any = None, *, projecti
     from .capture import capture
     from .capture.driver import run_capture
 
+    options = option_object(options, CaptureOptions, "options")
+    dtype = option_object(store_options, StoreOptions, "store_options").store_dtype
+    loss = Loss.of(loss).summed("plan()")
+
     if warmup_batches < 1:
         raise ValueError("warmup_batches must be at least 1")
     if iter(data) is data:
         raise ValueError("plan() iterates data twice: pass a list or a dataset, not an iterator or generator")
     examples, tokens, largest = _count(data, "plan()")
     # the warm-up captures in memory as collect() does; NaN/inf gradients are collect()'s to report, not the plan's
-    cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum", projection=projection,
-                  keep_batches=True, isolate_padding=True)
+    cap = capture(model, replace(loss, fn=None, reduction="sum"), options=replace(options, isolate_padding=True),
+                  keep_batches=True)
     start = time.perf_counter()
-    seen = run_capture(model, islice(iter(data), warmup_batches), loss_fn, cap, id_key=id_key, device=device)
+    run = option_object(run, RunOptions, "run")
+    seen = run_capture(model, islice(iter(data), warmup_batches), loss.fn, cap, replace(run, progress=False))
     seconds = (time.perf_counter() - start) / max(1, seen)
     if not cap.batches:
         raise ValueError("plan(): the warm-up batches produced no examples")
@@ -239,8 +245,8 @@ def plan_fit(store: Any, model: nn.Module | None = None, data: Iterable[Any] | N
     examples, tokens = count_examples(data, "plan_fit()")
     warm = _TimedPasses(list(islice(iter(data), warmup_batches)))
     start = time.perf_counter()
-    curvature = fit_curvature(model, warm, loss_fn, kind=method, fisher=fisher, samples=samples, spec=store.spec,
-                              max_dense=max_dense, device=device)
+    curvature = fit_curvature(model, warm, loss_fn, spec=store.spec, run=RunOptions(device=device),
+                              fit_options=FitOptions(kind=method, fisher=fisher, samples=samples, max_dense=max_dense))
     total = time.perf_counter() - start
     first_pass = _first_pass_examples(warm)
     passes = max(1, round(warm.examples / first_pass))
@@ -315,8 +321,8 @@ class KernelTooLarge(ValueError):
             "trackstar's autocorrelation" + (f" of parameter {parameter}" if parameter else "")
         of = f"{dim:,} training examples" if dual else f"{dim:,}-dimensional gradients"
         super().__init__(f"plan_fit(): {self.what} of {of} takes {human_bytes(self.bytes)} (float64), beyond "
-                         f"max_dim={max_dim:,}; collect projected gradients (projection=gradtrace.LoGra(rank=...)) "
-                         "or raise max_dim=")
+                         f"max_dim={max_dim:,}; collect projected gradients "
+                         "(options=CaptureOptions(projection=gradtrace.LoGra(rank=...))) or raise max_dim=")
 
 
 KERNEL_TIMED_DIM = 512

@@ -19,8 +19,8 @@ PACKAGE = ROOT / "gradtrace"
 # lowest first; a module may import its own layer and the layers below it (docs/architecture.md says why)
 LAYERS: list[set[str]] = [
     {"common", "loss", "version"},  # the floor: imports nothing from gradtrace above it
-    {"data"},  # data in: files -> tokenized batches, the one id rule, the bundled corpus
     {"grad", "projection", "options"},  # gradient containers and ops; LoGra and the sketches; typed options
+    {"data"},  # data in: files -> tokenized batches (read with options.data), the one id rule, the bundled corpus
     {"store"},  # rows of gradients on disk: spec, layout, shard writer, reader, artifacts
     {"distributed"},  # ranks: process group, agreement between ranks (on stores and captures)
     {"capture"},  # hooks -> GradientBatch -> rows (capture/sink: a store or memory); collect over a dataset, at
@@ -252,7 +252,7 @@ def test_moved_public_names_stay_where_they_were_exported():
     import gradtrace.grad
     import gradtrace.loss.functions
 
-    assert gradtrace.LossConvention is gradtrace.loss.LossConvention is gradtrace.loss.functions.LossConvention
+    assert gradtrace.Loss is gradtrace.options.Loss is gradtrace.options.loss.Loss
     assert gradtrace.distributed.score_sharded.__module__ == "gradtrace.score.sharded"
     assert gradtrace.distributed.rank_and_world() == (0, 1)  # no process group in the test process
     assert gradtrace.__version__ == gradtrace.version.__version__

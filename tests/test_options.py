@@ -1,5 +1,5 @@
-"""Typed option objects (gradtrace.options): the keyword and options spellings are the same call, a setting given
-both ways or one the entry point fixes is an error, and artifacts record the resolved objects."""
+"""Typed option objects (gradtrace.options) are the only way to configure an entry point: a setting is given once, in
+its object; one the entry point fixes is refused; artifacts record the resolved objects."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 import gradtrace
 from gradtrace.curvature import fit_curvature
-from gradtrace.options import CaptureOptions, FitOptions, StoreOptions, record
+from gradtrace.options import CaptureOptions, FitOptions, Loss, RunOptions, StoreOptions, record
 from tests import tiny
 
 
@@ -22,81 +22,104 @@ def _model() -> torch.nn.Module:
     return tiny.gpt2(tied=True)
 
 
-def test_keyword_and_options_spellings_write_identical_stores(tmp_path):
+def test_collect_records_the_objects_that_configured_it(tmp_path):
     model, batches = _model(), _lm_batches()
     projection = gradtrace.LoGra(rank=4, seed=3)
-    layers = ["*.mlp.*", "lm_head"]
-    by_keyword = gradtrace.collect(model, batches, projection=projection, layers=layers, store=tmp_path / "kw",
-                                   dtype="bfloat16", shard_rows=5)
-    by_options = gradtrace.collect(model, batches, store=tmp_path / "opt",
-                                   options=CaptureOptions(projection=projection, layers=layers),
-                                   store_options=StoreOptions(dtype="bfloat16", shard_rows=5))
-    assert by_keyword.ids == by_options.ids == [f"e{i}" for i in range(12)]
-    assert torch.equal(by_keyword.read(0, 12), by_options.read(0, 12))  # bit-identical rows
-    assert by_keyword.spec == by_options.spec
-    recorded = by_options.manifest["config"]["gradtrace"]["options"]
-    assert recorded == by_keyword.manifest["config"]["gradtrace"]["options"]
+    capture = CaptureOptions(projection=projection, layers=["*.mlp.*", "lm_head"])
+    store = gradtrace.collect(model, batches, store=tmp_path / "s", options=capture,
+                              store_options=StoreOptions(dtype="bfloat16", shard_rows=5, config={"mine": 1}))
+    in_memory = gradtrace.collect(model, batches, options=capture)
+    assert store.ids == in_memory.ids == [f"e{i}" for i in range(12)]
+    # bfloat16 keeps 8 significant bits: each stored value within 2^-8 of the float32 one
+    torch.testing.assert_close(store.read(0, 12), in_memory.vectors, rtol=2 ** -8, atol=0)
+    recorded = store.manifest["config"]["gradtrace"]["options"]
     assert recorded["store"] == {"dtype": "bfloat16", "resume": False, "overwrite": False, "shard_bytes": None,
-                                 "shard_rows": 5}
-    assert recorded["capture"]["projection"] == projection.to_dict() and recorded["capture"]["layers"] == layers
-    assert recorded == {"capture": record(CaptureOptions(projection=projection, layers=layers)),
-                        "store": record(StoreOptions(dtype="bfloat16", shard_rows=5))}
+                                 "shard_rows": 5, "queue_size": 8}  # the user's config is beside it, not in it
+    assert store.manifest["config"]["mine"] == 1
+    assert recorded["capture"]["projection"] == projection.to_dict()
+    assert recorded == {"capture": record(capture), "store": record(StoreOptions(dtype="bfloat16", shard_rows=5)),
+                        "loss": record(Loss())}
 
 
-def test_a_setting_given_both_ways_is_an_error(tmp_path):
+def test_settings_are_given_one_way_only(tmp_path):
     model, batches = _model(), _lm_batches()
-    with pytest.raises(ValueError, match=r"collect\(\): dtype given both as a keyword argument and in store_options="):
-        gradtrace.collect(model, batches, store=tmp_path / "s", dtype="int8", store_options=StoreOptions())
-    with pytest.raises(ValueError, match="layers given both"):
-        gradtrace.capture(model, layers=["lm_head"], options=CaptureOptions(layers=["lm_head"]))
-    with pytest.raises(TypeError, match=r"store_options= must be a gradtrace.options.StoreOptions, got dict"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dtype'"):
+        gradtrace.collect(model, batches, store=tmp_path / "s", dtype="int8")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'layers'"):
+        gradtrace.capture(model, layers=["lm_head"])
+    with pytest.raises(TypeError, match=r"store_options= must be a gradtrace.StoreOptions, got dict"):
         gradtrace.collect(model, batches, store_options={"dtype": "int8"})
+    with pytest.raises(TypeError, match=r"loss must be a gradtrace.Loss, a callable"):
+        gradtrace.collect(model, batches, "sum")
+    assert not (tmp_path / "s").exists()
 
 
-def test_a_setting_the_entry_point_fixes_must_stay_at_its_default():
+def test_a_loss_setting_the_entry_point_fixes_is_refused():
     model, batches = _model(), _lm_batches()
-    with pytest.raises(ValueError, match=r"collect\(\) sets reduction itself"):
-        gradtrace.collect(model, batches, options=CaptureOptions(reduction="mean"))
+    with pytest.raises(ValueError, match=r"collect\(\) sums each example's loss .* leave Loss.reduction"):
+        gradtrace.collect(model, batches, Loss(reduction="mean"))
+    with pytest.raises(ValueError, match=r"capture\(\): the training loop computes the loss; leave Loss.fn None"):
+        gradtrace.capture(model, Loss(fn=lambda m, b: m(b)))
     from gradtrace.integrations.hf import GradtraceCallback
 
-    with pytest.raises(ValueError, match=r"GradtraceCallback\(\) sets shard_bytes itself"):
-        GradtraceCallback("unused", store_options=StoreOptions(shard_bytes=1 << 20))
+    with pytest.raises(ValueError, match=r"Loss.scale states the Trainer's loss together with Loss.reduction"):
+        GradtraceCallback("unused", loss=Loss(scale=2.0))
 
 
-def test_options_are_validated_with_the_keyword_messages():
+def test_options_are_validated_when_made():
     with pytest.raises(ValueError, match=r"reduction must be one of \('mean', 'sum', 'token_mean'\), got 'avg'"):
-        CaptureOptions(reduction="avg")
+        Loss(reduction="avg")
+    with pytest.raises(ValueError, match=r"scale must be a finite number other than 0"):
+        Loss(scale=0.0)
     with pytest.raises(ValueError, match="contradict"):
         StoreOptions(resume=True, overwrite=True)
     with pytest.raises(ValueError, match=r"kind must be one of \('kfac', 'ekfac', 'fisher'\)"):
         FitOptions(kind="kfc")
+    with pytest.raises(ValueError, match=r"model_dtype must be one of"):
+        RunOptions(model_dtype="fp8")
     spec = gradtrace.LoGra(rank=2).to_dict()
     assert CaptureOptions(projection=spec).projection.to_dict() == spec  # a store's dict form is accepted
+    assert Loss.of(None) == Loss() and Loss.of(tiny.lm_example_loss).fn is tiny.lm_example_loss
 
 
-def test_capture_resolves_both_spellings_to_one_object():
+def test_a_shard_writer_refuses_a_dtype_other_than_its_specs(tmp_path):
+    spec = gradtrace.store.GradientSpec(params=[("w", 3)], projection=None, dtype="bfloat16",
+                                        convention={"reduction": "sum", "example_loss": "sum"})
+    with pytest.raises(ValueError, match=r"StoreOptions\(dtype='int8'\) differs from the spec's dtype 'bfloat16'"):
+        gradtrace.store.ShardWriter(tmp_path / "s", spec, StoreOptions(dtype="int8"))
+    writer = gradtrace.store.ShardWriter(tmp_path / "s", spec, StoreOptions(shard_rows=2))  # None: the spec's
+    writer.put(["a", "b", "c"], torch.tensor([[1.0, 2.0, 3.0]] * 3))
+    writer.close()
+    assert gradtrace.GradientStore.open(tmp_path / "s").spec.dtype == "bfloat16"
+
+
+def test_capture_reads_the_loop_loss_from_one_object():
     model = _model()
-    by_keyword = gradtrace.Capture(model, reduction="token_mean", layers=["lm_head"], strict=True)
-    by_options = gradtrace.Capture(model, options=CaptureOptions(reduction="token_mean", layers=["lm_head"],
-                                                                 strict=True))
-    assert by_keyword.options == by_options.options
-    assert by_options.convention == by_keyword.convention and by_options.strict
-    assert gradtrace.Capture(model).options == gradtrace.Capture(model, options=CaptureOptions()).options
-    assert gradtrace.Capture(model).options.reduction == "mean" and gradtrace.Capture(model).options.loss_scale == 1.0
+    cap = gradtrace.Capture(model, Loss(reduction="token_mean", scale=0.5), options=CaptureOptions(strict=True))
+    assert cap.convention.reduction == "token_mean" and cap.loss_scale == 0.5 and cap.strict
+    default = gradtrace.Capture(model)
+    assert default.loss.reduction == "mean" and default.loss.scale == 1.0 and default.options == CaptureOptions()
+    assert default.causal_lm  # a *LMHeadModel: shifted labels unless Loss(causal_lm=False)
+    assert not gradtrace.Capture(model, Loss(causal_lm=False)).causal_lm
 
 
 def test_fit_curvature_takes_and_records_fit_options():
     model, batches = _model(), _lm_batches(n=8)
     data = [{"input_ids": b["input_ids"]} for b in batches]
-    by_keyword = fit_curvature(model, data, kind="kfac", damping=0.3, layers=["lm_head"])
-    by_options = fit_curvature(model, data, options=CaptureOptions(layers=["lm_head"]),
-                               fit_options=FitOptions(kind="kfac", damping=0.3))
-    recorded = by_options.meta["gradtrace"]["options"]
-    assert recorded == by_keyword.meta["gradtrace"]["options"]
+    fitted = fit_curvature(model, data, options=CaptureOptions(layers=["lm_head"]),
+                           fit_options=FitOptions(kind="kfac", damping=0.3))
+    recorded = fitted.meta["gradtrace"]["options"]
     assert recorded["fit"] == record(FitOptions(kind="kfac", damping=0.3))
-    assert by_options.kind == "kfac" and by_options.damping == 0.3
-    for name, block in by_keyword.blocks.items():
-        assert torch.equal(block.eigenvalues, by_options.blocks[name].eigenvalues)
+    assert recorded["capture"] == record(CaptureOptions(layers=["lm_head"])) and recorded["loss"] == record(Loss())
+    assert fitted.kind == "kfac" and fitted.damping == 0.3
+    # the flat settings of a method's fit go to the same objects
+    from gradtrace.curvature.fit import fit_curvature_from
+
+    again = fit_curvature_from(model, data, None, None, {"kind": "kfac", "damping": 0.3, "layers": ["lm_head"]})
+    for name, block in fitted.blocks.items():
+        assert torch.equal(block.eigenvalues, again.blocks[name].eigenvalues)
+    with pytest.raises(TypeError, match=r"fit\(\): unknown setting 'dampng'"):
+        fit_curvature_from(model, data, None, None, {"dampng": 0.3})
 
 
 # -- the LESS and trajectory writers take the same objects ------------------------------------------------------------
@@ -117,46 +140,39 @@ def _adam_mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
-def test_less_features_keyword_and_options_spellings_write_identical_stores(tmp_path):
+def test_less_features_in_a_store_equal_those_in_memory_and_record_their_objects(tmp_path):
     from gradtrace.methods.less import less_features, less_query_features
     from gradtrace.projection.sketch import DenseProjection
 
     model, optimizer = _adam_mlp()
     sketch, ids = DenseProjection(16, seed=2), [f"t{i}" for i in range(7)]
-    by_keyword = less_features(model, optimizer, _mlp_batches(), projection=sketch, layers=["net.3"],
-                               example_loss="sum", store=tmp_path / "kw", dtype="bfloat16", shard_rows=2, ids=ids)
-    capture, store = CaptureOptions(layers=["net.3"]), StoreOptions(dtype="bfloat16", shard_rows=2)
-    by_options = less_features(model, optimizer, _mlp_batches(), projection=sketch, store=tmp_path / "opt",
-                               options=capture, store_options=store, ids=ids)
-    assert by_keyword.ids == by_options.ids == ids
-    assert torch.equal(by_keyword.read(0, 7), by_options.read(0, 7)) and by_keyword.spec == by_options.spec
-    recorded = by_options.manifest["config"]["gradtrace"]["options"]
-    assert recorded == by_keyword.manifest["config"]["gradtrace"]["options"]
-    assert recorded == {"capture": record(capture), "store": record(store)}
-    # in memory: the same rows as the store (bfloat16 there), keyword or object
-    queries = less_query_features(model, _mlp_batches(), projection=sketch, layers=["net.3"], example_loss="sum")
-    again = less_query_features(model, _mlp_batches(), projection=sketch, options=capture)
-    assert torch.equal(queries.vectors, again.vectors) and queries.spec == again.spec
+    capture, store = CaptureOptions(layers=["net.3"]), StoreOptions(shard_rows=2)
+    stored = less_features(model, optimizer, _mlp_batches(), sketch, store=tmp_path / "s", options=capture,
+                           store_options=store, run=RunOptions(ids=ids))
+    in_memory = less_features(model, optimizer, _mlp_batches(), sketch, options=capture, run=RunOptions(ids=ids))
+    assert stored.ids == in_memory.ids == ids
+    assert torch.equal(stored.read(0, 7), in_memory.vectors) and stored.spec == in_memory.spec
+    recorded = stored.manifest["config"]["gradtrace"]["options"]
+    assert recorded == {"capture": record(capture), "store": record(StoreOptions(dtype="float32", shard_rows=2)),
+                        "loss": record(Loss(example_loss="mean"))}  # LESS's default: the per-token mean
+    summed = less_query_features(model, _mlp_batches(), sketch, Loss(example_loss="sum"), options=capture)
+    assert summed.spec.convention["example_loss"] == "sum"
 
 
-def test_less_features_refuse_a_setting_given_twice_or_one_they_fix(tmp_path):
+def test_less_features_refuse_what_they_fix(tmp_path):
     from gradtrace.methods.less import less_features, less_query_features
     from gradtrace.projection.sketch import DenseProjection
 
     model, optimizer = _adam_mlp()
     sketch = DenseProjection(8, seed=0)
-    with pytest.raises(ValueError, match=r"less_features\(\): layers given both as a keyword argument and in options="):
-        less_features(model, optimizer, _mlp_batches(), projection=sketch, layers=["net.3"],
-                      options=CaptureOptions(layers=["net.3"]))
-    with pytest.raises(ValueError, match=r"less_query_features\(\): dtype given both"):
-        less_query_features(model, _mlp_batches(), projection=sketch, store=tmp_path / "q", dtype="int8",
-                            store_options=StoreOptions())
     # LESS captures exact gradients of each example's own loss: its projection is the sketch, never a LoGra spec
-    with pytest.raises(ValueError, match=r"less_query_features\(\) sets projection itself"):
-        less_query_features(model, _mlp_batches(), projection=sketch,
+    with pytest.raises(ValueError, match=r"leave CaptureOptions.projection None"):
+        less_query_features(model, _mlp_batches(), sketch, store=tmp_path / "q",
                             options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
-    with pytest.raises(ValueError, match=r"less_features\(\) sets reduction itself"):
-        less_features(model, optimizer, _mlp_batches(), projection=sketch, options=CaptureOptions(reduction="mean"))
+    with pytest.raises(ValueError, match=r"leave Loss.reduction and Loss.scale unset"):
+        less_features(model, optimizer, _mlp_batches(), sketch, Loss(reduction="mean"))
+    with pytest.raises(TypeError, match=r"sketch must be a gradtrace.projection.sketch.DenseProjection"):
+        less_features(model, optimizer, _mlp_batches(), gradtrace.LoGra(rank=2))
     assert not (tmp_path / "q").exists()  # refused before anything was written
 
 
@@ -169,41 +185,27 @@ def _record_trajectory(writer, model, optimizer, capture_options: CaptureOptions
             optimizer.zero_grad()
 
 
-def test_trajectory_writer_keyword_and_options_spellings_write_identical_stores(tmp_path):
+def test_trajectory_writer_records_its_store_and_capture_objects(tmp_path):
     from gradtrace.train.trajectory import TrajectoryWriter
 
-    capture = CaptureOptions(reduction="mean", projection=gradtrace.LoGra(rank=2))
+    capture = CaptureOptions(projection=gradtrace.LoGra(rank=2))
     stores = {}
-    for name, kwargs in {"kw": {"dtype": "bfloat16", "shard_rows": 2},
-                         "opt": {"store_options": StoreOptions(dtype="bfloat16", shard_rows=2)}}.items():
+    for name, path in {"store": tmp_path / "t", "memory": None}.items():
         torch.manual_seed(0)
         model = tiny.MLP()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        writer = TrajectoryWriter(tmp_path / name, optimizer, **kwargs)
+        writer = TrajectoryWriter(path, optimizer, store_options=StoreOptions(dtype="bfloat16", shard_rows=2)
+                                  if path is not None else None)
         _record_trajectory(writer, model, optimizer, capture)
         stores[name] = writer.result()
-    kw, opt = stores["kw"], stores["opt"]
-    assert kw.ids == opt.ids == ["ex0@0", "ex1@0", "ex2@0", "ex3@1", "ex4@1", "ex5@1"]
-    assert torch.equal(kw.read(0, 6), opt.read(0, 6)) and kw.field("weight") == opt.field("weight")
-    recorded = opt.manifest["config"]["gradtrace"]["options"]
-    assert recorded == kw.manifest["config"]["gradtrace"]["options"]
-    # the capture's resolved object: reduction and loss scale as the capture resolved them
-    assert recorded == {"capture": record(gradtrace.Capture(tiny.MLP(), options=capture).options),
-                        "store": record(StoreOptions(dtype="bfloat16", shard_rows=2, shard_bytes=None))}
-    assert recorded["capture"]["loss_scale"] == 1.0
-    assert recorded["capture"]["projection"] == gradtrace.LoGra(rank=2).to_dict()
-    assert opt.manifest["config"]["trajectory"] == {"optimizer": "SGD", "start_step": 0}
-
-
-def test_trajectory_writer_refuses_a_setting_given_twice_or_one_it_fixes(tmp_path):
-    from gradtrace.train.trajectory import TrajectoryWriter
-
+    store, memory = stores["store"], stores["memory"]
+    assert store.ids == memory.ids == ["ex0@0", "ex1@0", "ex2@0", "ex3@1", "ex4@1", "ex5@1"]
+    torch.testing.assert_close(store.read(0, 6), memory.vectors, rtol=2 ** -8, atol=0)  # bfloat16 on disk
+    recorded = store.manifest["config"]["gradtrace"]["options"]
+    assert recorded == {"capture": record(capture),
+                        "store": record(StoreOptions(dtype="bfloat16", shard_rows=2))}
+    assert store.manifest["config"]["trajectory"] == {"optimizer": "SGD", "start_step": 0}
     optimizer = torch.optim.SGD(tiny.MLP().parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"TrajectoryWriter\(\): shard_rows given both as a keyword argument and in "
-                                         r"store_options="):
-        TrajectoryWriter(tmp_path / "t", optimizer, shard_rows=8, store_options=StoreOptions(shard_rows=8))
-    with pytest.raises(ValueError, match=r"TrajectoryWriter\(\) sets shard_bytes itself"):
-        TrajectoryWriter(tmp_path / "t", optimizer, store_options=StoreOptions(shard_bytes=1 << 20))
     with pytest.raises(ValueError, match="resume/overwrite apply to a store"):
         TrajectoryWriter(None, optimizer, store_options=StoreOptions(resume=True))
 

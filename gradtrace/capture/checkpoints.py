@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,10 @@ from ..common.errors import UsageError
 from ..common.model_dir import is_adapter_dir, load_causal_lm
 from ..common.paths import why_missing
 from ..common.provenance import record_paths
+from ..options import CaptureOptions, RunOptions, StoreOptions
+from ..options.base import option_object
 from ..store import GradientStore, model_fingerprint
+from ..store.writer import resolved_store_options
 from .collect import check_finite_parameters, check_resumable, collect
 from .gradient_set import GradientSet
 
@@ -79,7 +82,7 @@ def _path_of(item: Any) -> Path:
 
 
 def checkpoint_names(paths: Sequence[Path], names: Sequence[str] | None = None, *, what: str = WHAT,
-                     fix: str = "pass names=[...] (one distinct name per checkpoint)") -> list[str]:
+                     fix: str = "give them as a mapping {name: checkpoint}") -> list[str]:
     """One store name per checkpoint: ``names`` when given, else each directory's name (``checkpoint-500``) or
     each file's name without its suffix; a name used twice is an error naming it (``what``: who asks, ``fix``:
     what to do)."""
@@ -105,7 +108,7 @@ def resolve_checkpoints(checkpoints: Sequence[Any], names: Sequence[str] | None 
     """The checkpoints, checked before any work: a non-empty list of existing model directories (a
     ``config.json`` in each, or a PEFT adapter's ``adapter_config.json``: loaded on the base it names) or files,
     with distinct names."""
-    if isinstance(checkpoints, (str, os.PathLike, Mapping)) or not checkpoints:
+    if isinstance(checkpoints, (str, os.PathLike)) or not checkpoints:
         raise UsageError(f"{WHAT}: give a non-empty list of checkpoints (model directories, state-dict files or "
                          "the entries of gradtrace.integrations.checkpoints(store))")
     paths = [_path_of(item) for item in checkpoints]
@@ -134,7 +137,7 @@ def _parameter_names(item: Any) -> tuple[str, ...] | None:
 
 def finished_store(target: Path, model: nn.Module, projection: Any, dtype: str) -> GradientStore | None:
     """The complete store at ``target`` (checksums verified), else None (none there, or an interrupted one for
-    ``collect(resume=True)`` to finish). A complete store of other weights, projection or dtype is refused."""
+    ``StoreOptions(resume=True)`` to finish). A complete store of other weights, projection or dtype is refused."""
     if not (target / "manifest.json").exists():
         return None
     store = GradientStore.open(target, allow_incomplete=True)
@@ -144,15 +147,6 @@ def finished_store(target: Path, model: nn.Module, projection: Any, dtype: str) 
     return store
 
 
-def _settings(kwargs: dict[str, Any]) -> tuple[Any, str, bool, bool]:
-    """``(projection, dtype, resume, overwrite)`` of the collect arguments (keywords or option objects)."""
-    capture, storing = kwargs.get("options"), kwargs.get("store_options")
-    projection = capture.projection if capture is not None else kwargs.get("projection")
-    if storing is not None:
-        return projection, storing.dtype, storing.resume, storing.overwrite
-    return projection, kwargs.get("dtype", "float32"), bool(kwargs.get("resume")), bool(kwargs.get("overwrite"))
-
-
 def _check_targets(targets: list[Path], resume: bool, overwrite: bool) -> None:
     """Refuse, before any checkpoint is loaded, stores that already exist when neither resume nor overwrite is set."""
     if resume or overwrite:
@@ -160,7 +154,8 @@ def _check_targets(targets: list[Path], resume: bool, overwrite: bool) -> None:
     there = [str(t) for t in targets if (t / "manifest.json").exists()]
     if there:
         raise UsageError(f"{WHAT}: {', '.join(there)} already hold{'s' if len(there) == 1 else ''} a store: pass "
-                         "resume=True to keep finished stores and finish an interrupted one, or overwrite=True")
+                         "store_options=StoreOptions(resume=True) to keep finished stores and finish an interrupted "
+                         "one, or StoreOptions(overwrite=True)")
 
 
 @contextlib.contextmanager
@@ -178,34 +173,40 @@ def _weights_at(checkpoint: Checkpoint, model: nn.Module | None, dtype: str,
     yield model
 
 
-def collect_checkpoints(checkpoints: Sequence[Any], data: Iterable[Any], loss_fn: Any = None, *,
+def collect_checkpoints(checkpoints: Sequence[Any] | Mapping[str, Any], data: Iterable[Any], loss: Any = None, *,
                         model: nn.Module | None = None, out: str | Path | None = None,
-                        names: Sequence[str] | None = None, model_dtype: str = "float32",
-                        **collect_kwargs: Any) -> list[GradientStore] | list[GradientSet]:
-    """:func:`gradtrace.collect` at each checkpoint's weights, with the same ``collect_kwargs``.
+                        options: CaptureOptions | None = None, store_options: StoreOptions | None = None,
+                        run: RunOptions | None = None) -> list[GradientStore] | list[GradientSet]:
+    """:func:`gradtrace.collect` at each checkpoint's weights, with the same option objects.
 
     Args:
-        checkpoints: model directories (``save_pretrained``: a causal LM, loaded in ``model_dtype`` on
-            ``device``), state-dict files (``.safetensors`` / ``torch.save``-d, loaded into ``model``), or the
-            entries of :func:`gradtrace.integrations.checkpoints` (their ``path``).
-        data, loss_fn: as for :func:`gradtrace.collect` (``data`` is read once per checkpoint; an iterator is
+        checkpoints: model directories (``save_pretrained``: a causal LM, loaded in ``run.model_dtype`` on
+            ``run.device``; a PEFT adapter directory on its base), state-dict files (``.safetensors`` /
+            ``torch.save``-d, loaded into ``model``), or the entries of :func:`gradtrace.integrations.checkpoints`
+            (their ``path``); a mapping ``{name: checkpoint}`` names the stores (default: each directory's name,
+            or each file's name without its suffix).
+        data, loss: as for :func:`gradtrace.collect` (``data`` is read once per checkpoint; an iterator is
             turned into a list first).
         model: the model state-dict files are loaded into; its own weights are restored afterwards (also when a
             checkpoint fails).
         out: a directory: one store per checkpoint at ``out/<name>``, returned opened. None: one in-memory
             :class:`~gradtrace.GradientSet` per checkpoint (e.g. each ensemble member's query gradients).
-        names: the stores' names (default: each directory's name, or each file's name without its suffix).
-        **collect_kwargs: passed to every :func:`gradtrace.collect` (``projection``, ``layers``, ``dtype``,
-            ``device``, ``resume``, ``overwrite``, ``config``, ...); not ``store`` (use ``out``). ``resume=True``
-            keeps every complete store (checksums verified, at this checkpoint's weights and projection, else an
-            error) without collecting again and finishes an interrupted one.
+        options, store_options, run: as for :func:`gradtrace.collect`. ``StoreOptions(resume=True)`` keeps every
+            complete store (checksums verified, at this checkpoint's weights and projection, else an error)
+            without collecting again and finishes an interrupted one; ``store_options.config`` is recorded in
+            every store with the checkpoint it was collected at.
 
     Returns:
         One store (``out`` given) or gradient set per checkpoint, in order.
     """
-    if "store" in collect_kwargs:
-        raise UsageError(f"{WHAT}: store= names one store; pass out=DIR and get one store per checkpoint under it")
-    projection, dtype, resume, overwrite = _settings(collect_kwargs)
+    options = option_object(options, CaptureOptions, "options")
+    store_options = option_object(store_options, StoreOptions, "store_options")
+    run = option_object(run, RunOptions, "run")
+    names = None
+    if isinstance(checkpoints, Mapping):
+        names, checkpoints = [str(n) for n in checkpoints], list(checkpoints.values())
+    projection, dtype = options.projection, store_options.store_dtype
+    resume, overwrite = store_options.resume, store_options.overwrite
     if out is None and (resume or overwrite):
         raise UsageError(f"{WHAT}: resume/overwrite apply to stores: pass out=DIR")
     entries = resolve_checkpoints(checkpoints, names)
@@ -217,21 +218,22 @@ def collect_checkpoints(checkpoints: Sequence[Any], data: Iterable[Any], loss_fn
     _check_targets([t for t in targets if t is not None], resume, overwrite)
     if iter(data) is data:
         data = list(data)  # every checkpoint reads it
-    user_config = collect_kwargs.pop("config", None)
-    device = collect_kwargs.get("device")
+    user_config = store_options.config
     results: list[Any] = []
     with restored_weights(model if files else None):
         for checkpoint, target in zip(entries, targets):
-            with _weights_at(checkpoint, model, model_dtype, device) as weights:
+            with _weights_at(checkpoint, model, run.model_dtype, run.device) as weights:
+                dtype = resolved_store_options(target, store_options).dtype if target is not None else dtype
                 kept = finished_store(target, weights, projection, dtype) if target is not None and resume else None
                 if kept is not None:
                     results.append(kept)
                     continue
-                extra: dict[str, Any] = {}
+                storing = store_options
                 if target is not None:
                     record = {**(user_config or {}), "checkpoint": checkpoint.record(weights)}
                     if checkpoint.kind == "model_dir":
                         record["model"] = str(checkpoint.path.absolute())
-                    extra = {"store": target, "config": record_paths(record, target)}
-                results.append(collect(weights, data, loss_fn, **extra, **collect_kwargs))
+                    storing = replace(store_options, config=record_paths(record, target))
+                results.append(collect(weights, data, loss, store=target, options=options, store_options=storing,
+                                       run=run))
     return results

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,12 @@ import torch
 from torch import nn
 
 from ..loss.functions import LossFn
-from ..options import CaptureOptions, StoreOptions, takes_options, with_record
+from ..options import CaptureOptions, Loss, RunOptions, StoreOptions, with_record
+from ..options.base import option_object
 from ..projection.logra import LoGra
 from ..store import GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 from ..store.spec import GradientSpec, resume_mismatch
+from ..store.writer import resolved_store_options
 from . import CaptureCallback, capture
 from .driver import run_capture
 from .gradient_set import GradientSet
@@ -69,14 +72,18 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 def nonfinite_parameters(model: nn.Module) -> list[str]:
     """Names of the model's floating-point parameters that hold a NaN or an inf (this process's shard under
-    FSDP2)."""
-    bad = []
+    FSDP2). One host read per device the parameters are on (not one per parameter): a flag per parameter is
+    reduced on its device and read once."""
+    flags: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, param in model.named_parameters():
         if not param.is_floating_point() or param.is_meta:
             continue
-        local = param.to_local() if hasattr(param, "to_local") else param
-        if not bool(torch.isfinite(local.detach()).all()):
-            bad.append(name)
+        local = (param.to_local() if hasattr(param, "to_local") else param).detach()
+        flags.setdefault(local.device, []).append((name, torch.isfinite(local).all()))
+    bad = []
+    for entries in flags.values():
+        finite = torch.stack([flag for _, flag in entries]).tolist()
+        bad += [name for (name, _), ok in zip(entries, finite) if not ok]
     return bad
 
 
@@ -100,7 +107,7 @@ def check_resumable(stored: GradientSpec, store: str | Path, model: nn.Module, p
     why = resume_mismatch(stored, model=model_fingerprint(model), projection=wanted, example_loss="sum", dtype=dtype)
     if why is not None:
         raise SpecMismatch(f"cannot resume {store}: {why}. Resume with the settings that started it, or write to "
-                           "a new directory or pass overwrite=True; rows of the two runs are never mixed")
+                           "a new directory or pass StoreOptions(overwrite=True); rows of the two runs are never mixed")
 
 
 class _NonFiniteTally(CaptureCallback):
@@ -123,16 +130,10 @@ class _NonFiniteTally(CaptureCallback):
                                  "Check the data and the model's dtype (float16/bfloat16 can overflow)")
 
 
-@takes_options(options=CaptureOptions, store_options=StoreOptions)
-def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None, *,
-            projection: LoGra | None = None, layers: Sequence[Any] | None = None,
-            exclude: Sequence[Any] | None = None, store: str | Path | None = None, dtype: str = "float32",
-            resume: bool = False, overwrite: bool = False, shard_rows: int | None = None,
-            shard_bytes: int | None = None, ids: Sequence[Any] | None = None,
-            id_key: str = "id", keep_tokens: bool = False, weight_grads: bool = False,
-            device: torch.device | str | None = None, eval_mode: bool = True, progress: bool | str = False,
-            total: int | None = None, config: dict[str, Any] | None = None, options: CaptureOptions | None = None,
-            store_options: StoreOptions | None = None) -> GradientSet | GradientStore:
+def collect(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None = None, *,
+            store: str | Path | None = None, options: CaptureOptions | None = None,
+            store_options: StoreOptions | None = None,
+            run: RunOptions | None = None) -> GradientSet | GradientStore:
     """Per-example gradients of every example of ``data`` at the model's current weights.
 
     Examples whose gradient holds NaN/inf are left out with a warning naming them (in-memory: listed in the
@@ -143,49 +144,45 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
     Args:
         model: the model (not modified; ``param.grad`` untouched).
         data: an iterable of batches: dicts of tensors (Hugging Face style) or ``(inputs, targets)`` tuples.
-        loss_fn: ``loss_fn(model, batch) -> [B]`` per-example losses; each captured gradient is the
-            gradient of that example's loss. Default: :func:`gradtrace.loss.functions.causal_lm_loss` (sum over
-            target tokens) for dicts with ``input_ids``, else per-example cross-entropy.
-        projection: ``gradtrace.LoGra(...)`` to project at capture time (recommended beyond toy models).
-        layers, exclude: which modules to capture (see :func:`gradtrace.capture`).
-        store: write to a gradient store at this path (returned opened) instead of returning a
-            :class:`GradientSet`. dtype, shard_rows, shard_bytes, resume, overwrite: store options (see
-            :class:`~gradtrace.store.ShardWriter`; shards of 256 MiB by default). SIGTERM or Ctrl-C while
-            writing commits every row captured so far, marks the store interrupted and raises
-            ``KeyboardInterrupt`` (:class:`Interrupted` for SIGTERM); ``resume=True`` continues it.
-        ids: one id per example, in order; by default ``batch[id_key]`` when present, else content hashes.
-        keep_tokens: keep token-level factors (in-memory only) for per-token scores.
-        weight_grads: run a full ``backward()`` (also computing parameter gradients, restored afterwards)
-            instead of backpropagating to layer outputs only.
-        device: move batches to this device first.
-        eval_mode: run the model in eval mode (no dropout), restoring its mode afterwards.
-        progress: show a progress bar (``total`` batches if the data has no ``len``; without either, the rate of
-            batches and examples); a string is the bar's label (default ``collect``).
-        options, store_options: ``projection``/``layers``/``exclude`` as a :class:`gradtrace.options.CaptureOptions`
-            and the store options as a :class:`gradtrace.options.StoreOptions` (instead of the keywords; the
-            resolved objects are recorded in the store's manifest, ``config["gradtrace"]["options"]``).
+        loss: the per-example loss (:class:`gradtrace.Loss`, or its ``fn`` alone): each gradient is that of the
+            example's own loss, summed over its target tokens (``example_loss="sum"``; collect sums the examples
+            itself, so ``reduction`` and ``scale`` must be left unset).
+        store: write a gradient store at this path (returned opened) instead of returning a :class:`GradientSet`.
+            SIGTERM or Ctrl-C while writing commits every row captured so far, marks the store interrupted and
+            raises ``KeyboardInterrupt`` (:class:`Interrupted` for SIGTERM); ``StoreOptions(resume=True)``
+            continues it.
+        options: what is captured (:class:`gradtrace.CaptureOptions`: projection, layers, exclude, keep_tokens...;
+            ``isolate_padding`` is always on: padding's NaN/inf never reaches an example's gradient).
+        store_options: how the store is written (:class:`gradtrace.StoreOptions`).
+        run: ids, device, eval mode, weight gradients, progress (:class:`gradtrace.RunOptions`).
+
+    Returns:
+        the :class:`GradientSet` (in memory), or the written :class:`GradientStore`. The resolved option objects
+        are recorded in the store's manifest (``config["gradtrace"]["options"]``).
     """
-    if store is None and (resume or overwrite):
+    options = option_object(options, CaptureOptions, "options")
+    store_options = option_object(store_options, StoreOptions, "store_options")
+    run = option_object(run, RunOptions, "run")
+    loss = Loss.of(loss).summed("collect()")
+    store_options = resolved_store_options(store, store_options) if store is not None else \
+        replace(store_options, dtype=store_options.store_dtype)
+    if store is None and (store_options.resume or store_options.overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
     check_finite_parameters(model)
-    writer = StoreWriter(store, dtype=dtype, shard_rows=shard_rows, shard_bytes=shard_bytes, resume=resume,
-                         overwrite=overwrite, config=with_record(config, capture=options, store=store_options)
-                         ) if store is not None else None
+    projection = options.projection
+    config = with_record(store_options.config, capture=options, store=store_options, loss=loss)
+    writer = StoreWriter(store, replace(store_options, config=config)) if store is not None else None
     stored: set[str] = set()
-    if store is not None and resume and (Path(store) / "manifest.json").exists():
+    if store is not None and store_options.resume and (Path(store) / "manifest.json").exists():
         existing = GradientStore.open(store, verify=False, allow_incomplete=True)
-        check_resumable(existing.spec, store, model, projection, dtype)
+        check_resumable(existing.spec, store, model, projection, store_options.dtype)
         stored = set(existing.ids)
-    if projection is not None and keep_tokens:
-        projection = LoGra(**{**projection.__dict__, "keep_tokens": True})
     tally = _NonFiniteTally()
     # padding's NaN/inf must not reach the real tokens (isolate_padding): each example's gradient is its own
-    cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum",
-                  projection=projection, callbacks=[writer, tally] if writer is not None else [tally],
-                  keep_batches=writer is None, isolate_padding=True)
+    cap = capture(model, replace(loss, fn=None, reduction="sum"), options=replace(options, isolate_padding=True),
+                  callbacks=[writer, tally] if writer is not None else [tally], keep_batches=writer is None)
     with terminate_as_interrupt() if writer is not None else contextlib.nullcontext():
-        run_capture(model, data, loss_fn, cap, ids=ids, id_key=id_key, skip=stored, device=device,
-                    weight_grads=weight_grads, eval_mode=eval_mode, progress=progress, total=total)
+        run_capture(model, data, loss.fn, cap, run, skip=stored)
     tally.check(f"nothing new was stored in {store} (it keeps what it held)" if store is not None
                 else "no gradient is left")
     if writer is not None:
@@ -194,8 +191,9 @@ def collect(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None
                 raise ValueError("collect(): the data produced no examples")
             # resumed with nothing left to compute: mark this rank's part of the store complete
             existing = GradientStore.open(store, verify=False, allow_incomplete=True)
-            ShardWriter(store, existing.spec, resume=True).close()
+            ShardWriter(store, existing.spec, StoreOptions(resume=True)).close()
         return GradientStore.open(store)
     if not cap.batches:
         raise ValueError("collect(): the data produced no examples")
-    return GradientSet.from_batches(cap.batches, model_fingerprint(model), keep_batches=keep_tokens)
+    return GradientSet.from_batches(cap.batches, model_fingerprint(model), keep_batches=options.keep_tokens)
+

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,14 +33,15 @@ from ..common.checks import nonzero
 from ..common.modules import unwrap
 from ..grad.batch import GradientBatch
 from ..loss.functions import LossConvention
-from ..options import CaptureOptions, takes_options
-from ..projection.logra import LoGra, Projector, check_projection_size, unmatched_ranks
+from ..options import CaptureOptions, Loss
+from ..options.base import option_object
+from ..projection.logra import Projector, check_projection_size, unmatched_ranks
 from .assemble import SiteResult, build_batch, outside_examples, zero_outside
 from .callbacks import CaptureCallback, as_callback
 from .context import BatchInfo, ContextSettings, ForwardContext
 from .coverage import CaptureReport
 from .example_ids import ExampleIds
-from .layer_selection import LayerSpec, select_layers
+from .layer_selection import select_layers
 from .layers import LayerHandler
 from .verify import check_batch_sum
 
@@ -66,66 +67,51 @@ class Capture:
 
     Args:
         model: the model the loop calls (plain, DDP-wrapped, PEFT, FSDP2 ``fully_shard``-ed).
+        loss: how the loop's loss is read (:class:`gradtrace.Loss`: its reduction, default ``"mean"``; the
+            per-example loss each gradient belongs to; a loss scale, default 1; label layout). Its ``fn`` must be
+            None: the loop computes the loss.
+        options: what is captured and how (:class:`gradtrace.CaptureOptions`).
         ids: example ids consumed in order (one per example, per document for packed rows); without
             them and without :meth:`annotate`, ids are content hashes of each example's tokens.
         callbacks: objects with ``on_batch(batch, capture)`` (see :class:`CaptureCallback`) or plain
             callables ``fn(batch)``.
         keep_batches: keep batches in ``capture.batches`` (default: only when there are no callbacks).
-        options: the capture settings as one :class:`gradtrace.options.CaptureOptions` (what is captured: layers,
-            exclude, include_frozen, projection; how the loop's loss is read: reduction, example_loss,
-            loss_scale; batch layout: packing, multi_forward, broadcast, causal_lm, ignore_index; nonfinite,
-            isolate_padding, strict, verify), documented there; each setting can also be passed as a keyword
-            (``reduction`` defaults to ``"mean"``, ``loss_scale`` to 1).
     """
 
-    @takes_options(options=CaptureOptions)
-    def __init__(
-        self,
-        model: nn.Module,
-        *,
-        layers: Iterable[LayerSpec] | None = None,
-        exclude: Iterable[LayerSpec] | None = None,
-        include_frozen: bool = False,
-        reduction: str | None = "mean",
-        example_loss: str = "sum",
-        loss_scale: float | Callable[[], float] | None = 1.0,
-        projection: LoGra | None = None,
-        ids: Sequence[Any] | None = None,
-        callbacks: Sequence[Any] = (),
-        keep_batches: bool | None = None,
-        packing: bool = True,
-        multi_forward: str = "concat",
-        broadcast: str = "expand",
-        causal_lm: bool | None = None,
-        ignore_index: int = -100,
-        nonfinite: str = "flag",
-        isolate_padding: bool = False,
-        strict: bool = False,
-        verify: bool = False,
-        options: CaptureOptions | None = None,
-    ) -> None:
-        # options: the resolved settings (takes_options checked them and spread them over the keywords)
-        self.options = replace(options, reduction=reduction or "mean", loss_scale=1.0 if loss_scale is None
-                               else loss_scale)
+    def __init__(self, model: nn.Module, loss: Loss | None = None, *, options: CaptureOptions | None = None,
+                 ids: Sequence[Any] | None = None, callbacks: Sequence[Any] = (),
+                 keep_batches: bool | None = None) -> None:
+        options = option_object(options, CaptureOptions, "options")
+        loss = option_object(loss, Loss, "loss")
+        if loss.fn is not None:
+            raise ValueError("capture(): the training loop computes the loss; leave Loss.fn None (it is for the "
+                             "passes gradtrace runs itself: collect, fit_curvature)")
+        self.loss = replace(loss, reduction=loss.reduction or "mean", scale=1.0 if loss.scale is None else loss.scale)
+        projection = options.projection
+        if projection is not None and options.keep_tokens and not projection.keep_tokens:
+            projection = replace(projection, keep_tokens=True)
+            options = replace(options, projection=projection)
+        self.options = options
         self.model = model
-        self.convention = LossConvention(self.options.reduction, example_loss)
-        self.loss_scale = self.options.loss_scale
+        self.convention = LossConvention(self.loss.reduction, self.loss.example_loss)
+        self.loss_scale = self.loss.scale
         self.projection = projection
         self.projector = Projector(projection) if projection is not None else None
         self.callbacks = list(callbacks)
         self.keep_batches = (not self.callbacks) if keep_batches is None else keep_batches
-        self.packing = packing
-        self.multi_forward = multi_forward
-        self.broadcast = broadcast
-        self.ignore_index = ignore_index
-        self.nonfinite = nonfinite
-        self.isolate_padding = isolate_padding
-        self.strict = strict
-        self.verify = verify
+        self.packing = options.packing
+        self.multi_forward = options.multi_forward
+        self.broadcast = options.broadcast
+        self.ignore_index = self.loss.ignore_index
+        self.nonfinite = options.nonfinite
+        self.isolate_padding = options.isolate_padding
+        self.strict = options.strict
+        self.verify = options.verify
         name = type(unwrap(model)).__name__
-        self.causal_lm = causal_lm if causal_lm is not None else ("CausalLM" in name or "LMHead" in name)
+        self.causal_lm = self.loss.causal_lm if self.loss.causal_lm is not None else \
+            ("CausalLM" in name or "LMHead" in name)
 
-        self.selection = select_layers(model, layers, exclude, include_frozen)
+        self.selection = select_layers(model, options.layers, options.exclude, options.include_frozen)
         self.handlers: list[LayerHandler] = self.selection.handlers
         if projection is not None and projection.ranks:
             names = [n for h in self.handlers for n in h.params.values()]
@@ -270,7 +256,7 @@ class Capture:
         """
         if self._side is not None:
             raise RuntimeError("side passes do not nest")
-        CaptureOptions(reduction=reduction)  # checks it
+        Loss(reduction=reduction)  # checks it
         side = SidePass()
         saved = (self.convention, self.loss_scale, self.track_outputs, self._outputs)
         self.convention = LossConvention(reduction, example_loss or self.convention.example_loss)
@@ -492,9 +478,12 @@ def _output_tensors(output: Any) -> list[Tensor]:
     return [v for v in values if isinstance(v, Tensor)]
 
 
-def capture(model: nn.Module, **kwargs: Any) -> Capture:
+def capture(model: nn.Module, loss: Loss | None = None, *, options: CaptureOptions | None = None,
+            ids: Sequence[Any] | None = None, callbacks: Sequence[Any] = (),
+            keep_batches: bool | None = None) -> Capture:
     """Capture per-example gradients of every backward pass: ``with gradtrace.capture(model) as cap:``.
 
-    See :class:`Capture` for the options.
+    The arguments are :class:`Capture`'s.
     """
-    return Capture(model, **kwargs)
+    return Capture(model, loss, options=options, ids=ids, callbacks=callbacks, keep_batches=keep_batches)
+

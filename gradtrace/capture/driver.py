@@ -11,7 +11,7 @@ computed and ``param.grad`` is untouched.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..common.batches import to_device
 from ..common.modules import context_limit
 from ..loss.functions import LossFn, default_loss, default_loss_labels
+from ..options.run import RunOptions
 
 __all__ = ["batch_size", "run_capture"]
 
@@ -51,18 +52,21 @@ def _select_rows(batch: Any, rows: list[int], size: int) -> Any:
     return take(batch)
 
 
-def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, cap: Any, *,
-                ids: Sequence[Any] | None = None, id_key: str = "id", skip: set[str] | frozenset = frozenset(),
-                device: torch.device | str | None = None, weight_grads: bool = False, eval_mode: bool = True,
-                progress: bool | str = False, total: int | None = None, what: str = "collect") -> int:
+def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, cap: Any,
+                run: RunOptions | None = None, *, skip: set[str] | frozenset = frozenset(),
+                what: str = "collect") -> int:
     """Run ``data`` through ``model`` inside capture ``cap``: one per-example loss and one backward pass per
-    batch, to the captured layers' outputs only (no weight gradients) unless ``weight_grads``.
+    batch, to the captured layers' outputs only (no weight gradients) unless ``run.weight_grads``.
 
     Returns the number of examples processed. Examples whose id is in ``skip`` are not computed. The model's
-    mode and ``param.grad`` are restored afterwards. ``progress``: show a bar over the batches (``total`` of them
-    when the data has no ``len``; without either it shows the rate only), labelled ``what`` or, when a string,
-    by it; it also shows the examples done and their rate.
+    mode and ``param.grad`` are restored afterwards. ``run.progress``: show a bar over the batches (``run.total``
+    of them when the data has no ``len``; without either it shows the rate only), labelled ``what`` or, when a
+    string, by it; it also shows the examples done and their rate.
     """
+    run = run if run is not None else RunOptions()
+    ids = run.ids
+    device, id_key, weight_grads, eval_mode = run.device, run.id_key, run.weight_grads, run.eval_mode
+    progress, total = run.progress, run.total
     device = torch.device(device) if device is not None else None
     was_training = model.training
     if eval_mode:

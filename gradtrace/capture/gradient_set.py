@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..grad.batch import GradientBatch
 from ..grad.ops import concat
+from ..options import StoreOptions
 from ..store.spec import GradientSpec
 from .sink.rows import MemoryRows, RowSink
 
@@ -112,7 +113,8 @@ class GradientSet:
     def token_batch(self) -> GradientBatch:
         """All kept batches joined (for per-token scores); raises when they were not kept."""
         if not self.batches:
-            raise ValueError("per-token scores need the captured batches: collect(..., keep_tokens=True)")
+            raise ValueError("per-token scores need the captured batches: "
+                             "collect(..., options=CaptureOptions(keep_tokens=True))")
         return concat(self.batches) if len(self.batches) > 1 else self.batches[0]
 
     def save(self, path: str | Path, dtype: str = "float32", shard_rows: int = 4096,
@@ -121,7 +123,7 @@ class GradientSet:
         from ..store import GradientStore, ShardWriter
 
         spec = GradientSpec(self.spec.params, self.spec.projection, self.spec.convention, self.spec.model, dtype)
-        writer = ShardWriter(path, spec, rank=0, world_size=1, shard_rows=shard_rows, overwrite=overwrite)
+        writer = ShardWriter(path, spec, StoreOptions(shard_rows=shard_rows, overwrite=overwrite), rank=0, world_size=1)
         try:
             writer.put(self.ids, self.vectors, {k: v for k, v in self.fields.items() if len(v) == len(self)})
         finally:

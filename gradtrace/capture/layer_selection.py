@@ -119,12 +119,12 @@ def _refuse_fsdp1(model: nn.Module) -> None:
 def _frozen_advice(model: nn.Module) -> str:
     """What to do when every matching module is frozen. A PEFT model is frozen by ``PeftModel.from_pretrained``'s
     default loading (adapters included): loading it trainable captures the adapters, as a training run did;
-    ``include_frozen=True`` would add every frozen base weight, gradients no training store holds."""
+    ``CaptureOptions(include_frozen=True)`` would add every frozen base weight, gradients no training store holds."""
     if hasattr(model, "peft_config"):
         return ("all matching modules are frozen: PeftModel.from_pretrained(base, adapter_dir) freezes the adapters "
                 "too; load it with is_trainable=True so that the adapter weights are captured, as in training "
-                "(include_frozen=True would capture every base weight as well)")
-    return "all matching modules are frozen; pass include_frozen=True"
+                "(CaptureOptions(include_frozen=True) would capture every base weight as well)")
+    return "all matching modules are frozen; pass CaptureOptions(include_frozen=True)"
 
 
 def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,

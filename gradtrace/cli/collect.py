@@ -16,7 +16,7 @@ from typing import Any
 
 from ..common.model_dir import adapter_base
 from ..common.provenance import record_paths
-from ..options import StoreOptions
+from ..options import RunOptions, StoreOptions
 from .commands import Group, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
 from .console import Phases, console, human_bytes
@@ -120,12 +120,11 @@ def run(opts: CollectOptions) -> None:
     if targets[0].already:
         _check_resume(replace(store_opts, out=targets[0].out), projection, model)
     with phases("plan"):
-        planned = gradtrace.plan(model, batches, projection=projection, layers=capture_options.layers,
-                                 exclude=capture_options.exclude, dtype=settings.dtype, store=store_opts.out,
-                                 device=device)
+        planned = gradtrace.plan(model, batches, store=store_opts.out, options=replace(capture_options, strict=False),
+                                 store_options=settings, run=RunOptions(device=device))
     console().print(plan_lines(planned, store_opts.out, stores=len(targets)), markup=False, highlight=False,
                     soft_wrap=True)
-    _check_shard_bytes(settings.shard_bytes, planned.dim, settings.dtype)
+    _check_shard_bytes(settings.shard_bytes, planned.dim, settings.store_dtype)
     if opts.dry_run:
         return
     total = planned.store_bytes * len(targets)
@@ -243,10 +242,10 @@ def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, fina
     for key in ("models", "checkpoints_of", "last"):  # each store records its own model (MODEL_DIR)
         values.pop(key)
     with phases("gradients"), _interrupt_reported(out), _strict_capture(strict, out):
-        store = gradtrace.collect(model, batches, options=capture_options, store=out, store_options=settings,
-                                  device=final.model_options.device, progress=progress,
-                                  config=record_paths({META_KEY: provenance("collect", final.data,
-                                                                            batches.num_examples), **values}, out))
+        config = record_paths({META_KEY: provenance("collect", final.data, batches.num_examples), **values}, out)
+        store = gradtrace.collect(model, batches, store=out, options=capture_options,
+                                  store_options=replace(settings, config=config),
+                                  run=RunOptions(device=final.model_options.device, progress=progress))
     seconds = phases.seconds["gradients"]
     phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
     _print_stored(store, out, target.already, settings.resume, write_resolved(out, "collect", values),
@@ -436,11 +435,13 @@ def _check_resume(store_opts: StoreGroup, projection: Any, model: Any) -> None:
     before the plan's warm-up or any gradient (checked even when every example is already stored)."""
     from ..store import GradientStore
     from ..store.spec import model_fingerprint, resume_mismatch
+    from ..store.writer import resolved_store_options
 
     spec = GradientStore.open(store_opts.out, verify=False, allow_incomplete=True).spec
     wanted = projection.to_dict() if projection is not None else None
     why = resume_mismatch(spec, model=model_fingerprint(model), projection=wanted, example_loss="sum",
-                          dtype=store_opts.settings.dtype, describe=projection_label)
+                          dtype=resolved_store_options(store_opts.out, store_opts.settings).dtype,
+                          describe=projection_label)
     if why is not None:
         raise CliError(f"cannot --resume {store_opts.out}: {why}; resume with the model and settings that started it, "
                        "or pass --overwrite to replace the store")

@@ -31,8 +31,8 @@ from ..common.checks import Range, range_from
 from .config import CONFIG_HELP, load_config, resolve_against
 from .errors import CliError, fail, reported_errors
 
-__all__ = ["COMMANDS", "QUIET_PROGRESS", "Group", "check_values", "cli", "config_keys", "flat_fields", "make_command",
-           "numeric_kind", "progress_flag", "resolved"]
+__all__ = ["COMMANDS", "QUIET_PROGRESS", "Group", "api_field", "check_values", "cli", "config_keys", "flat_fields",
+           "make_command", "numeric_kind", "progress_flag", "resolved"]
 
 T = TypeVar("T")
 
@@ -52,6 +52,16 @@ def cli(help: str, *flags: str, argument: bool = False, **typer_kwargs: Any) -> 
     kind = "argument" if argument else "option"
     bounds = {key: typer_kwargs.pop(key) for key in ("min", "max", "min_open", "valid") if key in typer_kwargs}
     return {"cli": {"kind": kind, "decls": flags, "help": help, "kwargs": typer_kwargs, "bounds": bounds}}
+
+
+def api_field(cls: type, name: str, *flags: str) -> dict[str, Any]:
+    """``field(metadata=api_field(IndexOptions, "nlist"))``: the ``cli()`` metadata of an option that sets field
+    ``name`` of the Python API option object ``cls`` (:mod:`gradtrace.options`), for a command that builds that
+    object from its options: the field's ``help`` and range, one definition for both; ``flags`` as for
+    :func:`cli`."""
+    spec = next(f for f in fields(cls) if f.name == name)
+    bounds = {key: spec.metadata[key] for key in ("min", "max", "min_open", "valid") if key in spec.metadata}
+    return cli(spec.metadata["help"], *flags, **bounds)
 
 
 QUIET_PROGRESS = ("Show progress (this command has no long loop, so there is none to show; --no-progress is "
@@ -123,6 +133,8 @@ def flat_fields(cls: type, panel: str | None = None) -> list[FlatField]:
     hints = typing.get_type_hints(cls, include_extras=True)
     out: list[FlatField] = []
     for f in fields(cls):
+        if f.metadata.get("python_only"):  # a setting of the Python API only (a dict of the user's configuration)
+            continue
         kind = hints[f.name]
         if is_dataclass(kind):
             out += flat_fields(kind, getattr(kind, "panel", None) or panel)
@@ -165,6 +177,8 @@ def _build(cls: type[T], values: dict[str, Any]) -> T:
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in fields(cls):
+        if f.metadata.get("python_only"):
+            continue
         kwargs[f.name] = _build(hints[f.name], values) if is_dataclass(hints[f.name]) else values[f.name]
     return cls(**kwargs)
 
@@ -177,6 +191,8 @@ def resolved(options: Any) -> dict[str, Any]:
     relative to the configuration's own folder)."""
     out: dict[str, Any] = {}
     for f in fields(options):
+        if f.metadata.get("python_only"):
+            continue
         value = getattr(options, f.name)
         if is_dataclass(value):
             out.update(resolved(value))

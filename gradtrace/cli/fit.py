@@ -23,6 +23,7 @@ from typing import Any, Literal
 from .. import options as api
 from ..common.checks import SEED
 from ..common.paths import why_missing
+from ..options import CaptureOptions, RunOptions
 from .commands import Group, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
 from .console import Phases, console
@@ -191,8 +192,9 @@ def run(opts: FitOptions) -> None:
             return
         with phases("fit"):
             try:
-                curvature = fit_curvature(model, batches, projection=projection, spec=store.spec,
-                                          fit_options=cv.fit_options(), device=device, progress=opts.progress)
+                curvature = fit_curvature(model, batches, spec=store.spec, fit_options=cv.fit_options(),
+                                          options=CaptureOptions(projection=projection),
+                                          run=RunOptions(device=device, progress=opts.progress))
             except ValueError as err:
                 raise CliError(str(err)) from None
     curvature = curvature.with_damping(cv.damping)

@@ -8,13 +8,15 @@ from typing import Any, Literal
 
 from ..common.checks import SEED
 from ..options import CaptureOptions
+from ..options.data import BatchOptions, Fields, ReadOptions
 from .commands import Group, cli
 
 __all__ = ["DATA_HELP", "LAYER_PATTERNS", "DataOptions", "GenerateOptions", "LayerOptions", "ModelOptions",
            "ProjectionOptions", "TextOptions"]
 
-LAYER_PATTERNS = ("a module name or a shell-style glob over module names, as the Python API's layers=/exclude= take "
-                  "them: 'lm_head', 'transformer.h.0.*', '*.mlp.*' (names as model.named_modules() gives them)")
+LAYER_PATTERNS = ("a module name or a shell-style glob over module names, as the Python API's "
+                  "CaptureOptions(layers=, exclude=) take them: 'lm_head', 'transformer.h.0.*', '*.mlp.*' (names as "
+                  "model.named_modules() gives them)")
 
 DATA_HELP = ("Training examples: .jsonl, .json, .parquet, .csv, .txt (one per line) or a save_to_disk directory; "
              "formats text, prompt-completion or messages, detected from the fields (see --format).")
@@ -70,6 +72,21 @@ class DataOptions(Group):
         "Format text: end each text with the tokenizer's EOS token, as TRL's SFTTrainer does (off by default: "
         "content-hash ids change with it). Completions always get one."))
 
+    def record_fields(self) -> Fields:
+        """The Python API's :class:`gradtrace.options.data.Fields` of --text-field ... --id-field."""
+        return Fields(text=self.text_field, prompt=self.prompt_field, completion=self.completion_field,
+                      messages=self.messages_field, id=self.id_field)
+
+    def read_options(self, max_length: int | None) -> ReadOptions:
+        """The Python API's :class:`gradtrace.options.data.ReadOptions` of --format, --split, --loss-on, --truncate
+        and --eos, with ``max_length`` (--max-length resolved against the model's context)."""
+        return ReadOptions(format=self.data_format, split=self.split, loss_on=self.loss_on, max_length=max_length,
+                           truncate=self.truncate, add_eos=self.eos)
+
+    def batch_options(self, pad_id: int | None) -> BatchOptions:
+        """The Python API's :class:`gradtrace.options.data.BatchOptions` of --batch-size, padded with ``pad_id``."""
+        return BatchOptions(batch_size=self.batch_size, pad_id=pad_id)
+
 
 @dataclass(kw_only=True)
 class GenerateOptions(Group):
@@ -102,7 +119,8 @@ class GenerateOptions(Group):
 @dataclass(kw_only=True)
 class LayerOptions(Group):
     """Which layers are captured: the ``layers`` / ``exclude`` / ``strict`` of the Python API's
-    :class:`gradtrace.options.CaptureOptions` (``gradtrace.collect(..., layers=..., exclude=...)``)."""
+    :class:`gradtrace.options.CaptureOptions` (``gradtrace.collect(..., options=CaptureOptions(layers=...,
+    exclude=...))``)."""
 
     panel = "Layers"
     layers: list[str] = field(default_factory=list, metadata=cli(

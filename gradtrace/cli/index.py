@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from ..common.checks import SEED
 from ..common.paths import why_missing
-from .commands import Group, cli, progress_flag, resolved
+from ..options import index as api
+from .commands import Group, api_field, cli, progress_flag, resolved
 from .config import write_resolved
 from .console import Phases, console, human_bytes
 from .errors import CliError
@@ -26,34 +26,27 @@ __all__ = ["OPTIONS", "IndexOptions", "run"]
 
 @dataclass(kw_only=True)
 class BuildOptions(Group):
-    """What kind of index is built and how."""
+    """What kind of index is built and how: the Python API's :class:`gradtrace.options.index.IndexOptions`, and
+    the rows read per block."""
 
     panel = "Index"
-    kind: Literal["auto", "flat", "ivfpq"] = field(default="auto", metadata=cli(
-        "flat: exact inner product over float32 copies of all rows (rows x dim x 4 bytes in memory); ivfpq: "
-        "inverted file of k-means cells with product-quantized rows (compact; trained on a sample); auto: flat "
-        "below 10,000 rows (too few to train ivfpq's codebooks, whose index would be larger than the rows), else "
-        "ivfpq, and ivfpq whenever an ivfpq option is given."))
-    normalize: bool = field(default=False, metadata=cli(
-        "Index unit-norm rows: the index for --method grad_cos (and only for it).", "--normalize"))
-    nlist: int | None = field(default=None, metadata=cli(
-        "ivfpq: number of k-means cells (default: sqrt(rows), at most train-rows / 39).", min=1))
-    m: int | None = field(default=None, metadata=cli(
-        "ivfpq: PQ sub-quantizers, a divisor of the store's dimension (default: the largest divisor <= dim/16, "
-        "or <= dim/8 with --fast-scan: one byte per 16 dims either way).", "--m", min=1))
-    nbits: int | None = field(default=None, metadata=cli(
-        "ivfpq: bits per sub-quantizer code (default 8; 4 with --fast-scan).", min=1, max=16))
-    fast_scan: bool = field(default=False, metadata=cli(
-        "ivfpq: 4-bit codes searched with FAISS's SIMD fast-scan kernels (PQ<m>x4fs): several times faster to "
-        "search and build than 8-bit codes of the same size, with coarser approximate scores (the shortlist is "
-        "re-scored exactly either way).", "--fast-scan"))
-    nprobe: int | None = field(default=None, metadata=cli(
-        "ivfpq: cells searched per query, saved with the index (default: min(nlist, 16)).", min=1))
-    train_rows: int = field(default=65536, metadata=cli(
-        "ivfpq: rows sampled uniformly from the store to train the quantizers.", min=1))
-    seed: int = field(default=0, metadata=cli("Seed of the training sample.", valid=SEED))
+    kind: Literal["auto", "flat", "ivfpq"] = field(default="auto", metadata=api_field(api.IndexOptions, "kind"))
+    normalize: bool = field(default=False, metadata=api_field(api.IndexOptions, "normalize", "--normalize"))
+    nlist: int | None = field(default=None, metadata=api_field(api.IndexOptions, "nlist"))
+    m: int | None = field(default=None, metadata=api_field(api.IndexOptions, "m", "--m"))
+    nbits: int | None = field(default=None, metadata=api_field(api.IndexOptions, "nbits"))
+    fast_scan: bool = field(default=False, metadata=api_field(api.IndexOptions, "fast_scan", "--fast-scan"))
+    train_rows: int = field(default=65536, metadata=api_field(api.IndexOptions, "train_rows"))
+    seed: int = field(default=0, metadata=api_field(api.IndexOptions, "seed"))
     block_rows: int = field(default=65536, metadata=cli("Store rows read and added per block (bounds memory).",
                                                         min=1))
+
+    def index_options(self) -> api.IndexOptions:
+        """The Python API's :class:`gradtrace.options.index.IndexOptions` of these options (``--kind auto`` by
+        default, where ``build_index``'s default is flat)."""
+        return api.IndexOptions(kind=self.kind, normalize=self.normalize, nlist=self.nlist, m=self.m,
+                                nbits=self.nbits, train_rows=self.train_rows, seed=self.seed,
+                                fast_scan=self.fast_scan)
 
 
 @dataclass(kw_only=True)
@@ -90,6 +83,7 @@ def run(opts: IndexOptions) -> None:
     from ..store import GradientStore
 
     b = opts.build_options
+    index_options = b.index_options()
     if not opts.store.exists():
         raise CliError(f"store {opts.store} {why_missing(opts.store)}")
     if opts.add_norms:
@@ -102,9 +96,7 @@ def run(opts: IndexOptions) -> None:
     try:
         with phases("build"), warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", FaissTrainingWarning)
-            index = build_index(store, b.kind, normalize=b.normalize, nlist=b.nlist, m=b.m, nbits=b.nbits,
-                                nprobe=b.nprobe, train_rows=b.train_rows, seed=b.seed, fast_scan=b.fast_scan,
-                                block_rows=b.block_rows, progress=opts.progress)
+            index = build_index(store, index_options, block_rows=b.block_rows, progress=opts.progress)
     except FaissMissing as err:
         raise CliError(str(err)) from None
     _say_warnings(said)
@@ -115,8 +107,7 @@ def run(opts: IndexOptions) -> None:
     out = console()
     detail = "exact inner product" if params.kind == "flat" else \
         f"nlist {params.nlist}, PQ {params.m}x{params.nbits} bits{' fast-scan' if params.fast_scan else ''}, " \
-        f"nprobe {params.nprobe}, trained on " \
-        f"{params.train_rows:,} rows"
+        f"nprobe {params.nprobe} by default, trained on {params.train_rows:,} rows"
     size = sum(f.stat().st_size for f in opts.out.iterdir() if f.is_file())
     out.print(f"Indexed {len(index):,} rows of {opts.store} ({params.kind}: {detail}); saved in {opts.out}")
     if index.meta.get("auto_kind"):

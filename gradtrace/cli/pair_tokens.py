@@ -19,6 +19,7 @@ import numpy as np
 
 from ..common.provenance import resolve_paths
 from ..data.files import data_changed
+from ..options import CaptureOptions, RunOptions
 from .errors import CliError
 from .groups import DataOptions
 from .load_data import read_dataset
@@ -86,8 +87,11 @@ def token_attributions(attributor: Any, queries: Any, query_data: Any, scores: A
     size = data_opts.batch_size
     batches = [train_data.rows(rows[start:start + size]) for start in range(0, len(rows), size)]
     model = load_model(model_dir, device, model_dtype, base_model)
-    recaptured = gradtrace.collect(model, batches, projection=projection, layers=store_layers(store), keep_tokens=True,
-                                   device=device, progress=progress)  # in memory: float32 whatever the store's dtype
+    # in memory: float32 whatever the store's dtype
+    recaptured = gradtrace.collect(model, batches,
+                                   options=CaptureOptions(projection=projection, layers=store_layers(store),
+                                                          keep_tokens=True),
+                                   run=RunOptions(device=device, progress=progress))
     tokens = {**_token_strings(query_data, list(scores.query_ids), tokenizer),
               **_token_strings(train_data, wanted, tokenizer)}
     try:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..common.paths import why_missing
-from .commands import QUIET_PROGRESS, cli, progress_flag
+from ..options import report as api
+from .commands import QUIET_PROGRESS, api_field, cli, progress_flag
 from .console import console, human_bytes
 from .errors import CliError
 from .groups import TextOptions
@@ -33,17 +34,20 @@ class ReportOptions:
         "HTML file to write (default: SCORES_DIR/report.html).", "--out", "-o", metavar="FILE"))
     overwrite: bool = field(default=False, metadata=cli("Replace the --out file if it exists."))
     text_options: TextOptions
-    k: int = field(default=5, metadata=cli("Helpful and harmful training examples shown per query.", "--k", "-k",
-                                           min=1))
-    per_page: int = field(default=20, metadata=cli("Queries per page of the report.", min=1))
-    max_chars: int = field(default=600, metadata=cli("Characters of each text shown (the rest is cut).", min=1))
+    k: int = field(default=5, metadata=api_field(api.ReportOptions, "k", "--k", "-k"))
+    per_page: int = field(default=20, metadata=api_field(api.ReportOptions, "per_page"))
+    max_chars: int = field(default=600, metadata=api_field(api.ReportOptions, "max_chars"))
     self_influence: bool = field(default=False, metadata=cli(
         "Add the training examples of highest self-influence (computed from the store the scores record).",
         "--self-influence/--no-self-influence"))
     self_method: MethodName | None = field(default=None, metadata=cli(
         "Method of the self-influence (default: the scores' method; grad_cos gives 1 for every example)."))
-    self_k: int = field(default=20, metadata=cli("Training examples listed by self-influence.", min=1))
+    self_k: int = field(default=20, metadata=api_field(api.ReportOptions, "self_k"))
     progress: bool = progress_flag(QUIET_PROGRESS)
+
+    def report_options(self) -> api.ReportOptions:
+        """The Python API's :class:`gradtrace.options.report.ReportOptions` of these options."""
+        return api.ReportOptions(k=self.k, per_page=self.per_page, max_chars=self.max_chars, self_k=self.self_k)
 
 
 OPTIONS = ReportOptions
@@ -75,9 +79,8 @@ def run(opts: ReportOptions) -> None:
     texts, text_from = opts.text_options.texts("train", train_source)
     queries, query_from = opts.text_options.texts("query", query_source)
     self_scores, self_method = _self_scores(scores, opts) if opts.self_influence else (None, None)
-    report = build_report(scores, texts, queries, k=opts.k, per_page=opts.per_page, max_chars=opts.max_chars,
-                          self_scores=self_scores, self_method=self_method, self_k=opts.self_k,
-                          text_source=text_from, query_source=query_from)
+    report = build_report(scores, texts, queries, opts.report_options(), self_scores=self_scores,
+                          self_method=self_method, text_source=text_from, query_source=query_from)
     write_atomic(out, render_html(report))
     console().print(f"Report of {len(scores.query_ids):,} queries x {len(scores.train_ids):,} training examples "
                     f"written to {out} ({human_bytes(out.stat().st_size)}, {time.perf_counter() - started:.1f} s)")

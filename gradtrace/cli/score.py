@@ -21,7 +21,9 @@ from typing import Any, Literal
 
 from ..common.model_dir import adapter_base
 from ..common.paths import why_missing
-from .commands import Group, cli, progress_flag, resolved
+from ..options import CaptureOptions, RunOptions
+from ..options.index import SearchOptions
+from .commands import Group, api_field, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
 from .console import Phases, console
 from .ensemble import EnsembleOptions, answering_model, check_ensemble, is_ensemble, score_ensemble
@@ -81,15 +83,11 @@ class ScoringOptions(Group):
         "Index of STORE (written by gradtrace index): shortlist --rerank rows per query from it, then score them "
         "exactly from the store. Serves grad_dot, kfac, ekfac, ggn, logra; grad_cos needs a --normalize index.",
         metavar="INDEX"))
-    rerank: int | None = field(default=None, metadata=cli(
-        "With --index: rows shortlisted per query and re-scored exactly (default: 10 x --topk).", min=1))
-    norm_rows: int = field(default=0, metadata=cli(
-        "With --index: the N rows of largest norm join every query's shortlist, top and bottom (scored once for all "
-        "queries; they hold much of the bottom-k). 0: none. Needs an index with row norms (--add-norms).", min=0))
-    bottom: bool = field(default=True, metadata=cli(
-        "With --index: also search and re-score the bottom-k (most harmful); --no-bottom keeps the top-k only, "
-        "about twice as fast (the exact pass keeps both at almost no cost, so it needs --index).",
-        "--bottom/--no-bottom"))
+    rerank: int | None = field(default=None, metadata=api_field(SearchOptions, "rerank"))
+    norm_rows: int = field(default=0, metadata=api_field(SearchOptions, "norm_rows"))
+    bottom: bool = field(default=True, metadata=api_field(SearchOptions, "bottom", "--bottom/--no-bottom"))
+    nprobe: int | None = field(default=None, metadata=api_field(SearchOptions, "nprobe"))
+    bottom_nprobe: int | None = field(default=None, metadata=api_field(SearchOptions, "bottom_nprobe"))
     modules: bool = field(default=False, metadata=cli(
         "Also split the score of every top-k and bottom-k pair by parameter block (saved with the scores; "
         "Scores.modules(query, train_id) and the HTML report show them)."))
@@ -97,6 +95,11 @@ class ScoringOptions(Group):
         "Also split the score of every top-k and bottom-k pair by token, on the query side and the training side "
         "(the pairs' training examples are re-read from the store's data and re-captured with their tokens; "
         "Scores.tokens(query, train_id) and the HTML report show them)."))
+
+    def search_options(self) -> SearchOptions:
+        """The Python API's :class:`gradtrace.options.index.SearchOptions` of ``--index``'s options."""
+        return SearchOptions(topk=self.topk, rerank=self.rerank, bottom=self.bottom, nprobe=self.nprobe,
+                             bottom_nprobe=self.bottom_nprobe, norm_rows=self.norm_rows)
 
 
 @dataclass(kw_only=True)
@@ -362,10 +365,10 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
             console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("query gradients"):
             try:
-                queries = gradtrace.collect(model, batches, projection=projection, layers=store_layers(store),
-                                            device=device,
-                                            progress="collect queries" if progress else False,
-                                            keep_tokens=opts.scoring_options.tokens)
+                capture = CaptureOptions(projection=projection, layers=store_layers(store),
+                                         keep_tokens=opts.scoring_options.tokens)
+                run = RunOptions(device=device, progress="collect queries" if progress else False)
+                queries = gradtrace.collect(model, batches, options=capture, run=run)
             except NonFiniteError as err:
                 raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None
         _check_match(store, queries, model_dir)
@@ -450,7 +453,8 @@ def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
     """The ``--index`` of the store, checked against it and the options (None without ``--index``)."""
     if sc.index is None:
         for flag, given in (("--rerank", sc.rerank is not None), ("--norm-rows", sc.norm_rows > 0),
-                            ("--no-bottom", not sc.bottom)):
+                            ("--no-bottom", not sc.bottom), ("--nprobe", sc.nprobe is not None),
+                            ("--bottom-nprobe", sc.bottom_nprobe is not None)):
             if given:
                 raise CliError(f"{flag} applies to the shortlist of --index; pass --index INDEX (written by "
                                "gradtrace index)")
@@ -489,8 +493,7 @@ def _index_scorer(index: Any, sc: ScoringOptions) -> Any:
     """``score_sharded``'s signature, scoring through ``index`` with ``--rerank``."""
     from ..score.shortlist import score_with_index
 
-    def score(attributor: Any, queries: Any, *, topk: int | None, matrix: Any, progress: bool) -> Any:
-        return score_with_index(attributor, queries, index, rerank=sc.rerank, topk=topk or 0,
-                                norm_rows=sc.norm_rows, bottom=sc.bottom)
+    options = sc.search_options()  # --topk is K > 0 with --index (_open_index)
 
-    return score
+    return lambda attributor, queries, *, topk, matrix, progress: score_with_index(attributor, queries, index,
+                                                                                   options)

@@ -12,6 +12,7 @@ them (:func:`gradtrace.curvature.fisher.resolve_fisher`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -19,8 +20,9 @@ from torch import nn
 
 from ..capture import capture
 from ..capture.driver import run_capture
-from ..loss.likelihoods import Likelihood
-from ..options import CaptureOptions, FitOptions, takes_options, with_record
+from ..loss.functions import LossFn
+from ..options import CaptureOptions, FitOptions, Loss, RunOptions, with_record
+from ..options.base import option_object
 from ..projection.logra import LoGra
 from ..store.spec import GradientSpec, model_fingerprint
 from .blocks import DenseBlock, KronBlock, blocks_for
@@ -75,34 +77,56 @@ def _numel(shape: tuple[int, ...]) -> int:
     return out
 
 
-@takes_options(options=CaptureOptions, fit_options=FitOptions)
-def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: str = "ekfac",
-                  fisher: str = "empirical", projection: LoGra | dict | None = None,
-                  layers: Sequence[Any] | None = None, exclude: Sequence[Any] | None = None,
-                  spec: GradientSpec | None = None, samples: int = 1, seed: int = 0, max_dense: int = 4096,
-                  damping: float = 0.1, damping_mode: str = "relative", device: Any = None,
-                  join_bias: bool = True, progress: bool = False, options: CaptureOptions | None = None,
-                  fit_options: FitOptions | None = None, likelihood: Likelihood | None = None) -> Curvature:
+def fit_curvature_from(model: nn.Module, data: Iterable[Any], loss: Any, spec: GradientSpec | None,
+                       settings: dict[str, Any]) -> Curvature:
+    """:func:`fit_curvature` with its settings as one flat dict (a method's own constructor and ``fit`` keywords:
+    ``kind``, ``fisher``, ``samples``, ``projection``, ``layers``, ``device``, ``likelihood``...), each sorted into
+    the option object it belongs to; an unknown key is a TypeError naming it."""
+    groups: dict[str, dict[str, Any]] = {"capture": {}, "fit": {}, "run": {}}
+    owners = {"capture": CaptureOptions, "fit": FitOptions, "run": RunOptions}
+    likelihood = settings.get("likelihood")
+    for key, value in settings.items():
+        if key == "likelihood":
+            continue
+        owner = next((g for g, cls in owners.items() if key in {f.name for f in fields(cls)}), None)
+        if owner is None:
+            raise TypeError(f"fit(): unknown setting {key!r}")
+        groups[owner][key] = value
+    if likelihood is not None:
+        loss = replace(Loss.of(loss), likelihood=likelihood)
+    return fit_curvature(model, data, loss, options=CaptureOptions(**groups["capture"]),
+                         fit_options=FitOptions(**groups["fit"]), run=RunOptions(**groups["run"]), spec=spec)
+
+
+def fit_curvature(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None = None, *,
+                  options: CaptureOptions | None = None, fit_options: FitOptions | None = None,
+                  run: RunOptions | None = None, spec: GradientSpec | None = None) -> Curvature:
     """Fit curvature on ``data`` at the model's current weights.
 
     Args:
-        kind: ``"kfac"``, ``"ekfac"`` (eigenvalue-corrected) or ``"fisher"`` (a dense Fisher per parameter;
-            exact but quadratic in the parameter size -- the reference for small models).
-        fisher: ``"empirical"``, ``"true"`` (``samples`` label draws per example), ``"exact"`` or ``"auto"``
-            (exact for classifiers / regressors with few outputs, else true: see :func:`resolve_fisher`); the
-            choice made is the returned curvature's ``fisher``.
-        likelihood: for a custom ``loss_fn``, the distribution of its outputs that ``fisher="true"`` samples
-            labels from (:func:`gradtrace.loss.likelihoods.categorical`, ``gaussian``); ``"auto"`` is then ``"true"``.
-        projection: fit in a LoGra-projected space (a spec or its dict); ``spec``: the gradients the curvature
-            will be used with (a store's spec): its projection and parameters are used unless given.
-        max_dense: dense blocks larger than this are kept diagonal.
-        join_bias: join a module's bias to its weight's Kronecker block (K-FAC's ``[a; 1]``); False keeps
-            biases as dense blocks (pure weight factors, as a PCA projection basis needs).
-        damping, damping_mode: stored defaults (changeable later with :meth:`Curvature.with_damping`).
-        options, fit_options: ``projection``/``layers``/``exclude`` as a :class:`gradtrace.options.CaptureOptions`
-            and the fit settings above as a :class:`gradtrace.options.FitOptions` (instead of the keywords); the
-            resolved objects are recorded in the curvature's ``meta["gradtrace"]["options"]``.
+        model, data: the model and an iterable of batches (read several times: an iterator is listed first).
+        loss: the per-example loss (:class:`gradtrace.Loss`, or its ``fn``): ``fn``, and for ``fisher="true"`` with
+            a custom ``fn`` the ``likelihood`` of its outputs that labels are sampled from
+            (:func:`gradtrace.loss.likelihoods.categorical`, ``gaussian``; ``fisher="auto"`` is then ``"true"``).
+        options: what is captured (:class:`gradtrace.CaptureOptions`): layers, exclude, and a LoGra
+            ``projection`` (a spec or its dict) to fit in the projected space.
+        fit_options: which curvature and how (:class:`gradtrace.FitOptions`: kind, fisher, samples, seed,
+            max_dense, damping, damping_mode, join_bias); the fisher chosen is the returned curvature's ``fisher``.
+        run: device and progress (:class:`gradtrace.RunOptions`).
+        spec: the gradients the curvature will be used with (a store's spec): its projection and parameters are
+            used unless given.
+
+    Returns:
+        the :class:`Curvature`; the resolved option objects are recorded in its ``meta["gradtrace"]["options"]``.
     """
+    options = option_object(options, CaptureOptions, "options")
+    fit_options = option_object(fit_options, FitOptions, "fit_options")
+    run_options = option_object(run, RunOptions, "run")
+    loss = Loss.of(loss).summed("fit_curvature()")
+    loss_fn, likelihood = loss.fn, loss.likelihood
+    projection, layers = options.projection, options.layers
+    kind, fisher, samples, seed = fit_options.kind, fit_options.fisher, fit_options.samples, fit_options.seed
+    max_dense, join_bias = fit_options.max_dense, fit_options.join_bias
     if iter(data) is data:  # an iterator can be read once; the fit needs several passes
         data = list(data)
     first = next(iter(data), None)
@@ -112,8 +136,9 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
     if spec is not None:
         if projection is None and spec.projection is not None:
             if spec.projection.get("init") == "pca":
-                raise ValueError("these gradients were projected with a PCA basis: pass projection=<the LoGra spec "
-                                 "with its basis> to fit the curvature in the same space")
+                raise ValueError("these gradients were projected with a PCA basis: pass "
+                                 "options=CaptureOptions(projection=<the LoGra spec with its basis>) to fit the "
+                                 "curvature in the same space")
             projection = spec.projection
         wanted = {name for name, _ in spec.params}
         if layers is None and all("." in name for name in wanted):  # else the model itself is a layer
@@ -126,14 +151,15 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
     passes = fisher_passes(loss_fn, fisher, first, samples=samples, seed=seed, num_classes=classes,
                            likelihood=likelihood)
 
-    def run(callback, label: str) -> None:
+    def pass_over(callback, label: str) -> None:
         for fn in passes:
-            cap = capture(model, layers=layers, exclude=exclude, reduction="sum", example_loss="sum",
-                          projection=projection, callbacks=[callback], keep_batches=False)
-            run_capture(model, data, fn, cap, device=device, progress=progress, what=label)
+            cap = capture(model, replace(loss, fn=None, likelihood=None, reduction="sum"),
+                          options=replace(options, layers=layers, projection=projection), callbacks=[callback],
+                          keep_batches=False)
+            run_capture(model, data, fn, cap, run_options, what=label)
 
     cov = _LazyCovariance(kind, max_dense, wanted, join_bias)
-    run(cov, "curvature")
+    pass_over(cov, "curvature")
     if cov.dims is None:
         raise ValueError("fit_curvature(): no gradients were captured")
     missing = sorted(wanted - set(cov.dims)) if wanted is not None else []
@@ -167,7 +193,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
     if kind == "ekfac":
         kron = [b for b in cov.blocks if isinstance(b, KronBlock)]
         correction = EigenCorrectionCallback(kron, bases)
-        run(correction, "ekfac")
+        pass_over(correction, "ekfac")
         for block in kron:
             count = correction.counts[block.name] / num_passes
             blocks[block.name].eigenvalues = correction.sums[block.name] / count
@@ -181,8 +207,8 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss_fn=None, *, kind: 
                                    spec.convention, fitted_spec.model)
         blocks = {n: b for n, b in blocks.items() if n in wanted}
     meta = with_record({"examples": examples, "passes": num_passes, "samples": samples, "seed": seed},
-                       capture=options, fit=fit_options)
-    return Curvature(kind, fitted_spec, blocks, fisher, damping, damping_mode, meta)
+                       capture=options, fit=fit_options, loss=loss)
+    return Curvature(kind, fitted_spec, blocks, fisher, fit_options.damping, fit_options.damping_mode, meta)
 
 
 def _factor_eigen(moment: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..projection.logra import LoGra, PCABasis, register_pca
 from .curvature import Curvature
-from .fit import fit_curvature
+from .fit import fit_curvature_from
 
 __all__ = ["KFACBasis", "pca_basis", "pca_logra"]
 
@@ -87,8 +87,8 @@ def pca_basis(basis: Any) -> PCABasis:
 def pca_logra(model: Any, data: Any, loss_fn: Any = None, *, rank: int = 16, fisher: str = "empirical",
               layers: Any = None, exclude: Any = None, ranks: Any = (), **options: Any) -> LoGra:
     """Fit K-FAC factors on exact gradients of ``data`` and return a PCA-initialised LoGra spec (``LoGra.pca``)."""
-    curvature = fit_curvature(model, data, loss_fn, kind="kfac", fisher=fisher, layers=layers, exclude=exclude,
-                              join_bias=False, **options)
+    curvature = fit_curvature_from(model, data, loss_fn, None, {**options, "kind": "kfac", "fisher": fisher,
+                                                             "layers": layers, "exclude": exclude, "join_bias": False})
     return LoGra(rank=rank, init="pca", basis=curvature, ranks=ranks,
                  **{k: v for k, v in options.items() if k == "seed"})
 

@@ -5,8 +5,9 @@
 (``text``, ``prompt-completion``, ``messages``; TRL's conventions), tokenizes it with the loss mask the
 model was trained with (completion-only, assistant-only, or every token), and returns a
 :class:`TokenizedDataset`: iterate it for ``gradtrace.collect`` batches (``.batches(order)`` for another
-order), read ``.ids`` and ``.summary.line()``. Content-hash ids follow the one rule of :mod:`.ids`, which the
-capture and the Hugging Face Trainer callback use too.
+order), read ``.ids`` and ``.summary.line()``. Its settings are the option objects of :mod:`gradtrace.options.data`
+(``Fields``: which field holds what; ``ReadOptions``: records -> examples; ``BatchOptions``: examples -> batches).
+Content-hash ids follow the one rule of :mod:`.ids`, which the capture and the Hugging Face Trainer callback use too.
 """
 
 from .dataset import DataSummary, TokenizedDataset

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..options.data import BatchOptions
+
 __all__ = ["DataSummary", "TokenizedDataset"]
 
 IGNORE_INDEX = -100
@@ -61,14 +63,19 @@ class TokenizedDataset:
     Attributes:
         ids: one id per example, in order.
         summary: a :class:`DataSummary` (``summary.line()`` is the one-line summary).
-        texts: each example's text for display (``load(..., keep_text=True)``), else None.
+        texts: each example's text for display (``ReadOptions(keep_text=True)``), else None.
         answers: the model's decoded answer to each prompt (``load(..., generate=...)``), else None.
-        batch_size: examples per batch; pad_id: the padding token.
+        batch_options: the :class:`gradtrace.options.data.BatchOptions` of its batches (``pad_id`` resolved).
     """
 
     def __init__(self, tokens: np.ndarray, loss: np.ndarray, lengths: np.ndarray, ids: list[str],
-                 summary: DataSummary, *, batch_size: int, pad_id: int, texts: list[str] | None = None,
+                 summary: DataSummary, *, batch_options: BatchOptions, texts: list[str] | None = None,
                  answers: list[str] | None = None) -> None:
+        """``tokens`` ``[N]`` int32 and ``loss`` ``[N]`` bool, flat over the examples; ``lengths`` ``[E]`` tokens per
+        example; ``ids`` one per example. Raises ValueError when ``batch_options.pad_id`` is None (this class has no
+        tokenizer to take a padding token from)."""
+        if batch_options.pad_id is None:
+            raise ValueError("TokenizedDataset needs batch_options.pad_id: the padding token of its batches")
         self.tokens = tokens  # [N] int32
         self.loss = loss  # [N] bool
         self.lengths = lengths  # [E] int64
@@ -77,13 +84,12 @@ class TokenizedDataset:
         self.summary = summary
         self.texts = texts
         self.answers = answers
-        self.batch_size = batch_size
-        self.pad_id = pad_id
+        self.batch_options = batch_options
         self.masked = not bool(loss.all())
 
     def __len__(self) -> int:
         """Number of batches (for progress bars)."""
-        return -(-len(self.ids) // self.batch_size)
+        return -(-len(self.ids) // self.batch_options.batch_size)
 
     @property
     def num_examples(self) -> int:
@@ -117,7 +123,7 @@ class TokenizedDataset:
         columns = np.arange(width)
         valid = columns[None, :] < lengths[:, None]  # [B, T]
         index = np.where(valid, self.offsets[examples, None] + columns[None, :], 0)  # [B, T]
-        input_ids = np.where(valid, self.tokens[index], self.pad_id).astype(np.int64)
+        input_ids = np.where(valid, self.tokens[index], self.batch_options.pad_id).astype(np.int64)
         batch: dict[str, Any] = {"input_ids": torch.from_numpy(input_ids),
                                  "attention_mask": torch.from_numpy(valid.astype(np.int64))}
         if self.masked:
@@ -127,13 +133,14 @@ class TokenizedDataset:
         return batch
 
     def batches(self, order: Sequence[int] | np.ndarray | None = None) -> Iterator[dict[str, Any]]:
-        """Batches of ``batch_size`` examples taken in ``order`` (a permutation or subset of example indices, e.g.
-        one training epoch's shuffle; default: file order), each padded as it is reached."""
+        """Batches of ``batch_options.batch_size`` examples taken in ``order`` (a permutation or subset of example
+        indices, e.g. one training epoch's shuffle; default: file order), each padded as it is reached."""
         examples = np.arange(len(self.ids)) if order is None else np.asarray(order, dtype=np.int64)
         if examples.ndim != 1 or (len(examples) and not (examples.min() >= 0 and examples.max() < len(self.ids))):
             raise IndexError(f"order must be a 1-d array of example indices in [0, {len(self.ids)})")
-        for start in range(0, len(examples), self.batch_size):
-            yield self.rows(examples[start:start + self.batch_size])
+        size = self.batch_options.batch_size
+        for start in range(0, len(examples), size):
+            yield self.rows(examples[start:start + size])
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self.batches()

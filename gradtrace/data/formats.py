@@ -1,6 +1,6 @@
 """Dataset formats (TRL's conventions), detected from a record's fields, and each record's validation.
 
-* ``text``: language modelling, one string (``text_field``); every token is in the loss.
+* ``text``: language modelling, one string (``Fields.text``); every token is in the loss.
 * ``prompt-completion``: ``prompt`` and ``completion``, both strings (*standard*) or both lists of
   ``{role, content}`` messages (*conversational*); by default only the completion is in the loss.
 * ``messages``: a conversation, a list of ``{role, content}`` messages; by default only the assistant
@@ -11,33 +11,16 @@ Detection looks at the fields a record has, in TRL's order: prompt + completion,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
+from ..options.data import FORMATS, Fields
 from .errors import DataError
 
 __all__ = ["FORMATS", "Fields", "Format", "LossOn", "detect", "has_fields", "loss_targets", "missing_fields_error",
            "validate"]
 
 Format = Literal["text", "prompt-completion", "messages"]
-FORMATS: tuple[str, ...] = ("text", "prompt-completion", "messages")
 LossOn = Literal["auto", "completion", "assistant", "all"]
-
-
-@dataclass(frozen=True)
-class Fields:
-    """The field (column) names of each part of a record."""
-
-    text: str = "text"
-    prompt: str = "prompt"
-    completion: str = "completion"
-    messages: str = "messages"
-    id: str = "id"
-
-    def recognised(self) -> str:
-        """The formats and the fields each needs, for error messages."""
-        return (f"text ({self.text!r}), prompt-completion ({self.prompt!r} + {self.completion!r}), "
-                f"messages ({self.messages!r})")
 
 
 def detect(record: dict[str, Any], fields: Fields) -> Format | None:

@@ -7,18 +7,20 @@ problem is found here, before collection starts, so a bad record never leaves a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..options.base import option_object
+from ..options.data import BatchOptions, ReadOptions
 from . import sources
 from .chat import check_chat_template
 from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
 from .files import warn_if_changed
-from .formats import FORMATS, Fields, LossOn, detect, has_fields, loss_targets, missing_fields_error, validate
+from .formats import Fields, detect, has_fields, loss_targets, missing_fields_error, validate
 from .generate import Generate, generate_chunk, prompt_of
 from .ids import ContentIds, content_hash
 from .sources import Source, open_source
@@ -29,11 +31,9 @@ __all__ = ["dataset_texts", "load"]
 SHOWN_IDS = 5
 
 
-def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None = None, text_field: str = "text",
-         prompt_field: str = "prompt", completion_field: str = "completion", messages_field: str = "messages",
-         id_field: str = "id", loss_on: LossOn = "auto", max_length: int | None = None, truncate: bool = False,
-         batch_size: int = 8, pad_id: int | None = None, keep_text: bool = False, generate: Generate | None = None,
-         add_eos: bool = False, what: str = "data") -> TokenizedDataset:
+def load(source: Any, tokenizer: Any, *, fields: Fields | None = None, read_options: ReadOptions | None = None,
+         batch_options: BatchOptions | None = None, generate: Generate | None = None,
+         what: str = "data") -> TokenizedDataset:
     """Read, check, tokenize and identify a dataset; iterate the result for :func:`gradtrace.collect` batches.
 
     Args:
@@ -41,36 +41,32 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
             ``datasets``' ``save_to_disk`` (``Dataset`` or ``DatasetDict``), a ``datasets.Dataset`` /
             ``DatasetDict``, or a list of dicts.
         tokenizer: a Hugging Face tokenizer (with a chat template for conversational data).
-        format: ``auto`` (from the fields, as TRL does), ``text``, ``prompt-completion`` or ``messages``.
-        split: the split of a ``DatasetDict`` (needed when it has several).
-        text_field, prompt_field, completion_field, messages_field, id_field: field (column) names.
-        loss_on: which tokens are in each example's loss: ``auto`` (text: all; prompt-completion: the
-            completion; messages: the assistant turns), ``completion``, ``assistant`` or ``all``.
-        max_length: longest example in tokens. A longer one loses the start of its prompt (cut from the
-            left, keeping one token of context before the completion); one whose completion alone is too long
-            is an error listing them, unless ``truncate`` (then it is cut on the right and counted).
-        batch_size: examples per batch; pad_id: padding token (default: the tokenizer's pad, else EOS).
-        keep_text: keep each example's text (``.texts``) for display.
+        fields: which field (column) of a record holds what (:class:`gradtrace.options.data.Fields`; default
+            ``text``, ``prompt``, ``completion``, ``messages``, ``id``).
+        read_options: the split and format read, the tokens in the loss, the longest example, EOS, whether texts
+            are kept (:class:`gradtrace.options.data.ReadOptions`; default: format and loss detected, no limit).
+        batch_options: examples per batch and the padding token (:class:`gradtrace.options.data.BatchOptions`;
+            default 8 per batch, padded with the tokenizer's pad token, else EOS).
         generate: a :class:`Generate` (the model and decoding settings) to answer each record's prompt with the
             model and make the answer the example's loss (``.answers`` holds the decoded answers).
-        add_eos: format text only: append the tokenizer's EOS token to each text (unless it ends with it), as
-            TRL's ``SFTTrainer`` does for language modelling. Off by default: the EOS token then is a target
-            of every example, and content-hash ids change with the tokens. (Completions always get it.)
-        what: what the data is, in error messages ("data", "queries").
+        what: what the data is, in error messages (``"data"``, ``"queries"``).
 
     Returns:
         A :class:`TokenizedDataset`: ``.ids``, ``.summary.line()``, and batches with ``input_ids``,
         ``attention_mask``, ``labels`` (``-100`` outside the loss) and ``id``.
+
+    Raises:
+        DataError: a source or record that cannot be read as asked (named with its line or row), an example too long
+            for ``max_length`` without ``truncate``, ``add_eos`` with ``generate`` or with data other than text.
+        TypeError: an option argument that is not the option object it names.
     """
-    if format != "auto" and format not in FORMATS:
-        raise DataError(f"unknown format {format!r}; use auto, {', '.join(FORMATS)}")
-    if max_length is not None and max_length < 2:
-        raise DataError(f"--max-length {max_length}: an example needs at least 2 tokens (one target)")
-    if add_eos and generate is not None:
+    fields = option_object(fields, Fields, "fields")
+    read = option_object(read_options, ReadOptions, "read_options")
+    batching = option_object(batch_options, BatchOptions, "batch_options")
+    if read.add_eos and generate is not None:
         raise DataError("--eos (add_eos) applies to text examples; --generate makes prompt/answer examples: drop --eos")
-    fields = Fields(text_field, prompt_field, completion_field, messages_field, id_field)
-    src = open_source(source, split=split, text_field=text_field, what=what, chunk_rows=sources.CHUNK_ROWS)
-    state = _State(src, fields, "text" if src.text_only else format)
+    src = open_source(source, split=read.split, text_field=fields.text, what=what, chunk_rows=sources.CHUNK_ROWS)
+    state = _State(src, fields, "text" if src.text_only else read.format)
     if generate is not None:
         state.format, state.targets = "prompt-completion", "completion"
     for chunk in src.chunks:
@@ -80,22 +76,22 @@ def load(source: Any, tokenizer: Any, format: str = "auto", *, split: str | None
                 state.check_id(record, location, where)
             tokens, answers = generate_chunk(chunk.records, wheres, tokenizer, fields, generate)
             state.answers += answers
-            state.add(tokens, chunk.records, wheres, max_length, truncate, keep_text, answers)
+            state.add(tokens, chunk.records, wheres, read, answers)
             continue
         state.check(chunk.records, chunk.locations, wheres)
         if state.targets is None:
-            state.targets = loss_targets(state.format, loss_on, state.conversational)  # type: ignore[arg-type]
+            state.targets = loss_targets(state.format, read.loss_on, state.conversational)  # type: ignore[arg-type]
             if state.conversational:
                 check_chat_template(tokenizer, f"{what} {src.name}")
-            if add_eos and state.format != "text":
+            if read.add_eos and state.format != "text":
                 raise DataError(f"{what} file {src.name} is {state.format} data: --eos (add_eos) applies to text "
                                 "examples only (completions always end with EOS; chat templates end the turns); "
                                 "drop it")
         tokens = tokenize_chunk(chunk.records, wheres, tokenizer, state.format, state.conversational, state.targets,
-                                fields, add_eos, max_length)  # a text far longer is cut before it is tokenized
-        state.add(tokens, chunk.records, wheres, max_length, truncate, keep_text)
-    state.eos_added = add_eos
-    return state.finish(tokenizer, max_length, truncate, batch_size, pad_id, what)
+                                fields, read.add_eos, read.max_length)  # a text far longer is cut before tokenizing
+        state.add(tokens, chunk.records, wheres, read)
+    state.eos_added = read.add_eos
+    return state.finish(tokenizer, read, batching, what)
 
 
 @dataclass
@@ -165,16 +161,16 @@ class _State:
                             f"{location}; ids must be unique")
         self.seen_ids[key] = location
 
-    def add(self, tokens: TokenChunk, records: list[dict[str, Any]], wheres: list[str], max_length: int | None,
-            truncate: bool, keep_text: bool, answers: list[str] | None = None) -> None:
+    def add(self, tokens: TokenChunk, records: list[dict[str, Any]], wheres: list[str], read: ReadOptions,
+            answers: list[str] | None = None) -> None:
         """Truncate and identify a tokenized chunk, and keep it."""
         self.empty += [w for w, n in zip(wheres, tokens.lengths) if n == 0]
         user_ids = [None if r.get(self.fields.id) is None else str(r[self.fields.id]) for r in records]
-        if max_length is not None:
+        if read.max_length is not None:
             partial = tokens.partial if tokens.partial is not None else np.zeros(len(records), dtype=bool)
-            tokens, prompt_cut, too_long, needed = _truncate(tokens, max_length, truncate)
+            tokens, prompt_cut, too_long, needed = _truncate(tokens, read.max_length, read.truncate)
             self.prompt_truncated += int(prompt_cut.sum())
-            self.cut += int(too_long.sum()) if truncate else 0
+            self.cut += int(too_long.sum()) if read.truncate else 0
             self.too_long += [(wheres[i], user_ids[i], int(needed[i]), bool(partial[i]))
                               for i in np.flatnonzero(too_long)]
         offsets = tokens.offsets
@@ -182,20 +178,19 @@ class _State:
         numbered = iter(self.content_ids.number(content_hash(tokens.tokens[offsets[i]:offsets[i + 1]]) for i in hashed))
         self.ids += [next(numbered) if ident is None else ident for ident in user_ids]
         self.parts.append((tokens.tokens.astype(np.int32), tokens.loss, tokens.lengths))
-        if keep_text and answers is not None:
+        if read.keep_text and answers is not None:
             self.texts += [_prompt_text(prompt_of(r, self.fields, w)) + a for r, w, a in zip(records, wheres, answers)]
-        elif keep_text:
+        elif read.keep_text:
             self.texts += [display_text(r, self.format, self.fields) for r in records]
 
-    def finish(self, tokenizer: Any, max_length: int | None, truncate: bool, batch_size: int, pad_id: int | None,
-               what: str) -> TokenizedDataset:
+    def finish(self, tokenizer: Any, read: ReadOptions, batching: BatchOptions, what: str) -> TokenizedDataset:
         if not self.ids:
             raise DataError(f"{what} file {self.source.name} holds no examples")
         if self.empty:
             more = f"; {len(self.empty) - 1} more {self.source.unit}s too" if len(self.empty) > 1 else ""
             raise DataError(f"{self.empty[0]} has no tokens (empty text){more}")
-        if self.too_long and not truncate:
-            raise _too_long_error(self.too_long, self.format, max_length)
+        if self.too_long and not read.truncate:
+            raise _too_long_error(self.too_long, self.format, read.max_length)
         tokens = np.concatenate([p[0] for p in self.parts])
         loss = np.concatenate([p[1] for p in self.parts])
         lengths = np.concatenate([p[2] for p in self.parts])
@@ -205,9 +200,10 @@ class _State:
                               int(targets.sum()), len(tokens), self.prompt_truncated, self.cut,
                               self.fields.id if self.id_rule and self.id_rule[1] else None, bool(self.answers),
                               self.eos_added)
-        if pad_id is None:
+        if batching.pad_id is None:
             pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-        return TokenizedDataset(tokens, loss, lengths, self.ids, summary, batch_size=batch_size, pad_id=pad_id,
+            batching = replace(batching, pad_id=pad_id)
+        return TokenizedDataset(tokens, loss, lengths, self.ids, summary, batch_options=batching,
                                 texts=self.texts or None, answers=self.answers or None)
 
 
@@ -274,21 +270,30 @@ def display_text(record: dict[str, Any], fmt: str, fields: Fields) -> str:
     return "\n".join(f"{m['role']}: {m['content']}" for m in prompt + completion)
 
 
-def texts(source: Any, tokenizer: Any | None = None, *, max_length: int | None = None, what: str = "data",
-          prompts: bool = False, **options: Any) -> dict[str, str]:
+def texts(source: Any, tokenizer: Any | None = None, *, fields: Fields | None = None,
+          read_options: ReadOptions | None = None, prompts: bool = False, what: str = "data") -> dict[str, str]:
     """``{id: text}`` of a dataset for display (``text``, ``prompt + completion`` or the conversation), the ids
-    computed as :func:`load` computes them (content hashes need ``tokenizer``; examples longer than
-    ``max_length`` are hashed as ``truncate=True`` stored them). ``prompts``: the source holds query prompts
-    answered with ``generate=`` (their text is the prompt; they need ids). ``options``: :func:`load`'s field
-    options."""
+    computed as :func:`load` computes them.
+
+    Args:
+        source, fields, what: as :func:`load` takes them.
+        tokenizer: the tokenizer content-hash ids need (None: the records must have ids).
+        read_options: as :func:`load` takes them; ``truncate`` and ``keep_text`` are set here (an example longer
+            than ``max_length`` is hashed as ``truncate=True`` stored it).
+        prompts: the source holds query prompts answered with ``generate=`` (their text is the prompt; they need
+            ids).
+
+    Raises:
+        DataError: as :func:`load`, or records without ids and no ``tokenizer`` (or ``prompts``) to hash them.
+    """
+    fields = option_object(fields, Fields, "fields")
+    read = option_object(read_options, ReadOptions, "read_options")
     if tokenizer is not None and not prompts:
-        data = load(source, tokenizer, max_length=max_length, truncate=True, keep_text=True, what=what, **options)
+        data = load(source, tokenizer, fields=fields, read_options=replace(read, truncate=True, keep_text=True),
+                    what=what)
         return dict(zip(data.ids, data.texts or []))
-    fields = Fields(*(options.get(f"{name}_field", name) for name in ("text", "prompt", "completion", "messages")),
-                    options.get("id_field", "id"))
-    src = open_source(source, split=options.get("split"), text_field=fields.text, what=what,
-                      chunk_rows=sources.CHUNK_ROWS)
-    state = _State(src, fields, "text" if src.text_only else options.get("format", "auto"))
+    src = open_source(source, split=read.split, text_field=fields.text, what=what, chunk_rows=sources.CHUNK_ROWS)
+    state = _State(src, fields, "text" if src.text_only else read.format)
     out: dict[str, str] = {}
     for chunk in src.chunks:
         wheres = [src.where(location) for location in chunk.locations]
@@ -312,19 +317,18 @@ def texts(source: Any, tokenizer: Any | None = None, *, max_length: int | None =
     return out
 
 
-# the data options a run records (``gradtrace collect``/``score`` configurations) -> :func:`load`'s keywords
-_RECORDED_OPTIONS = (("format", "data_format"), ("split", "split"), ("prompt_field", "prompt_field"),
-                     ("completion_field", "completion_field"), ("messages_field", "messages_field"),
-                     ("add_eos", "eos"))
-
-
 def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *, text_field: str, id_field: str,
                   what: str) -> dict[str, str]:
     """``{id: text}`` of a dataset, read with the data options ``recorded`` when it was collected or scored
-    (format, fields, split, --eos, --max-length, --generate; :func:`load`'s defaults, which are the commands',
-    where absent), ``text_field``/``id_field`` as given. A file that no longer holds the bytes ``recorded``
-    fingerprints is read with a :class:`gradtrace.data.files.DataChangedWarning` naming it."""
+    (the commands' option names: ``data_format``, ``split``, the prompt/completion/messages fields, ``eos``,
+    ``max_length``, ``generate``; the commands' defaults where absent), ``text_field``/``id_field`` as given. A file
+    that no longer holds the bytes ``recorded`` fingerprints is read with a
+    :class:`gradtrace.data.files.DataChangedWarning` naming it."""
     warn_if_changed(path, recorded, what)
-    options = {key: recorded[name] for key, name in _RECORDED_OPTIONS if name in recorded}
-    return texts(path, tokenizer, max_length=recorded.get("max_length"), what=what, text_field=text_field,
-                 id_field=id_field, prompts=bool(recorded.get("generate")), **options)
+    names = {"prompt": "prompt_field", "completion": "completion_field", "messages": "messages_field"}
+    fields = Fields(text=text_field, id=id_field, **{key: recorded[name] for key, name in names.items()
+                                                     if recorded.get(name)})
+    read = ReadOptions(format=recorded.get("data_format") or "auto", split=recorded.get("split"),
+                       max_length=recorded.get("max_length"), add_eos=bool(recorded.get("eos")))
+    return texts(path, tokenizer, fields=fields, read_options=read, prompts=bool(recorded.get("generate")),
+                 what=what)

@@ -31,6 +31,8 @@ from ..capture.collect import collect
 from ..capture.sink import StoreWriter
 from ..data.corpus import PLANTED, Document, load_plays, train_tokenizer
 from ..loss.functions import lm_labels
+from ..options import CaptureOptions, Loss, StoreOptions
+from ..options.data import BatchOptions, ReadOptions
 from ..projection.logra import LoGra
 from ..score import Attributor, Scores
 from ..store import GradientStore
@@ -82,8 +84,9 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
     projection = LoGra(rank=rank, seed=seed)
     _write_jsonl(out / "train.jsonl", docs)  # read back through gradtrace.data, as `gradtrace collect` reads it
     _write_jsonl(out / "queries.jsonl", [Document(f"query-{p.id.removeprefix('planted-')}", p.query) for p in PLANTED])
-    train = gd.load(out / "train.jsonl", tokenizer, max_length=max_length, truncate=True, batch_size=batch_size,
-                    keep_text=True)
+    read = ReadOptions(max_length=max_length, truncate=True, keep_text=True)
+    train = gd.load(out / "train.jsonl", tokenizer, read_options=read,
+                    batch_options=BatchOptions(batch_size=batch_size))
     say(f"data:   {train.summary.line()}")
     texts = dict(zip(train.ids, train.texts or []))
     rng = random.Random(seed)
@@ -92,9 +95,11 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
         order = list(range(len(docs)))
         rng.shuffle(order)
         last = epoch == epochs - 1
-        writer = StoreWriter(store_path, overwrite=True, shard_rows=256, dtype=dtype,
-                             config={"demo": {"epoch": epoch, "rank": rank, "seed": seed}}) if last else None
-        ctx = (capture(model, reduction="token_mean", projection=projection, callbacks=[writer]) if last
+        storing = StoreOptions(overwrite=True, shard_rows=256, dtype=dtype,
+                               config={"demo": {"epoch": epoch, "rank": rank, "seed": seed}})
+        writer = StoreWriter(store_path, storing) if last else None
+        ctx = (capture(model, loss=Loss(reduction="token_mean"), callbacks=[writer],
+                       options=CaptureOptions(projection=projection)) if last
                else nullcontext())
         total, count = 0.0, 0
         with ctx as cap:
@@ -116,9 +121,9 @@ def run(out_dir: str | Path = "gradtrace-demo", *, num_docs: int = 800, epochs: 
     model_dir = out / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    queries = gd.load(out / "queries.jsonl", tokenizer, max_length=max_length, truncate=True,
-                      batch_size=len(PLANTED), keep_text=True, what="queries")
-    query_grads = collect(model, queries, projection=projection)
+    queries = gd.load(out / "queries.jsonl", tokenizer, read_options=read,
+                      batch_options=BatchOptions(batch_size=len(PLANTED)), what="queries")
+    query_grads = collect(model, queries, options=CaptureOptions(projection=projection))
     scores = Attributor(method, store).score(query_grads, topk=max(topk, 10))
     top = scores.topk(topk)
     hits = 0

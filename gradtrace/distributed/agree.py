@@ -135,8 +135,8 @@ def check_store_writers(writer: Any, capture: Any, group: Any = None) -> None:
     """
     rank = writer.options["rank"] if writer.options["rank"] is not None else rank_and_world(group)[0]
     spec = {"capture": capture_spec(capture),
-            "store": {"path": str(writer.path), "dtype": writer.dtype, "resume": writer.options["resume"],
-                      "overwrite": writer.options["overwrite"]}}
+            "store": {"path": str(writer.path), "dtype": writer.dtype, "resume": writer.store_options.resume,
+                      "overwrite": writer.store_options.overwrite}}
     gathered = gather_objects({"spec": spec, "locked": _foreign_lock(writer.path, rank), "rank": rank}, group)
     problems = [f"rank {r}: {_difference(gathered[0]['spec'], g['spec'])}" for r, g in enumerate(gathered)
                 if g["spec"] != gathered[0]["spec"]]

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..capture.collect import collect
 from ..methods import available_methods, get_method
+from ..options import CaptureOptions, RunOptions
 from ..projection.logra import LoGra
 from ..score import Attributor, Ensemble, Unrolled
 from .groundtruth import GroundTruth
@@ -163,9 +164,9 @@ class _Gradients:
                 return train, queries, seconds
         task, model = self.task, self.task.model
         began = time.perf_counter()
-        train = collect(model, task.train_batches(self.batch_size), task.loss_fn, projection=projection,
-                        progress=self.progress)
-        queries = collect(model, task.query_batches(), task.loss_fn, projection=projection)
+        train = collect(model, task.train_batches(self.batch_size), task.loss_fn,
+                        options=CaptureOptions(projection=projection), run=RunOptions(progress=self.progress))
+        queries = collect(model, task.query_batches(), task.loss_fn, options=CaptureOptions(projection=projection))
         seconds = time.perf_counter() - began
         if list(train.ids) != task.train_ids or list(queries.ids) != task.query_ids:
             raise RuntimeError("the collected gradients do not cover the task's examples in order (non-finite "
@@ -204,9 +205,11 @@ class _Members:
         key = (kind, count, repr(None if projection is None else projection.to_dict()))
         if key not in self.held:
             task, began = self.task, time.perf_counter()
-            trains = [collect(m, task.train_batches(self.batch_size), task.loss_fn, projection=projection,
-                              progress=self.progress) for m in models]
-            queries = [collect(m, task.query_batches(), task.loss_fn, projection=projection) for m in models]
+            trains = [collect(m, task.train_batches(self.batch_size), task.loss_fn,
+                              options=CaptureOptions(projection=projection),
+                              run=RunOptions(progress=self.progress)) for m in models]
+            queries = [collect(m, task.query_batches(), task.loss_fn,
+                               options=CaptureOptions(projection=projection)) for m in models]
             self.held[key] = (trains, queries, time.perf_counter() - began)
         trains, queries, seconds = self.held[key]
         return models, trains, queries, seconds, train_seconds

@@ -7,12 +7,12 @@ The caller supplies two functions, which keeps this module independent of any mo
 * ``outcome_fn(model) -> [Q]`` evaluates the queries: ``-loss`` of each (higher = better, matching the
   sign of attribution scores).
 
-LDS subsets are drawn one after another from one generator seeded by ``seed``, so the first ``S``
-subsets are the same whatever the total: a cached ground truth extends to more subsets and a smaller
-request reads a prefix. Run ``r`` of every subset trains with seed ``seed + r`` (the same initialisation
-and data order for every subset, so outcomes differ only through the data); ``seed_per_subset=True``
-instead gives run ``r`` of subset ``s`` the seed ``seed + s * runs + r``. ``runs > 1`` averages each
-subset's outcomes over its runs.
+The sampling settings are a :class:`gradtrace.options.eval.LDSOptions`. LDS subsets are drawn one after
+another from one generator seeded by its ``seed``, so the first ``S`` subsets are the same whatever the total: a
+cached ground truth extends to more subsets and a smaller request reads a prefix. Run ``r`` of every subset trains
+with seed ``seed + r`` (the same initialisation and data order for every subset, so outcomes differ only through
+the data); ``seed_per_subset=True`` instead gives run ``r`` of subset ``s`` the seed ``seed + s * runs + r``.
+``runs > 1`` averages each subset's outcomes over its runs.
 
 A cache directory holds ``groundtruth.safetensors`` (masks, outcomes and, in its header, the metadata)
 and a readable copy of the metadata in ``meta.json``. The metadata carries a fingerprint of everything
@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ..options.eval import LDSOptions
 
 __all__ = ["GroundTruth", "StaleGroundTruth", "build_lds_ground_truth", "build_loo_ground_truth",
            "fingerprint", "subset_masks"]
@@ -165,40 +167,36 @@ def _bar(total: int, initial: int, enabled: bool, desc: str):
     return progress_bar(total=total, initial=initial, desc=desc, unit="model")
 
 
-def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: int, num_subsets: int = 100,
-                           fraction: float = 0.5, seed: int = 0, runs: int = 1, progress: bool = False,
+def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: int, *,
                            cache: str | Path | None = None, config: dict[str, Any] | None = None,
-                           seed_per_subset: bool = False, save_every_s: float = 30.0,
-                           subset_seed: int | None = None) -> GroundTruth:
+                           options: LDSOptions | None = None) -> GroundTruth:
     """Retrain on random subsets and record the queries' outcomes (the LDS ground truth).
 
     Args:
         train_fn: ``train_fn(indices [m] long, seed) -> model``, trained on those training examples.
         outcome_fn: ``outcome_fn(model) -> [Q]``, the queries' ``-loss`` (higher = better).
         num_train: ``N``, the number of training examples.
-        num_subsets: ``S``, how many subsets.
-        fraction: each subset holds exactly ``round(fraction * N)`` examples.
-        seed: seeds the subset draws and the training seeds (see the module docstring).
-        runs: models trained per subset (seeds ``seed + r``); their outcomes are averaged.
-        progress: show a progress bar.
         cache: a directory: a matching ground truth there is loaded (and extended if it holds fewer
-            subsets), a build saves there as it goes; one built for another configuration is refused
-            with :class:`StaleGroundTruth`.
-        config: what the outcomes depend on besides these arguments (the task: data, model, training
+            subsets), a build saves there as it goes.
+        config: what the outcomes depend on besides ``num_train`` and the options (the task: data, model, training
             recipe), JSON-serialisable; required with ``cache`` -- it is how a stale cache is detected.
-        seed_per_subset: give every subset its own training seeds instead of sharing them.
-        save_every_s: while building with a cache, save progress at most this often (seconds).
-        subset_seed: draw the subsets from this seed instead of ``seed`` (training seeds unchanged): another
-            ground truth of the same question, on other subsets -- e.g. to confirm on fresh subsets what was
-            chosen looking at the first.
+        options: how many subsets, their size, the seeds and runs (:class:`gradtrace.options.eval.LDSOptions`;
+            default: its defaults, 100 subsets of half the data).
 
     Returns:
         :class:`GroundTruth` with ``masks [S, N]``, ``outcomes [S, Q]`` and ``meta``.
+
+    Raises:
+        StaleGroundTruth: the ground truth cached at ``cache`` was built for another configuration.
+        ValueError: ``cache`` without ``config``; ``outcome_fn`` returned other than ``[Q]`` finite values.
     """
-    if runs < 1 or num_subsets < 1:
-        raise ValueError(f"need runs >= 1 and num_subsets >= 1, got runs={runs}, num_subsets={num_subsets}")
+    options = LDSOptions() if options is None else options
+    if not isinstance(options, LDSOptions):
+        raise TypeError(f"options= must be an LDSOptions, got {type(options).__name__}")
     if cache is not None and config is None:
         raise ValueError("a cached ground truth needs config=... (the task's settings) to detect a stale cache")
+    num_subsets, fraction, seed, runs = options.num_subsets, options.fraction, options.seed, options.runs
+    seed_per_subset, subset_seed = options.seed_per_subset, options.subset_seed
     settings = {"kind": "lds", "schema": SCHEMA, "config": config, "num_train": num_train, "fraction": fraction,
                 "seed": seed, "runs": runs, "seed_per_subset": seed_per_subset}
     if subset_seed is not None:  # absent otherwise: ground truths cached before it keep their fingerprint
@@ -231,7 +229,7 @@ def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: 
         return GroundTruth(masks[:count], torch.stack(rows[:count]),
                            {**meta, "train_seconds": spent, "seconds_per_model": spent / max(1, count * runs)})
 
-    bar = _bar(num_subsets, start, progress, "LDS ground truth")
+    bar = _bar(num_subsets, start, options.progress, "LDS ground truth")
     last_save = time.monotonic()
     try:
         for s in range(start, num_subsets):
@@ -248,7 +246,7 @@ def build_lds_ground_truth(train_fn: TrainFn, outcome_fn: OutcomeFn, num_train: 
             rows.append(total / runs)
             if bar is not None:
                 bar.update(1)
-            if cache is not None and time.monotonic() - last_save >= save_every_s:
+            if cache is not None and time.monotonic() - last_save >= options.save_every_s:
                 result(len(rows)).save(cache)
                 last_save = time.monotonic()
     finally:

@@ -100,14 +100,16 @@ class UnfusedLMHead:
         if float(settings.get("temperature", 1.0)) != 1.0:
             raise NotImplementedError("gradtrace: the fused LM head divides the logits by a temperature "
                                       f"({settings['temperature']}); capturing the LM head is only supported at "
-                                      "temperature 1 (SFT). Exclude the LM head from the capture (exclude=['lm_head'])")
+                                      "temperature 1 (SFT). Exclude the LM head from the capture "
+                                      "(CaptureOptions(exclude=['lm_head']))")
         kwargs = dict(kwargs)
         kwargs.pop("fused_lm_head")
         labels = kwargs.pop("labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
         if labels is None or kwargs.pop("shift_labels", None) is not None or kwargs.get("output_router_logits"):
             raise NotImplementedError("gradtrace: capturing the LM head through TRL's fused head needs unshifted "
-                                      "labels and no MoE router loss; exclude the LM head (exclude=['lm_head'])")
+                                      "labels and no MoE router loss; exclude the LM head "
+                                      "(CaptureOptions(exclude=['lm_head']))")
         kwargs["use_cache"] = False
         self._stack.append((labels, num_items))
         self.used = True

@@ -3,7 +3,8 @@
 ```python
 from gradtrace.integrations.hf import GradtraceCallback
 
-callback = GradtraceCallback("runs/train", projection=gradtrace.LoGra(rank=16), ids="id")
+callback = GradtraceCallback("runs/train", options=gradtrace.CaptureOptions(projection=gradtrace.LoGra(rank=16)),
+                             ids="id")
 trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[callback])   # or trl.SFTTrainer
 trainer.train()
 store = callback.result()        # a GradientStore: one row per example, with step, epoch and lr
@@ -33,16 +34,14 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ..capture import Capture
-from ..capture.layer_selection import LayerSpec
-from ..options import CaptureOptions, StoreOptions, takes_options
-from ..projection.logra import LoGra
+from ..options import CaptureOptions, Loss, StoreOptions
+from ..options.base import option_object
 from ..store import GradientStore
 from .trainer_session import Session
 from .trainer_store import checkpoints, segments
@@ -55,8 +54,16 @@ class GradtraceCallback(TrainerCallback):
 
     Args:
         store: the store directory.
-        projection: ``gradtrace.LoGra(...)`` to project at capture time, or None for exact gradients.
-        dtype: storage format, ``"float32"``, ``"bfloat16"`` or ``"int8"``.
+        loss: the Trainer's loss (:class:`gradtrace.Loss`). By default everything is derived from the Trainer
+            (``num_items_in_batch``, gradient accumulation, the AMP scaler); set ``reduction`` and ``scale`` to
+            state it yourself (for a custom ``compute_loss``: the check tells you if needed). ``example_loss``: the
+            loss each gradient belongs to (``"sum"`` over the example's target tokens, or their ``"mean"``).
+            ``check``: on the first captured micro-batch, check that the value ``compute_loss`` returns is the sum
+            of the examples' own losses (recomputed from the model's output) scaled as derived; raise if not.
+        options: what is captured (:class:`gradtrace.CaptureOptions`: projection, layers, exclude, strict).
+        store_options: how the store is written (:class:`gradtrace.StoreOptions`); ``shard_rows`` defaults to up
+            to 4096, fewer when rows are large (at most 256 MiB of float32 per shard); ``config`` is recorded in
+            the manifest with the resolved option objects (``config["gradtrace"]["options"]``).
         ids: where each example's id comes from: ``"index"`` (its row in the training dataset), the name of
             an id column, or None (a content hash of its unpadded tokens, numbered by
             :class:`gradtrace.data.ids.ContentIds` as ``gradtrace.data.load`` numbers them, anew each epoch).
@@ -65,59 +72,29 @@ class GradtraceCallback(TrainerCallback):
             epoch's first step captures the gradients of the trained model.
         trajectory: keep every use of an example (rows ``f"{id}@{step}"`` with ``example`` and ``weight``
             fields, the layout DVEmb reads) instead of the first one only.
-        example_loss: the loss each gradient belongs to: ``"sum"`` over the example's target tokens or their
-            ``"mean"``.
-        layers, exclude: module name globs or classes to capture / leave out (as in ``gradtrace.capture``).
-        reduction, loss_scale: state the Trainer's loss yourself (``gradtrace.capture``'s meanings) instead
-            of deriving it from the Trainer; for a custom ``compute_loss`` the check below tells you if needed.
-        check: on the first captured micro-batch, check that the value ``compute_loss`` returns is the sum of
-            the examples' own losses (recomputed from the model's output) scaled as derived; raise if not.
-        resume, overwrite: store options (see :class:`gradtrace.StoreWriter`).
-        shard_rows: rows per shard file; default: up to 4096, fewer when rows are large (at most 256 MiB of
-            float32 per shard; rows are streamed into the open shard's file, so memory does not grow with it).
-        strict: raise instead of warning when trainable parameters cannot be captured per example.
-        config: extra configuration recorded in the store's manifest.
-        options, store_options: the capture settings above (``projection``, ``example_loss``, ``layers``,
-            ``exclude``, ``reduction``, ``loss_scale``, ``strict``) as a :class:`gradtrace.options.CaptureOptions`
-            and the store settings (``dtype``, ``resume``, ``overwrite``, ``shard_rows``) as a
-            :class:`gradtrace.options.StoreOptions`, instead of the keywords; the resolved objects are recorded in
-            the store's manifest (``config["gradtrace"]["options"]``).
     """
 
-    @takes_options(options=CaptureOptions, store_options=StoreOptions)
-    def __init__(self, store: str | Path, *, projection: LoGra | None = None, dtype: str = "float32",
-                 ids: str | None = "index", every: int = 1, start_step: int = 0, trajectory: bool = False,
-                 example_loss: str = "sum",
-                 layers: Iterable[LayerSpec] | None = None, exclude: Iterable[LayerSpec] | None = None,
-                 reduction: str | None = None, loss_scale: float | Callable[[], float] | None = None,
-                 check: bool = True, resume: bool = False, overwrite: bool = False, shard_rows: int | None = None,
-                 strict: bool = False, config: dict[str, Any] | None = None, options: CaptureOptions | None = None,
-                 store_options: StoreOptions | None = None) -> None:
+    def __init__(self, store: str | Path, *, loss: Loss | None = None, options: CaptureOptions | None = None,
+                 store_options: StoreOptions | None = None, ids: str | None = "index", every: int = 1,
+                 start_step: int = 0, trajectory: bool = False) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every must be a positive integer, got {every!r}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
-        if loss_scale is not None and reduction is None:
-            raise ValueError("loss_scale= states the Trainer's loss together with reduction=; pass both")
-        self.options, self.store_options = options, store_options  # resolved by takes_options
+        loss = option_object(loss, Loss, "loss")
+        if loss.fn is not None:
+            raise ValueError("GradtraceCallback: the Trainer computes the loss; leave Loss.fn None")
+        if loss.scale is not None and loss.reduction is None:
+            raise ValueError("Loss.scale states the Trainer's loss together with Loss.reduction; pass both")
+        store_options = option_object(store_options, StoreOptions, "store_options")
+        self.loss = loss
+        self.options = options = option_object(options, CaptureOptions, "options")
+        self.store_options = store_options  # its dtype is decided when training starts (a resumed store's own)
         self.path = Path(store)
-        self.projection = projection
-        self.dtype = dtype
         self.ids = ids
         self.every = every
         self.start_step = start_step
         self.trajectory = trajectory
-        self.example_loss = example_loss
-        self.layers = list(layers) if layers is not None else None
-        self.exclude = list(exclude) if exclude is not None else None
-        self.reduction = reduction
-        self.loss_scale = loss_scale
-        self.check = check
-        self.resume = resume
-        self.overwrite = overwrite
-        self.shard_rows = shard_rows
-        self.strict = strict
-        self.config = dict(config or {})
         self.trainer: Any = None
         self.capture: Capture | None = None
         self._session: Session | None = None

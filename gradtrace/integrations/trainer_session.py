@@ -12,6 +12,7 @@ import math
 import os
 import warnings
 from collections.abc import Callable, MutableMapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from ..common.ranks import rank_and_world as dist_rank
 from ..options import with_record
 from ..store.artifact import atomic_write_json
 from ..store.spec import model_fingerprint
+from ..store.writer import resolved_store_options
 from .fused_head import UnfusedLMHead, captures_output_embedding
 from .trainer_ids import ID_KEY, prepare_ids
 from .trainer_loss import CallLoss, TrainerLoss, loss_ratio
@@ -56,7 +58,7 @@ class Session:
         self.epoch = 0
         self.entered = False
         self.closed = False
-        self.checked = not callback.check
+        self.checked = not callback.loss.check
         self.probe: dict[str, Any] | None = None
         self.lrs: list[float] = []
         self.saves: list[dict] = []
@@ -110,32 +112,33 @@ class Session:
         cb, trainer = self.cb, self.trainer
         self.model = model
         loss = TrainerLoss(trainer)  # refuses DataParallel and DeepSpeed
-        self.loss = loss if cb.reduction is None else None
+        self.loss = loss if cb.loss.reduction is None else None
         rank, world_size = dist_rank()
         self.trainer_config = {
             "trainer": type(trainer).__name__, "model": type(unwrap(model)).__name__,
             "ids": {"source": "content-hash" if cb.ids is None else "index" if cb.ids == "index" else "column",
                     **({"column": cb.ids} if cb.ids not in (None, "index") else {})},
             "every": cb.every, "start_step": cb.start_step, "trajectory": cb.trajectory,
-            "loss": loss.describe() if self.loss is not None else {"reduction": cb.reduction,
-                                                                     "loss_scale": _describe_scale(cb.loss_scale)},
+            "loss": loss.describe() if self.loss is not None else {"reduction": cb.loss.reduction,
+                                                                     "loss_scale": _describe_scale(cb.loss.scale)},
             "optimizer_parameters": _optimizer_parameter_names(trainer.optimizer, model),
             "checkpoints": []}
         output_dir = os.path.abspath(args.output_dir)
         self.trainer_config["output_dir"] = relative_path(output_dir, cb.path)
         # the model directory score loads by default: the output dir, where trainer.save_model() puts the final model
-        config = with_record({**record_paths({"model": output_dir}, cb.path), **cb.config,
-                              CONFIG_KEY: self.trainer_config}, capture=cb.options, store=cb.store_options)
-        preflight(cb.path, rank, world_size, cb.resume, cb.overwrite)
-        self.writer = StoreWriter(cb.path, dtype=cb.dtype, shard_rows=cb.shard_rows or 4096, resume=cb.resume,
-                                  overwrite=cb.overwrite, mixed_weights=True, config=config)
-        self.rows = TrainerRows(self.writer, trajectory=cb.trajectory, auto_shard_rows=cb.shard_rows is None)
-        auto = cb.reduction is None
-        self.capture = cb.capture = Capture(
-            model, layers=cb.layers, exclude=cb.exclude, reduction=cb.reduction or "token_mean",
-            example_loss=cb.example_loss, loss_scale=(lambda: self.call_scale) if auto else (cb.loss_scale or 1.0),
-            projection=cb.projection, callbacks=[self.rows], keep_batches=False, strict=cb.strict,
-            causal_lm=_is_causal_lm(model))
+        storing = resolved_store_options(cb.path, cb.store_options)
+        config = with_record({**record_paths({"model": output_dir}, cb.path), **(storing.config or {}),
+                              CONFIG_KEY: self.trainer_config}, capture=cb.options, store=storing, loss=cb.loss)
+        preflight(cb.path, rank, world_size, storing.resume, storing.overwrite)
+        self.writer = StoreWriter(cb.path, replace(storing, shard_rows=storing.shard_rows or 4096, config=config),
+                                  mixed_weights=True)
+        self.rows = TrainerRows(self.writer, trajectory=cb.trajectory, auto_shard_rows=storing.shard_rows is None)
+        auto = cb.loss.reduction is None
+        causal_lm = cb.loss.causal_lm if cb.loss.causal_lm is not None else _is_causal_lm(model)
+        loss = replace(cb.loss, reduction=cb.loss.reduction or "token_mean", causal_lm=causal_lm,
+                       scale=(lambda: self.call_scale) if auto else (cb.loss.scale or 1.0))
+        self.capture = cb.capture = Capture(model, loss, options=cb.options, callbacks=[self.rows],
+                                            keep_batches=False)
         if not self.capture.handlers:
             raise ValueError(f"gradtrace: nothing in {type(unwrap(model)).__name__} can be captured per example "
                              f"(no trainable parameter of a supported layer kind):\n{self.capture.report()}")
@@ -202,8 +205,8 @@ class Session:
                 f"settings ({probe['call'].path}: the examples' summed token losses divided by "
                 f"{'num_items_in_batch' if probe['call'].num_items is not None else 'their target count'}). A custom "
                 "compute_loss or compute_loss_func, or a model whose loss ignores num_items_in_batch, needs the "
-                "convention stated: GradtraceCallback(..., reduction='mean' | 'sum' | 'token_mean', loss_scale=...) "
-                "(see gradtrace.capture). check=False skips this check.")
+                "convention stated: GradtraceCallback(..., loss=Loss(reduction='mean' | 'sum' | 'token_mean', "
+                "scale=...)) (see gradtrace.capture). Loss(check=False) skips this check.")
 
     def _strip_ids(self, module: Any, args: tuple, kwargs: dict) -> Any:
         announced, self.announced = self.announced, False
@@ -318,7 +321,8 @@ class Session:
 
 def _optimizer_parameter_names(optimizer: Any, model: Any) -> list[str] | None:
     """Names of the optimizer's parameters in its order (the Trainer groups them by weight decay), so that the
-    optimizer state of a checkpoint can be matched to the model: ``less_features(..., param_names=...)``."""
+    optimizer state of a checkpoint can be matched to the model (for ``less_features``: as each param group's
+    ``"param_names"`` of its state dict)."""
     if optimizer is None:
         return None
     names = {id(p): strip_wrappers(n) for n, p in unwrap(model).named_parameters()}

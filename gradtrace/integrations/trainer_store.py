@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,9 @@ def preflight(path: Path, rank: int, world_size: int, resume: bool, overwrite: b
         return
     if (path / MANIFEST).exists():
         if world_size == 1 and not (resume or overwrite):
-            raise StoreError(f"gradtrace: {path} already holds a gradient store; pass resume=True to add to it or "
-                             "overwrite=True to replace it")
+            raise StoreError(f"gradtrace: {path} already holds a gradient store; pass "
+                             "store_options=StoreOptions(resume=True) to add to it or StoreOptions(overwrite=True) to "
+                             "replace it")
         return
     foreign = [p.name for p in path.iterdir() if p.name != "shards" and not p.name.startswith((".tmp-", "rank-"))]
     if foreign:
@@ -91,7 +93,8 @@ def checkpoints(store: Any) -> list[dict]:
     next update from the checkpoint's weights, ``mean_lr`` the mean rate of the ``updates`` optimizer steps
     since the previous checkpoint (LESS weights each checkpoint by it; TracIn by the rate of its interval).
     The store's ``config["trainer"]["optimizer_parameters"]`` names the optimizer's parameters in its order,
-    which maps a checkpoint's ``optimizer.pt`` to the model (``less_features(..., param_names=...)``); each entry
+    which maps a checkpoint's ``optimizer.pt`` to the model (for ``less_features``: as each param group's
+    ``"param_names"`` of its state dict); each entry
     carries it too (``"optimizer_parameters"``, when recorded), so that :func:`gradtrace.collect_checkpoints`
     records it in each checkpoint's store, where ``trackstar`` finds it.
     """
@@ -196,5 +199,6 @@ class TrainerRows(RowTransform, CaptureCallback):
 
     def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
         if self.auto_shard_rows and self.writer.writer is None:  # the store opens with this batch
-            self.writer.options["shard_rows"] = shard_rows_for(sum(batch.dims.values()))
+            self.writer.store_options = replace(self.writer.store_options,
+                                                shard_rows=shard_rows_for(sum(batch.dims.values())))
         self.writer.on_batch(batch, capture)

@@ -90,7 +90,7 @@ def data_value_embeddings(trajectory: Any, *, by: str = "example", max_dim: int 
         gib = dim * dim * torch.finfo(dtype).bits / 8 / 2**30
         raise ValueError(f"dvemb keeps a dim x dim matrix, and these gradients have {dim} dims ({gib:.1f} GiB in "
                          f"{dtype}): record the trajectory with a smaller LoGra rank (e.g. LoGra(rank=8)) or fewer "
-                         f"layers (capture(..., layers=[...])), or raise max_dim={max_dim}")
+                         f"layers (capture(..., options=CaptureOptions(layers=[...]))), or raise max_dim={max_dim}")
     if len(trajectory) == 0:
         raise ValueError("the trajectory is empty")
     examples = [str(e) for e in _field(trajectory, "example")]

@@ -22,9 +22,10 @@ from torch import Tensor
 
 from ..common.checks import at_least, count
 from ..common.checks import seed as seed_of
-from ..curvature import Curvature, fit_curvature
+from ..curvature import Curvature
 from ..curvature.blocks import DenseBlock
 from ..curvature.curvature import CurvatureError, DenseEigen, eigh
+from ..curvature.fit import fit_curvature_from
 from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, get_method, register_method
 
@@ -79,9 +80,8 @@ class _CurvatureMethod(Method):
             options["projection"] = projection
         if model is None or data is None:
             raise MissingStage(f"{self.name}: fit(model, train_data, loss_fn) needs the model and training data")
-        kwargs = {**self.fit_options, **options}
-        self.curvature = fit_curvature(model, data, loss_fn, kind=self.curvature_kind, fisher=self.fisher,
-                                       spec=attributor.spec, **kwargs)
+        settings = {**self.fit_options, **options, "kind": self.curvature_kind, "fisher": self.fisher}
+        self.curvature = fit_curvature_from(model, data, loss_fn, attributor.spec, settings)
 
     def check_ready(self) -> None:
         if self.curvature is None:
@@ -215,15 +215,15 @@ class LoGraInfluence(_CurvatureMethod):
             options["projection"] = projection
         if spec.projection is None:
             raise ValueError("logra influence works in a projected space: collect the training gradients with "
-                             "projection=gradtrace.LoGra(...)")
+                             "options=CaptureOptions(projection=gradtrace.LoGra(...))")
         max_dense = options.get("max_dense", self.fit_options["max_dense"])
         mode = self.resolve_mode(len(attributor.train[0]), spec, model is not None and data is not None, max_dense)
         self.mode_used = mode
         if mode in ("kfac", "ekfac"):
             if model is None or data is None:
                 raise MissingStage(f"logra mode {mode!r}: fit(model, train_data, loss_fn) needs the model and data")
-            self.curvature = fit_curvature(model, data, loss_fn, kind=mode, fisher=self.fisher, spec=spec,
-                                           **{**self.fit_options, **options})
+            self.curvature = fit_curvature_from(model, data, loss_fn, spec,
+                                                {**self.fit_options, **options, "kind": mode, "fisher": self.fisher})
             return
         if self.fisher not in ("auto", "empirical"):
             raise ValueError(f"logra mode 'dense' takes the Fisher of the stored gradients (the empirical Fisher); "

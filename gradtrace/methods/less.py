@@ -41,9 +41,11 @@ from ..common.checks import rates
 from ..common.modules import strip_wrappers, unwrap
 from ..grad.batch import GradientBatch
 from ..loss.functions import LossFn, causal_lm_loss, default_loss
-from ..options import CaptureOptions, StoreOptions, takes_options, with_record
+from ..options import CaptureOptions, Loss, RunOptions, StoreOptions, with_record
+from ..options.base import option_object
 from ..projection.sketch import Sketch
 from ..store import GradientSpec, GradientStore, ShardWriter, SpecMismatch, model_fingerprint
+from ..store.writer import resolved_store_options
 from .base import Method, MissingStage, register_method
 from .similarity import _normalize
 
@@ -110,19 +112,19 @@ def _state_dict_params(model: nn.Module, state_dict: dict[str, Any],
         return {i: strip_wrappers(n) for g in groups for i, n in zip(g["params"], g["param_names"])}, "names"
     if len(groups) > 1:  # grouped (e.g. the Trainer's weight-decay groups): its order is not the model's
         raise ValueError(f"the optimizer state has {len(groups)} parameter groups and records no parameter names, so "
-                         "its order need not be the model's: pass param_names= (the names of its parameters in its "
-                         "order; a GradtraceCallback store records them as config['trainer']"
-                         "['optimizer_parameters']) or the optimizer itself, or save them beside the checkpoint's "
-                         "optimizer.pt as gradtrace-optimizer.json ({\"optimizer_parameters\": [...]}, which "
-                         "GradtraceCallback writes)")
+                         "its order need not be the model's: name them, with param_names= where the call takes it or "
+                         "as each param group's 'param_names' (in its order; a GradtraceCallback store records them "
+                         "as config['trainer']['optimizer_parameters']) or the optimizer itself, or save them beside "
+                         "the checkpoint's optimizer.pt as gradtrace-optimizer.json "
+                         "({\"optimizer_parameters\": [...]}, which GradtraceCallback writes)")
     named = list(_named_params(model).items())
     trainable = [(n, p) for n, p in named if p.requires_grad]
     for order, what in ((named, "all parameters"), (trainable, "trainable parameters")):
         if len(order) == len(indices):
             return {i: order[pos][0] for pos, i in enumerate(indices)}, what
     raise ValueError(f"cannot map the optimizer state's {len(indices)} parameters to the model's ({len(named)} "
-                     f"parameters, {len(trainable)} trainable): pass the optimizer itself, or param_names= listing "
-                     "the names of its parameters in the order they were given to it")
+                     f"parameters, {len(trainable)} trainable): pass the optimizer itself, or list its parameters' "
+                     "names in each param group's 'param_names', in the order they were given to it")
 
 
 def adam_states(model: nn.Module, optimizer_state: torch.optim.Optimizer | dict[str, Any], names: Iterable[str], *,
@@ -159,7 +161,7 @@ def adam_states(model: nn.Module, optimizer_state: torch.optim.Optimizer | dict[
     for name in names:
         if name not in entries:
             raise ValueError(f"parameter {name!r} is captured but not optimized by this optimizer; capture only the "
-                             "optimized parameters (layers=...)")
+                             "optimized parameters (CaptureOptions(layers=...))")
         state, group = entries[name]
         missing = [k for k in ("exp_avg", "exp_avg_sq", "step") if k not in state]
         if missing:
@@ -169,7 +171,7 @@ def adam_states(model: nn.Module, optimizer_state: torch.optim.Optimizer | dict[
         if tuple(state["exp_avg"].shape) != tuple(params[name].shape):
             raise ValueError(f"the optimizer state matched to {name!r} (by {how}) has shape "
                              f"{tuple(state['exp_avg'].shape)}, the parameter {tuple(params[name].shape)}: pass the "
-                             "optimizer itself or param_names=")
+                             "optimizer itself or name its parameters (param groups' 'param_names')")
         betas = group.get("betas", (0.9, 0.999))
         amsgrad = bool(group.get("amsgrad", False))
         out[name] = AdamState(
@@ -228,9 +230,9 @@ class _LessRows(RowTransform):
         return {}
 
 
-def _check_store_side(path: Path, spec: GradientSpec, options: dict[str, Any]) -> None:
+def _check_store_side(path: Path, spec: GradientSpec, overwrite: bool) -> None:
     """Refuse to add features of another side, optimizer state or sketch to an existing LESS store."""
-    if options.get("overwrite") or not (path / "manifest.json").exists():
+    if overwrite or not (path / "manifest.json").exists():
         return
     existing = GradientStore.open(path, verify=False, allow_incomplete=True).spec
     existing.check_compatible(spec, f"store {path}")
@@ -240,15 +242,27 @@ def _check_store_side(path: Path, spec: GradientSpec, options: dict[str, Any]) -
                                f"run makes {key}={spec.convention.get(key)!r}; write them to another store")
 
 
-def _run(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, projection: Sketch, states: Any,
-         features: str, *, options: CaptureOptions, store_options: StoreOptions, store: str | Path | None,
-         ids: Sequence[Any] | None, id_key: str, device: torch.device | str | None, progress: bool
-         ) -> GradientSet | GradientStore:
-    """Capture ``data``'s exact gradients as the resolved ``options`` say and turn them into LESS features
-    (Adam directions when ``states`` resolves an optimizer state), kept in memory or written to ``store`` as
-    ``store_options`` say (the store records both objects)."""
+def _run(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None, projection: Sketch, states: Any,
+         features: str, store: str | Path | None, options: CaptureOptions | None,
+         store_options: StoreOptions | None, run: RunOptions | None) -> GradientSet | GradientStore:
+    """Capture ``data``'s exact gradients as ``options`` say and turn them into LESS features (Adam directions
+    when ``states`` resolves an optimizer state), kept in memory or written to ``store`` as ``store_options`` say
+    (the store records the option objects)."""
+    options = option_object(options, CaptureOptions, "options")
+    store_options = option_object(store_options, StoreOptions, "store_options")
+    shard_rows = store_options.shard_rows or (4096 if store_options.shard_bytes is None else None)
+    store_options = replace(resolved_store_options(store, store_options) if store is not None else
+                            replace(store_options, dtype=store_options.store_dtype), shard_rows=shard_rows)
+    run = option_object(run, RunOptions, "run")
+    loss = Loss.of(loss)
+    if loss.reduction is not None or loss.scale is not None:
+        raise ValueError("the LESS features sum each example's own loss themselves: leave Loss.reduction and "
+                         "Loss.scale unset")
+    if options.projection is not None:
+        raise ValueError("LESS captures exact gradients and projects them with its sketch: leave "
+                         "CaptureOptions.projection None")
     if not isinstance(projection, Sketch):
-        raise TypeError("projection must be a gradtrace.projection.sketch.DenseProjection or SparseProjection (LESS "
+        raise TypeError("sketch must be a gradtrace.projection.sketch.DenseProjection or SparseProjection (LESS "
                         f"projects the whole feature vector), got {type(projection).__name__}")
     if store is None and (store_options.resume or store_options.overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
@@ -256,34 +270,34 @@ def _run(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, projecti
     skip: set[str] = set()
     if path is not None and store_options.resume and (path / "manifest.json").exists():
         skip = set(GradientStore.open(path, verify=False, allow_incomplete=True).ids)
-    writer_options = {"shard_rows": store_options.shard_rows, "resume": store_options.resume,
-                      "overwrite": store_options.overwrite,
-                      "config": with_record(None, capture=options, store=store_options)}
+    writing = replace(store_options, config=with_record(store_options.config, capture=options, store=store_options,
+                                                        loss=loss))
     # each gradient is that of the example's own loss (the loss function reduces its tokens: example_loss)
-    cap = capture(model, layers=options.layers, exclude=options.exclude, reduction="sum", example_loss="sum",
-                  projection=None, callbacks=[], keep_batches=False)
-    example_loss = options.example_loss
+    cap = capture(model, replace(loss, fn=None, likelihood=None, reduction="sum", example_loss="sum"),
+                  options=options, callbacks=[], keep_batches=False)
+    example_loss = loss.example_loss
     convention: dict[str, Any] = {"reduction": "sum", "example_loss": example_loss, "features": features}
     if states is not None:  # resolve the optimizer state before computing anything
         states = states(cap.selection.param_order)
         convention["optimizer"] = _optimizer_record(states)
+
     def open_store(spec: GradientSpec) -> ShardWriter:
         assert path is not None
-        _check_store_side(path, spec, writer_options)
-        return ShardWriter(path, spec, **writer_options)
+        _check_store_side(path, spec, writing.overwrite)
+        return ShardWriter(path, spec, writing)
 
     rows: ShardRows | MemoryRows = ShardRows(open_store) if path is not None else MemoryRows()
     sink = RowSink(rows, transform=_LessRows(projection, convention, states), dtype=store_options.dtype,
                    fingerprint=lambda: model_fingerprint(model), what="the first one")
     cap.callbacks.append(sink)
-    run_capture(model, data, loss_fn or _default_loss(example_loss), cap, ids=ids, id_key=id_key, skip=skip,
-                device=device, progress=progress, what=f"less ({features})")
+    run_capture(model, data, loss.fn or _default_loss(example_loss), cap, run, skip=skip, what=f"less ({features})")
     if isinstance(rows, ShardRows):
         if rows.writer is None:
             if not skip:
                 raise ValueError("the data produced no examples")
             # resumed with nothing left to compute: mark this rank's part of the store complete
-            ShardWriter(path, GradientStore.open(path, verify=False, allow_incomplete=True).spec, resume=True).close()
+            ShardWriter(path, GradientStore.open(path, verify=False, allow_incomplete=True).spec,
+                        StoreOptions(resume=True)).close()
         return GradientStore.open(path)
     if not rows.ids:
         raise ValueError("the data produced no examples")
@@ -292,64 +306,52 @@ def _run(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, projecti
     return out
 
 
-@takes_options(options=CaptureOptions, store_options=StoreOptions, own=("projection",))
 def less_features(model: nn.Module, optimizer_state: torch.optim.Optimizer | dict[str, Any], data: Iterable[Any],
-                  loss_fn: LossFn | None = None, *, projection: Sketch, layers: Sequence[Any] | None = None,
-                  exclude: Sequence[Any] | None = None, param_names: Sequence[str] | None = None,
-                  example_loss: str = "mean", store: str | Path | None = None, dtype: str = "float32",
-                  overwrite: bool = False, resume: bool = False, shard_rows: int | None = 4096,
-                  ids: Sequence[Any] | None = None, id_key: str = "id", device: torch.device | str | None = None,
-                  progress: bool = False, options: CaptureOptions | None = None,
-                  store_options: StoreOptions | None = None) -> GradientSet | GradientStore:
+                  sketch: Sketch, loss: Loss | LossFn | None = None, *, store: str | Path | None = None,
+                  options: CaptureOptions | None = None, store_options: StoreOptions | None = None,
+                  run: RunOptions | None = None) -> GradientSet | GradientStore:
     """LESS training features at one checkpoint: projected Adam updates of each example's exact gradient.
 
     Args:
         model: the model at the checkpoint (not modified; run in eval mode).
         optimizer_state: the ``torch.optim.Adam``/``AdamW`` optimizer at that checkpoint, or its ``state_dict()``
-            (see :func:`adam_states` for how its entries are matched to parameters).
+            (see :func:`adam_states` for how its entries are matched to parameters; a state dict that does not
+            record its parameters' names takes them as each param group's ``"param_names"``, as torch records
+            them for an optimizer made from ``model.named_parameters()``).
         data: batches, as for :func:`gradtrace.collect`.
-        loss_fn: ``loss_fn(model, batch) -> [B]``; default: per-example causal-LM loss (the mean over target
-            tokens with ``example_loss="mean"``, as LESS does) or cross-entropy.
-        projection: a :class:`~gradtrace.projection.sketch.DenseProjection` or
-            :class:`~gradtrace.projection.sketch.SparseProjection` to ``k`` dims, applied to the concatenated features
-            of all captured parameters (matrix key ``"less"``). Queries must use the same one.
-        layers, exclude: which modules to capture (typically the LoRA adapters: ``layers=["*lora_*"]``). The
-            exact per-example gradients of the captured parameters are formed per batch, so keep them small.
-        param_names: names of the optimizer's parameters in its order, when a state dict does not record them.
-        example_loss: ``"mean"`` or ``"sum"`` over an example's target tokens (the default loss's reduction;
-            recorded in the spec; queries must use the same).
-        store, dtype, overwrite, resume, shard_rows: write to a gradient store instead of returning a
-            :class:`~gradtrace.GradientSet`.
-        ids, id_key, device, progress: as for :func:`gradtrace.collect`.
-        options, store_options: ``layers``/``exclude``/``example_loss`` as a
-            :class:`gradtrace.options.CaptureOptions` (its other fields stay at their defaults: LESS captures exact
-            gradients of each example's own loss) and ``dtype``/``overwrite``/``resume``/``shard_rows`` as a
-            :class:`gradtrace.options.StoreOptions`, instead of the keywords (an object's fields are the settings:
-            ``CaptureOptions()`` means ``example_loss="sum"``). A store records the resolved objects
-            (``config["gradtrace"]["options"]`` of its manifest), as :func:`gradtrace.collect` does.
+        sketch: a :class:`~gradtrace.projection.sketch.DenseProjection` or
+            :class:`~gradtrace.projection.sketch.SparseProjection` to ``k`` dims, applied to the concatenated
+            features of all captured parameters (matrix key ``"less"``). Queries must use the same one.
+        loss: the per-example loss (:class:`gradtrace.Loss` or its ``fn``); default: the causal-LM loss (the mean
+            over target tokens, ``Loss(example_loss="mean")``, as LESS does) or cross-entropy. ``example_loss`` is
+            recorded in the spec; queries must use the same.
+        store: write to a gradient store instead of returning a :class:`~gradtrace.GradientSet`.
+        options: which modules to capture (:class:`gradtrace.CaptureOptions`; typically the LoRA adapters:
+            ``layers=["*lora_*"]``; no projection: the exact per-example gradients of the captured parameters are
+            formed per batch, so keep them small).
+        store_options: how the store is written (:class:`gradtrace.StoreOptions`; shards of 4096 rows by default).
+        run: ids, device, progress (:class:`gradtrace.RunOptions`).
     """
     def resolve(names: list[str]) -> dict[str, AdamState]:
-        return adam_states(model, optimizer_state, names, param_names=param_names)
+        return adam_states(model, optimizer_state, names)
 
-    return _run(model, data, loss_fn, projection, resolve, "adam", options=options, store_options=store_options,
-                store=store, ids=ids, id_key=id_key, device=device, progress=progress)
+    return _run(model, data, _less_loss(loss), sketch, resolve, "adam", store, options, store_options, run)
 
 
-@takes_options(options=CaptureOptions, store_options=StoreOptions, own=("projection",))
-def less_query_features(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None = None, *, projection: Sketch,
-                        layers: Sequence[Any] | None = None, exclude: Sequence[Any] | None = None,
-                        example_loss: str = "mean", store: str | Path | None = None, dtype: str = "float32",
-                        overwrite: bool = False, resume: bool = False, shard_rows: int | None = 4096,
-                        ids: Sequence[Any] | None = None, id_key: str = "id",
-                        device: torch.device | str | None = None, progress: bool = False,
-                        options: CaptureOptions | None = None, store_options: StoreOptions | None = None
+def less_query_features(model: nn.Module, data: Iterable[Any], sketch: Sketch, loss: Loss | LossFn | None = None,
+                        *, store: str | Path | None = None, options: CaptureOptions | None = None,
+                        store_options: StoreOptions | None = None, run: RunOptions | None = None
                         ) -> GradientSet | GradientStore:
     """LESS query (validation) features: plain per-example gradients, projected with the same sketch.
 
     Same arguments as :func:`less_features` without the optimizer state; capture the same layers.
     """
-    return _run(model, data, loss_fn, projection, None, "sgd", options=options, store_options=store_options,
-                store=store, ids=ids, id_key=id_key, device=device, progress=progress)
+    return _run(model, data, _less_loss(loss), sketch, None, "sgd", store, options, store_options, run)
+
+
+def _less_loss(loss: Loss | LossFn | None) -> Loss:
+    """LESS's default per-example loss is the per-token mean."""
+    return Loss(example_loss="mean") if loss is None else Loss.of(loss)
 
 
 # ------------------------------------------------------------------------------------------------------ method
@@ -380,8 +382,8 @@ class Less(Method):
         projection = spec.projection or {}
         if projection.get("kind") != "less":
             raise SpecMismatch("less scores LESS features: compute the training side with "
-                               "gradtrace.methods.less.less_features(model, optimizer, data, projection=...) and the "
-                               "queries with less_query_features(...); these training gradients are "
+                               "gradtrace.methods.less.less_features(model, optimizer, data, sketch) and the "
+                               "queries with less_query_features(model, data, sketch); these training gradients are "
                                f"{'exact' if spec.projection is None else projection.get('kind')} gradients")
         if spec.convention.get("features") != "adam":
             raise SpecMismatch("less: the training side holds query features (plain gradients, "

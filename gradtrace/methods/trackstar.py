@@ -274,7 +274,7 @@ class TrackStar(Method):
                     f"parameter {self.spec.params[widest][0]} ({size:,} dimensions)")
             raise CurvatureError(f"trackstar: precondition='autocorrelation' of {what} takes "
                                  f"{human_bytes(8 * size * size)} (float64), beyond max_dim={self.max_dim:,}; collect "
-                                 "projected gradients (projection=gradtrace.LoGra(rank=...))"
+                                 "projected gradients (options=CaptureOptions(projection=gradtrace.LoGra(rank=...)))"
                                  + (", use structure='parameter' (a block per parameter)"
                                     if self.structure == "joint" and len(self.spec.params) > 1 else "")
                                  + " or raise max_dim=")

@@ -133,8 +133,8 @@ class TRAK(Method):
         if size > self.max_dim:
             what = (f"the kernel of {size:,}-dimensional gradients" if mode == "primal" else
                     f"the Gram matrix of {size:,} training examples")
-            fix = ("collect projected gradients (projection=gradtrace.LoGra(rank=...)), use mode='dual' when there "
-                   "are fewer examples than dimensions," if mode == "primal" else
+            fix = ("collect projected gradients (options=CaptureOptions(projection=gradtrace.LoGra(rank=...))), use "
+                   "mode='dual' when there are fewer examples than dimensions," if mode == "primal" else
                    "use mode='primal' with projected gradients of fewer dimensions,")
             raise CurvatureError(f"trak: {what} takes {size:,}^2 x 8 bytes = {human_bytes(8 * size * size)} "
                                  f"(float64), beyond max_dim={self.max_dim:,}; {fix} or raise max_dim=")

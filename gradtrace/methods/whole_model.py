@@ -43,6 +43,7 @@ from ..curvature.hvp import (
     dense_matrix,
     loss_kind,
 )
+from ..options import FitOptions
 from ..store.spec import GradientSpec, SpecMismatch, model_fingerprint
 from .base import Method, MissingStage, register_method
 
@@ -83,7 +84,7 @@ class _WholeModel(Method):
         if spec.projection is not None:
             raise ValueError(f"{self.name} works on exact gradients over all captured parameters, these are "
                              f"projected ({spec.projection.get('kind', 'LoGra')}): collect the training and query "
-                             "gradients without projection= (or use logra / trak for projected ones)")
+                             "gradients without a projection (or use logra / trak for projected ones)")
         fisher = self.fisher
         if fisher != "empirical" and (model is None or data is None):
             raise MissingStage(f"{self.name}: the Gauss-Newton matrix needs attr.fit(model, train_data, loss_fn); "
@@ -119,8 +120,9 @@ class _WholeModel(Method):
             return self.operator.diagonal(), "stored gradients"
         from ..curvature.fit import fit_curvature
 
-        fitted = fit_curvature(model, data, loss_fn, kind="fisher", fisher="auto", spec=spec, max_dense=0,
-                               samples=self.samples, seed=self.seed)
+        fitted = fit_curvature(model, data, loss_fn, spec=spec,
+                               fit_options=FitOptions(kind="fisher", fisher="auto", max_dense=0, samples=self.samples,
+                                                      seed=self.seed))
         diagonal = torch.cat([fitted.blocks[name].eigenvalues.reshape(-1) for name, _ in spec.params])
         return diagonal.to(self.operator.device, self.operator.dtype), fitted.fisher
 

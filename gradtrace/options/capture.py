@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-from ..common.checks import nonzero
-from .base import _choice
-
-REDUCTIONS = ("mean", "sum", "token_mean")
-EXAMPLE_LOSSES = ("sum", "mean")
 
 
 class _LoGraModule:
@@ -30,24 +24,15 @@ _logra = _LoGraModule()
 
 @dataclass(frozen=True, kw_only=True)
 class CaptureOptions:
-    """What is captured, and how the training loop's loss is read (see :class:`gradtrace.Capture`).
+    """What is captured, and how (see :class:`gradtrace.Capture`; the loss is a :class:`gradtrace.Loss`).
 
     Attributes:
         layers: module name globs or classes to capture (default: every supported module).
         exclude: module name globs or classes to leave out.
         include_frozen: also capture parameters with ``requires_grad=False``.
-        reduction: how the loop reduced per-example losses into the loss it backpropagates:
-            ``"mean"`` over rows, ``"sum"``, or ``"token_mean"`` (Hugging Face: target-token sum over
-            the batch divided by their count or ``num_items_in_batch``); None: the entry point's default
-            (``"mean"`` for ``capture``, derived from the Trainer by ``GradtraceCallback``).
-        example_loss: the loss each captured gradient belongs to: ``"sum"`` over the example's target
-            tokens (default) or the per-token ``"mean"``.
-        loss_scale: any other constant the loop multiplied its loss by (e.g. ``1/accumulation_steps``,
-            an AMP ``GradScaler`` scale): finite and not 0, since gradients are divided by it; a callable is evaluated
-            at every forward call (its value checked likewise); None: 1 (derived from the Trainer by
-            ``GradtraceCallback``).
         projection: ``gradtrace.LoGra(...)`` (or its dict form) to project at capture time, or None for exact
             gradients.
+        keep_tokens: keep token-level factors (in memory) for per-token scores.
         packing: split packed rows into documents using ``position_ids`` restarts.
         multi_forward: when the model runs several forward calls before one backward: ``"concat"``
             (each call's rows are different examples) or ``"sum"`` (row ``i`` of every call is the
@@ -55,9 +40,6 @@ class CaptureOptions:
         broadcast: ``"expand"`` a layer output computed once for the whole batch (GPT-2's position
             embeddings on a ``[1, T]`` tensor) to one row per example, so it gets per-example
             gradients (values are unchanged); ``"skip"`` to leave such layers out.
-        causal_lm: whether labels are shifted by one (logits at ``t`` predict ``labels[t+1]``); by
-            default inferred from the model class name (``*ForCausalLM``, ``*LMHeadModel``).
-        ignore_index: label value that marks non-target tokens.
         nonfinite: ``"flag"`` examples with NaN/inf gradients in ``batch.nonfinite`` (with a warning)
             or ``"raise"``.
         isolate_padding: replace NaN/inf at positions that belong to no example (padding) by 0 in the
@@ -74,35 +56,22 @@ class CaptureOptions:
     exclude: Sequence[Any] | None = None
     include_frozen: bool = False
     projection: _logra.LoGra | None = None
-    reduction: str | None = None
-    example_loss: str = "sum"
-    loss_scale: float | Callable[[], float] | None = None
+    keep_tokens: bool = False
     packing: bool = True
     multi_forward: str = "concat"
     broadcast: str = "expand"
-    causal_lm: bool | None = None
-    ignore_index: int = -100
     nonfinite: str = "flag"
     isolate_padding: bool = False
     strict: bool = False
     verify: bool = False
 
     def __post_init__(self) -> None:
-        if self.reduction is not None:
-            _choice(self.reduction, "reduction", REDUCTIONS)
-        _choice(self.example_loss, "example_loss", EXAMPLE_LOSSES)
         if self.multi_forward not in ("concat", "sum"):
             raise ValueError(f"multi_forward must be 'concat' or 'sum', got {self.multi_forward!r}")
         if self.broadcast not in ("expand", "skip"):
             raise ValueError(f"broadcast must be 'expand' or 'skip', got {self.broadcast!r}")
         if self.nonfinite not in ("flag", "raise"):
             raise ValueError(f"nonfinite must be 'flag' or 'raise', got {self.nonfinite!r}")
-        if self.loss_scale is not None and not callable(self.loss_scale):  # a 0-dim tensor too: as its float
-            scale = self.loss_scale
-            nonzero(float(scale) if hasattr(scale, "__float__") and not isinstance(scale, bool) else scale,
-                    "loss_scale")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise ValueError(f"ignore_index must be an integer, got {self.ignore_index!r}")
         if self.projection is None:
             return
         if isinstance(self.projection, dict):  # a spec's dict form (a store's manifest records it so)

@@ -26,6 +26,8 @@ import torch
 from markupsafe import Markup
 from torch import Tensor
 
+from ..options.base import option_object
+from ..options.report import ReportOptions
 from .errors import ReportError
 from .svg import histogram_counts, histogram_of, histogram_svg
 
@@ -354,18 +356,17 @@ def _units(scores: Any) -> str:
     return f"{scores.units}. Compare scores within one report: their scale depends on the method."
 
 
-def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, str], *, k: int = 5,
-                 per_page: int = 20, max_chars: int = 600, self_scores: Tensor | None = None,
-                 self_method: str | None = None, self_k: int = 20, title: str | None = None,
-                 text_source: str = "texts", query_source: str = "queries") -> Report:
-    """The :class:`Report` of ``scores`` (see :func:`gradtrace.report.render_report` for the arguments)."""
+def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, str],
+                 options: ReportOptions | None = None, *, self_scores: Tensor | Mapping[str, float] | None = None,
+                 self_method: str | None = None, text_source: str = "texts", query_source: str = "queries") -> Report:
+    """The :class:`Report` of ``scores`` (arguments and errors as for :func:`gradtrace.report.render_report`, the
+    texts as ``{id: text}``; ``text_source`` / ``query_source``: where they came from, as errors name them)."""
     from ..methods.base import SIGN_CONVENTION
     from ..version import __version__
 
-    if k < 1 or per_page < 1 or max_chars < 1 or self_k < 1:
-        raise ReportError("k, per_page, max_chars and self_k must be at least 1")
+    options = option_object(options, ReportOptions, "options")
     num_train = len(scores.train_ids)
-    k = min(k, num_train)
+    k = min(options.k, num_train)
     if scores.matrix is not None:
         check_finite(scores.matrix, "the score matrix", scores.query_ids, scores.train_ids)
     for name in ("top", "bottom"):
@@ -376,15 +377,15 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
         helpful = scores.topk(k, largest=True)
         harmful = scores.topk(k, largest=False) if scores.has_bottom else None  # None: an index's top-k only
     except ValueError as err:
-        raise ReportError(f"{err} (or report fewer with k=/--k)") from None
+        raise ReportError(f"{err} (or report fewer with ReportOptions(k=) / --k)") from None
     check_ids(scores.query_ids, queries, "query", query_source)
     shown = [t for row in helpful.ids + (harmful.ids if harmful is not None else []) for t in row]
     self_view = None
     if self_scores is not None:
-        self_view = _self_influence(scores, self_scores, self_method or scores.method, texts, self_k, max_chars,
-                                    text_source)
+        self_view = _self_influence(scores, self_scores, self_method or scores.method, texts, options.self_k,
+                                    options.max_chars, text_source)
     check_ids(shown, texts, "training", text_source)
-    views = _query_views(scores, helpful, harmful, texts, queries, max_chars, per_page)
+    views = _query_views(scores, helpful, harmful, texts, queries, options.max_chars, options.per_page)
     training = _training_index(scores, helpful, harmful, self_view, texts)
     sides = "top/bottom" if harmful is not None else "top"
     kept = ("full score matrix" if scores.matrix is not None else
@@ -394,11 +395,11 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
     if harmful is None:
         kept += ("; the most harmful examples were not kept (scored through an index with --no-bottom / "
                  "bottom=False)")
-    return Report(title=title or f"GradTrace report: {scores.method}", header=_header(scores),
+    return Report(title=options.title or f"GradTrace report: {scores.method}", header=_header(scores),
                   sign=SIGN_CONVENTION + "; negative = it hurts the query (a step on it raises the query's loss)",
                   units=_units(scores), num_queries=len(scores.query_ids), num_train=num_train, k=k,
                   kept_note=kept, queries=views, harmful_kept=harmful is not None,
-                  pages=max(1, math.ceil(len(views) / per_page)), self_influence=self_view, version=__version__,
+                  pages=max(1, math.ceil(len(views) / options.per_page)), self_influence=self_view, version=__version__,
                   training=training, diagnostics=list((scores.meta.get("diagnostics") or {}).get("lines", [])),
                   warnings=list((scores.meta.get("diagnostics") or {}).get("warnings", [])))
 

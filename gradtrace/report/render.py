@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import Tensor
 
+from ..options.report import ReportOptions
 from ..store.atomic import atomic_output
 from .content import Report, build_report
 from .errors import ReportError
@@ -54,10 +55,9 @@ def _texts(given: Mapping[str, str] | str | Path | None, recorded: DataSource | 
 
 
 def render_report(scores: Any, texts: Mapping[str, str] | str | Path | None = None,
-                  queries: Mapping[str, str] | str | Path | None = None, out: str | Path | None = None, *,
-                  k: int = 5, per_page: int = 20, max_chars: int = 600,
-                  self_scores: Tensor | Mapping[str, float] | None = None, self_method: str | None = None,
-                  self_k: int = 20, title: str | None = None) -> str:
+                  queries: Mapping[str, str] | str | Path | None = None, out: str | Path | None = None,
+                  options: ReportOptions | None = None, *, self_scores: Tensor | Mapping[str, float] | None = None,
+                  self_method: str | None = None) -> str:
     """Render ``scores`` as one self-contained HTML page; write it to ``out`` when given. Returns the HTML.
 
     Args:
@@ -66,21 +66,22 @@ def render_report(scores: Any, texts: Mapping[str, str] | str | Path | None = No
             by ``gradtrace collect``/``score``.
         queries: query texts, the same way.
         out: file to write (atomically: a failed render leaves an existing file as it was).
-        k: helpful and harmful training examples shown per query.
-        per_page: queries per page (pages are switched by links; the file holds them all).
-        max_chars: characters (and tokens) of a text shown; the rest is cut and counted.
+        options: what the page shows (:class:`gradtrace.options.report.ReportOptions`: ``k`` examples per query,
+            ``per_page`` queries per page, ``max_chars`` of each text, ``self_k`` self-influence examples,
+            ``title``; default ``ReportOptions()``).
         self_scores: ``[N]`` self-influence of every training example (``Attributor.self_scores()``), in the
             scores' training order, or ``{train id: value}``: adds a self-influence section.
         self_method: the method the self-influence was computed with (default: the scores' method).
-        self_k: examples listed in the self-influence section.
-        title: page title.
+    Raises:
+        TypeError: ``options`` is not a ``ReportOptions``.
+        ReportError: texts that cannot be read or lack a shown id; non-finite scores, fewer kept than ``k``, or
+            attributions and self-influence that do not fit the scores; an ``out`` that is a directory.
     """
     train_source, query_source = recorded_sources(scores.meta)
     train_texts, train_from = _texts(texts, train_source, "training data", "texts")
     query_texts, query_from = _texts(queries, query_source, "queries", "queries")
-    report = build_report(scores, train_texts, query_texts, k=k, per_page=per_page, max_chars=max_chars,
-                          self_scores=self_scores, self_method=self_method, self_k=self_k, title=title,
-                          text_source=train_from, query_source=query_from)
+    report = build_report(scores, train_texts, query_texts, options, self_scores=self_scores,
+                          self_method=self_method, text_source=train_from, query_source=query_from)
     html = render_html(report)
     if out is not None:
         write_atomic(Path(out), html)

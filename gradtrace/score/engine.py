@@ -207,8 +207,8 @@ class Attributor:
                      ) -> dict[tuple[str, str], Tensor]:
         """Per-token shares of scores: ``{(query id, train id): [T]}`` summing to the pair's score.
 
-        Needs training gradients kept with their tokens (``collect(..., keep_tokens=True)`` or captured
-        batches) and a method whose training-side transform is a per-example scaling (dot, cosine, TracIn
+        Needs training gradients kept with their tokens (``collect(..., options=CaptureOptions(keep_tokens=True))``
+        or captured batches) and a method whose training-side transform is a per-example scaling (dot, cosine, TracIn
         at one checkpoint).
         """
         from .pairs import token_shares as _token_shares
@@ -218,7 +218,8 @@ class Attributor:
         train = self.train[0]
         if not hasattr(train, "token_batch"):
             raise ValueError("per-token scores need in-memory training gradients with tokens "
-                             "(collect(..., keep_tokens=True)); stores keep one vector per example")
+                             "(collect(..., options=CaptureOptions(keep_tokens=True))); stores keep one vector per "
+                             "example")
         query_set = self._query_sets(queries)[0]
         train.spec.check_compatible(query_set.spec, "queries vs training gradients")
         rows = train.index_of(train_ids)

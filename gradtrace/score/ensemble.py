@@ -24,7 +24,8 @@ C x collection (one store per member), C x fit, 2 C x the scoring products of on
 
 Members are matched by example id: their stores may hold the same ids in another order (a different id set is
 an error naming the missing ids). Their gradients must be comparable: the same captured parameters and the same
-projection (a clear error otherwise: collect every member with the same ``layers=`` and ``projection=``).
+projection (a clear error otherwise: collect every member with the same ``CaptureOptions`` ``layers`` and
+``projection``).
 """
 
 from __future__ import annotations
@@ -200,7 +201,7 @@ class Ensemble:
         sources = [as_source(s) for s in train]
         for c, source in enumerate(sources[1:], start=1):
             sources[0].spec.check_compatible(source.spec, f"member {c}'s training gradients vs member 0's (collect "
-                                             "every member with the same layers= and projection=)")
+                                             "every member with the same CaptureOptions layers and projection)")
         aligned = align(sources, "member")
         methods = _member_methods(method, len(sources), method_options)
         settings = {"block_rows": block_rows, "device": device, "matrix_bytes": matrix_bytes}

@@ -1,6 +1,6 @@
 """An approximate nearest-neighbour index over a gradient store (FAISS), for shortlisting large stores.
 
-``build_index(store, kind="ivfpq")`` streams the store's rows into a FAISS inner-product index and
+``build_index(store, IndexOptions(kind="ivfpq"))`` streams the store's rows into a FAISS inner-product index and
 ``Index.search(query_vectors, r)`` returns the ``r`` rows of highest approximate inner product with each
 query. The index only *shortlists*: :func:`gradtrace.score.shortlist.score_with_index` re-scores the
 shortlist exactly from the store, so every reported score is exact and only recall is approximate.
@@ -12,7 +12,8 @@ Kinds:
 * ``"ivfpq"`` -- an inverted file of ``nlist`` k-means cells with product-quantized rows (``m``
   sub-quantizers of ``nbits`` bits: ``m * nbits / 8`` bytes per row). The quantizers are trained on a
   uniform sample of ``train_rows`` rows; rows are then added block by block, so the store is never in
-  memory whole. ``nprobe`` cells are visited per query (saved with the index, overridable per search).
+  memory whole. ``nprobe`` cells are visited per query (``min(nlist, 16)``, saved with the index, unless the
+  search says otherwise: :class:`gradtrace.options.index.SearchOptions`).
   With ``fast_scan=True`` the codes are 4 bits and laid out for FAISS's SIMD "fast scan" (``PQ{m}x4fs``):
   the same bytes per row with twice the sub-quantizers, several times faster to search and to build, at
   a coarser approximate score (which the exact re-scoring of the shortlist absorbs for the top-k).
@@ -24,7 +25,7 @@ fingerprint (:func:`store_fingerprint`) and refuses a store that changed or anot
 
 The index also keeps every row's L2 norm (``Index.row_norms``, ``row_norms.npy``: 4 bytes per row, computed in
 the pass that adds the rows; :meth:`Index.attach_row_norms` adds them to an index built before they were
-recorded): ``score_with_index(..., norm_rows=N)`` scores the ``N`` rows of largest norm for every query
+recorded): ``score_with_index(..., SearchOptions(norm_rows=N))`` scores the ``N`` rows of largest norm for every query
 (:mod:`gradtrace.score.row_norms` says why).
 
 FAISS is an optional dependency: ``pip install 'gradtrace[index]'``.
@@ -36,7 +37,7 @@ import json
 import math
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..options.base import option_object
+from ..options.index import IndexOptions
 from ..store.artifact import (
     ArtifactError,
     ArtifactExists,
@@ -121,16 +124,13 @@ def _faiss() -> Any:
 # -- parameters ------------------------------------------------------------------------------------
 @dataclass
 class IndexParams:
-    """How an index is built and searched.
+    """What an index is, as built and saved (``index.json``'s ``params``): the :class:`IndexOptions` it was built
+    with, defaults filled in for its store (:meth:`resolve`), and ``nprobe``, the IVF cells a search visits unless
+    told otherwise (``min(nlist, 16)``; None for a flat index).
 
-    kind: ``"flat"`` or ``"ivfpq"``. normalize: index unit-norm rows (for ``grad_cos``).
-    nlist: IVF cells (ivfpq; default ``round(sqrt(rows))``, at most ``train_rows / 39``).
-    m: PQ sub-quantizers, a divisor of the dimension (default: the largest divisor ``<= dim / 16``;
-    With ``fast_scan``: the largest divisor ``<= dim / 8``, the same bytes per row at 4 bits).
-    nbits: bits per sub-quantizer code (default 8; 4, the only width, with ``fast_scan``).
-    nprobe: cells visited per query (default ``min(nlist, 16)``).
-    train_rows: rows sampled (uniformly, seeded) to train the quantizers. seed: the sample's seed.
-    fast_scan: ivfpq with 4-bit codes searched by FAISS's SIMD fast-scan kernels (``PQ{m}x4fs``).
+    kind: ``"flat"`` or ``"ivfpq"``. normalize: unit-norm rows (for ``grad_cos``). nlist, m, nbits: the IVF cells
+    and PQ codes (None for a flat index). train_rows, seed: the quantizers' training sample. fast_scan: 4-bit codes
+    laid out for FAISS's fast-scan kernels (``PQ{m}x4fs``).
     """
 
     kind: str = "flat"
@@ -143,37 +143,29 @@ class IndexParams:
     seed: int = 0
     fast_scan: bool = False
 
-    def resolved(self, rows: int, dim: int) -> IndexParams:
-        """The parameters with defaults filled in for a store of ``rows x dim``; bad values are a ValueError."""
-        if self.kind not in KINDS:
-            raise ValueError(f"index kind must be one of {KINDS}, got {self.kind!r}")
-        if self.kind == "flat":
-            if self.fast_scan:
-                raise ValueError("fast_scan applies to kind='ivfpq' (4-bit PQ codes); a flat index stores the rows "
-                                 "themselves")
-            return IndexParams("flat", self.normalize, None, None, None, None, self.train_rows, self.seed)
-        nbits = self.nbits or (4 if self.fast_scan else 8)
-        if self.fast_scan and nbits != 4:
-            raise ValueError(f"fast-scan PQ codes are 4 bits wide; nbits={nbits} was given: leave nbits unset (or 4) "
-                             "with fast_scan, or drop fast_scan for other widths")
-        train_rows = min(self.train_rows, rows)
-        nlist = self.nlist or max(1, min(round(math.sqrt(rows)), train_rows // 39))
-        per_code = 8 if self.fast_scan else 16  # dims per sub-quantizer: 1 byte per 16 dims either way
-        m = self.m or max(d for d in range(1, max(1, dim // per_code) + 1) if dim % d == 0)
-        nprobe = self.nprobe or min(nlist, 16)
+    @classmethod
+    def resolve(cls, options: IndexOptions, rows: int, dim: int) -> IndexParams:
+        """The parameters of an index built with ``options`` (``kind`` "flat" or "ivfpq", not "auto") over a
+        store of ``rows x dim``; settings the store cannot serve are a ValueError."""
+        if options.kind not in KINDS:
+            raise ValueError(f"an index's kind is one of {KINDS}, not {options.kind!r}: build_index resolves "
+                             "kind='auto' first")
+        if options.kind == "flat":
+            return cls("flat", options.normalize, None, None, None, None, options.train_rows, options.seed)
+        nbits = options.nbits or (4 if options.fast_scan else 8)
+        train_rows = min(options.train_rows, rows)
+        nlist = options.nlist or max(1, min(round(math.sqrt(rows)), train_rows // 39))
+        per_code = 8 if options.fast_scan else 16  # dims per sub-quantizer: 1 byte per 16 dims either way
+        m = options.m or max(d for d in range(1, max(1, dim // per_code) + 1) if dim % d == 0)
         if dim % m:
             raise ValueError(f"PQ sub-quantizers m={m} must divide the store's dimension {dim}")
-        if not 1 <= nbits <= 16:
-            raise ValueError(f"nbits must be in 1..16, got {nbits}")
-        if nlist < 1 or nprobe < 1:
-            raise ValueError(f"nlist and nprobe must be positive, got nlist={nlist}, nprobe={nprobe}")
         need = max(nlist, 2**nbits)
         if train_rows < need:
             raise ValueError(f"an ivfpq index with nlist={nlist} and nbits={nbits} needs at least {need} training "
-                             f"rows; the store has {rows} and train_rows={self.train_rows}: lower nlist/nbits or "
+                             f"rows; the store has {rows} and train_rows={options.train_rows}: lower nlist/nbits or "
                              "use kind='flat'")
-        return IndexParams("ivfpq", self.normalize, nlist, m, nbits, min(nprobe, nlist), train_rows, self.seed,
-                           self.fast_scan)
+        return cls("ivfpq", options.normalize, nlist, m, nbits, min(nlist, 16), train_rows, options.seed,
+                   options.fast_scan)
 
     def factory(self) -> str:
         """The FAISS ``index_factory`` string."""
@@ -434,23 +426,31 @@ def _training_sample(store: Any, params: IndexParams, block_rows: int) -> np.nda
     return np.concatenate(parts)
 
 
-def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlist: int | None = None,
-                m: int | None = None, nbits: int | None = None, nprobe: int | None = None, train_rows: int = 65536,
-                seed: int = 0, fast_scan: bool = False, block_rows: int = 65536, progress: bool = False) -> Index:
+def build_index(store: Any, options: IndexOptions | None = None, *, block_rows: int = 65536,
+                progress: bool = False) -> Index:
     """Build an inner-product index over every row of a gradient store, streaming it in blocks.
 
     Args:
         store: a :class:`gradtrace.GradientStore` (or its path).
-        kind: ``"flat"`` (exact; float32 copy of all rows in memory), ``"ivfpq"`` (see the module doc) or ``"auto"``
-            (flat below 10,000 rows: :func:`gradtrace.score.index_training.auto_kind`, its reason in ``meta``).
-        normalize: index unit-norm rows: the index for ``grad_cos`` (and only for it).
-        nlist, m, nbits, nprobe, train_rows, seed, fast_scan: see :class:`IndexParams`.
+        options: what index is built (:class:`gradtrace.options.index.IndexOptions`; default: a flat index of raw
+            rows). ``kind="auto"`` picks flat below 10,000 rows (:func:`gradtrace.score.index_training.auto_kind`;
+            the reason is recorded as ``meta["auto_kind"]``).
         block_rows: rows read and added per block (bounds memory while adding); the same pass records every
-            row's L2 norm (``Index.row_norms``, of the raw rows also when ``normalize``).
+            row's L2 norm (``Index.row_norms``, of the raw rows also when ``options.normalize``).
         progress: show a progress bar over blocks.
+    Returns:
+        The :class:`Index` (not saved: :meth:`Index.save`); ``params`` records what was built, and the IVF cells
+        a search visits by default (``nprobe``: ``min(nlist, 16)``; :class:`gradtrace.options.index.SearchOptions`
+        chooses per search).
+    Raises:
+        TypeError: ``store`` is not a gradient store, or ``options`` not an ``IndexOptions``.
+        IndexMismatch: the store is empty, or one of its rows holds NaN/inf.
+        ValueError: settings the store cannot serve (``m`` not dividing its dimension, too few training rows).
+        FaissMissing: FAISS is not installed.
     """
     from ..store import GradientStore
 
+    options = option_object(options, IndexOptions, "options")
     faiss = _faiss()
     if isinstance(store, (str, Path)):
         store = GradientStore.open(store)
@@ -461,10 +461,10 @@ def build_index(store: Any, kind: str = "flat", *, normalize: bool = False, nlis
     if block_rows < 1:
         raise ValueError("block_rows must be positive")
     why = None
-    if kind == "auto":
-        kind, why = auto_kind(len(store), nlist, m, nbits, nprobe, fast_scan or None)
-    params = IndexParams(kind, normalize, nlist, m, nbits, nprobe, train_rows, seed, fast_scan).resolved(
-        len(store), store.dim)
+    if options.kind == "auto":
+        kind, why = auto_kind(len(store), options.nlist, options.m, options.nbits, options.fast_scan or None)
+        options = replace(options, kind=kind)
+    params = IndexParams.resolve(options, len(store), store.dim)
     fingerprint = store_fingerprint(store)
     start = time.perf_counter()
     faiss_index = faiss.index_factory(store.dim, params.factory(), faiss.METRIC_INNER_PRODUCT)

@@ -37,7 +37,7 @@ class FaissTrainingWarning(UserWarning):
 
 def auto_kind(rows: int, *ivfpq_settings: Any) -> tuple[str, str]:
     """``(kind, why)`` for ``kind="auto"``: ``"ivfpq"`` from :data:`AUTO_FLAT_ROWS` rows, or when one of the
-    IVF-PQ settings (nlist, m, nbits, nprobe, fast_scan) is given (not None), else ``"flat"``."""
+    IVF-PQ settings (nlist, m, nbits, fast_scan) is given (not None), else ``"flat"``."""
     if any(setting is not None for setting in ivfpq_settings):
         return "ivfpq", "an IVF-PQ setting was given"
     if rows >= AUTO_FLAT_ROWS:

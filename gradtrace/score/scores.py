@@ -20,6 +20,7 @@ from torch import Tensor
 from ..common.provenance import record_paths, resolve_paths
 from ..methods.base import SIGN_CONVENTION
 from ..options import RECORD_KEY
+from ..options.report import ReportOptions
 from ..store.artifact import (
     ArtifactError,
     atomic_output,
@@ -348,10 +349,13 @@ class Scores:
         return f"Scores(method={self.method!r}, queries={len(self.query_ids)}, train={len(self.train_ids)}, {kept})"
 
     # -- report ------------------------------------------------------------------------------------
-    def to_html(self, path: str | Path, texts: Any = None, queries: Any = None, **options: Any) -> Path:
-        """Write the HTML report of these scores to ``path`` (see :func:`gradtrace.report.render_report` for
-        ``texts``, ``queries`` and the options); returns the path."""
+    def to_html(self, path: str | Path, texts: Any = None, queries: Any = None,
+                options: ReportOptions | None = None, *, self_scores: Any = None,
+                self_method: str | None = None) -> Path:
+        """Write the HTML report of these scores to ``path``; returns the path. ``texts``, ``queries``, ``options``
+        (what the page shows), ``self_scores`` and ``self_method`` are those of
+        :func:`gradtrace.report.render_report`."""
         from ..report import render_report
 
-        render_report(self, texts=texts, queries=queries, out=path, **options)
+        render_report(self, texts, queries, path, options, self_scores=self_scores, self_method=self_method)
         return Path(path)

@@ -1,7 +1,7 @@
 """Scoring through an index: an approximate shortlist per query, then exact re-scoring from the store.
 
-``score_with_index(attributor, queries, index, rerank=R)`` is the large-store counterpart of
-``attributor.score(queries)``:
+``score_with_index(attributor, queries, index, SearchOptions(rerank=R))`` is the large-store counterpart of
+``attributor.score(queries)`` (:class:`gradtrace.options.index.SearchOptions` holds its settings):
 
 1. the method prepares the queries exactly as the engine does (:meth:`Method.prepare_queries`: for influence
    methods the inverse curvature is applied here, to the query side only);
@@ -36,6 +36,8 @@ from torch import Tensor
 
 from ..capture.gradient_set import as_source
 from ..methods import Method
+from ..options.base import option_object
+from ..options.index import SearchOptions
 from .engine import _block_buffer, rows_product
 from .index import Index, IndexMismatch
 from .parallel import chunk_workers, map_chunks
@@ -203,34 +205,36 @@ def search_enough(index: Index, vectors: Tensor, r: int, k: int, nprobe: int | N
     return rows, len(widened)
 
 
-def score_with_index(attributor: Any, queries: Any, index: Index | str, *, rerank: int | None = None,
-                     topk: int = 100, bottom: bool = True, nprobe: int | None = None,
-                     bottom_nprobe: int | None = None, norm_rows: int = 0) -> Scores:
-    """Top-k scores of ``queries`` from an index shortlist of ``rerank`` rows per query, re-scored exactly.
+def score_with_index(attributor: Any, queries: Any, index: Index | str, options: SearchOptions | None = None
+                     ) -> Scores:
+    """Top-k scores of ``queries`` from an index shortlist per query, re-scored exactly from the store.
 
     Args:
         attributor: a single-checkpoint :class:`gradtrace.Attributor` over a :class:`gradtrace.GradientStore`.
         queries: query gradients (as for :meth:`Attributor.score`).
         index: an :class:`Index` of that store (or its path); refused when the store changed since it was
             built, when it indexes another store, or when its normalization does not fit the method.
-        rerank: shortlist size per query (default ``10 * topk``; at most the store's rows, at least ``topk``).
-        topk: rows kept per query, highest and (``bottom=True``) lowest.
-        nprobe: IVF cells visited per query (default: the index's; doubled for a query whose cells hold fewer
-            than ``topk`` rows, see :func:`search_enough`).
-        bottom_nprobe: IVF cells visited for the bottom-k's search with the negated query (default: ``nprobe``).
-            IVF cells gather rows that align with each other, so a query's most negative rows lie thinly in many
-            cells (no cell is anti-aligned with the query the way its own clusters align with it); more cells for
-            the bottom raise its recall at the cost of its search time (see docs/index.md).
-        norm_rows: the ``N`` rows of largest norm join every query's candidates, for the top and the bottom
-            (default 0: none). They are scored exactly once against all queries (one ``[Q, N]`` product: about
-            ``N / rows`` of an exact pass). The index must record row norms (an older one: ``gradtrace index STORE
-            --out INDEX --add-norms``); refused with a normalized index (``grad_cos``: every row has norm 1).
+        options: how the index is searched and what is kept (:class:`gradtrace.options.index.SearchOptions`:
+            ``topk``, ``rerank`` shortlist rows, ``bottom``, ``nprobe`` / ``bottom_nprobe`` IVF cells and the
+            ``norm_rows`` shared by every query; default ``SearchOptions()``). A query whose visited cells hold
+            fewer than ``topk`` rows is searched again with more (:func:`search_enough`). The ``norm_rows`` rows
+            of largest norm are scored once against all queries (one ``[Q, N]`` product: about ``N / rows`` of an
+            exact pass); they need an index that records row norms (an older one: ``gradtrace index STORE --out
+            INDEX --add-norms``) and are refused with a normalized index (``grad_cos``: every row has norm 1).
     Returns:
-        :class:`Scores` with ``top``/``bottom`` (no matrix), in the store's row numbering; ``meta["index"]``
-        records the index, shortlist size and ``norm_rows`` (the rows shared, at most the store's).
+        :class:`Scores` with ``top``/``bottom`` (no matrix; no bottom with ``bottom=False``), in the store's row
+        numbering; ``meta["index"]`` records the index, the shortlist size, the cells searched and ``norm_rows``
+        (the rows shared, at most the store's).
+    Raises:
+        TypeError: ``options`` is not a ``SearchOptions``.
+        IndexMismatch: the index does not belong to the store or cannot serve the method or ``norm_rows``.
+        ValueError: a method no index can serve, a ``rerank`` below ``topk``, or queries with NaN/inf values.
     """
     from ..store import GradientStore
 
+    options = option_object(options, SearchOptions, "options")
+    topk, rerank, bottom, norm_rows = options.topk, options.rerank, options.bottom, options.norm_rows
+    nprobe, bottom_nprobe = options.nprobe, options.bottom_nprobe
     if isinstance(index, (str, bytes)) or hasattr(index, "__fspath__"):
         index = Index.load(index)
     method = attributor.method
@@ -245,8 +249,6 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, *, reran
             "raw rows: build it without normalize (--normalize is for grad_cos)"
         where = index.path or "the index"
         raise IndexMismatch(f"{where} holds {built}; {method.name} needs an index of {need}")
-    if topk < 1:
-        raise ValueError(f"topk must be positive, got {topk}")
     check_norm_rows(index, norm_rows)
     attributor.ready()
     index.check_store(store)

@@ -75,6 +75,9 @@ def model_fingerprint(model: nn.Module) -> dict[str, str]:
     inner = unwrap(model)
     arch = hashlib.blake2b(digest_size=8)
     weights = hashlib.blake2b(digest_size=8)
+    # each parameter's first and last 8 values and its float64 sum, computed where it lives and read in one copy
+    # per device (not one host read per parameter); the hash takes them in parameter order, as it always did
+    parts: list[tuple[int, int, torch.Tensor]] = []  # (values sampled, parameter order, samples + sum) per param
     for name, param in inner.named_parameters():
         arch.update(f"{strip_wrappers(name)}|{tuple(param.shape)}|{param.dtype}\n".encode())
         flat = param.detach()
@@ -82,9 +85,22 @@ def model_fingerprint(model: nn.Module) -> dict[str, str]:
             flat = flat.full_tensor()
         flat = flat.reshape(-1)
         if flat.numel():
-            sample = torch.cat([flat[:8], flat[-8:]]).to("cpu", torch.float64)
-            weights.update(sample.numpy().tobytes())
-            weights.update(repr(float(flat.to(torch.float64).sum())).encode())
+            sample = torch.cat([flat[:8], flat[-8:]]).to(torch.float64)
+            parts.append((sample.numel(), len(parts), torch.cat([sample, flat.to(torch.float64).sum().view(1)])))
+    by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
+    for part in parts:
+        by_device.setdefault(part[2].device, []).append(part)
+    host: dict[int, torch.Tensor] = {}
+    for group in by_device.values():
+        values = torch.cat([t for _, _, t in group]).cpu()
+        start = 0
+        for size, order, _ in group:
+            host[order] = values[start:start + size + 1]
+            start += size + 1
+    for order in range(len(parts)):
+        values = host[order]
+        weights.update(values[:-1].numpy().tobytes())
+        weights.update(repr(float(values[-1])).encode())
     cls = type(inner)
     if any(base.__name__ == "FSDPModule" for base in cls.__bases__):  # FSDP2's FSDP<class>: name the model's own
         cls = next(base for base in cls.__bases__ if base.__name__ != "FSDPModule")

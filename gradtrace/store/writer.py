@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ import torch
 from torch import Tensor
 
 from ..common.provenance import environment
+from ..options.base import option_object
+from ..options.store import StoreOptions
 from .artifact import atomic_write_json, create_exclusive, json_bytes
 from .background import BackgroundWriter
 from .layout import (
@@ -51,7 +54,7 @@ from .reader import scan_shards
 from .shards import ShardSeries, rows_per_shard, utc_now
 from .spec import GradientSpec, SpecMismatch
 
-__all__ = ["ShardWriter", "StoreWriteError", "delete_store", "per_row_lists"]
+__all__ = ["ShardWriter", "StoreWriteError", "delete_store", "per_row_lists", "resolved_store_options"]
 
 
 class StoreWriteError(StoreError):
@@ -85,6 +88,22 @@ def _delete_store(root: Path, own_lock: Path) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+def resolved_store_options(root: str | Path, options: StoreOptions) -> StoreOptions:
+    """``options`` with its storage dtype decided: the one given; else, when resuming an existing store, the dtype
+    it holds (a resumed run need not repeat it); else float32."""
+    if options.dtype is not None:
+        return options
+    manifest = Path(root) / MANIFEST
+    if options.resume and manifest.is_file():
+        try:
+            dtype = json.loads(manifest.read_text())["spec"]["dtype"]
+        except (OSError, ValueError, KeyError, TypeError):
+            dtype = None  # unreadable: the writer's own checks name the problem
+        if dtype in DTYPES:
+            return replace(options, dtype=dtype)
+    return replace(options, dtype="float32")
 
 
 def delete_store(root: Path) -> None:
@@ -122,32 +141,29 @@ class ShardWriter:
     Args:
         root: store directory (created if missing).
         spec: the layout of the vectors; an existing store must have the same one.
+        options: how it is written (:class:`gradtrace.StoreOptions`): ``shard_rows`` or ``shard_bytes`` (default
+            :data:`DEFAULT_SHARD_BYTES`, 256 MiB: as many rows as fit; at least one row's size; a hard kill loses
+            at most one shard); ``queue_size`` batches may wait for the writer thread before ``put`` blocks;
+            ``resume`` appends to an existing store, skipping ids it already holds (see :attr:`stored_ids`) --
+            the store must have been written with the same model weights (fingerprint), projection and loss
+            convention, another is refused (:class:`~gradtrace.store.SpecMismatch` naming what differs);
+            ``overwrite`` deletes an existing store first (in a multi-rank run only rank 0 deletes, and it refuses
+            while another rank's writer is running); ``config`` is recorded in the manifest. Its ``dtype``, when
+            set, must be the spec's.
         rank, world_size: this process's shard namespace (``torch.distributed`` values by default).
-        shard_rows: rows per shard (instead of ``shard_bytes``).
-        shard_bytes: size of a shard's files (default :data:`DEFAULT_SHARD_BYTES`, 256 MiB): as many rows
-            as fit; at least one row's size. A hard kill loses at most one shard.
-        queue_size: batches that may wait for the writer thread before ``put`` blocks.
-        resume: append to an existing store, skipping ids it already holds (see :attr:`stored_ids`). The store
-            must have been written with the same model weights (fingerprint), projection and loss convention:
-            another is refused (:class:`~gradtrace.store.SpecMismatch` naming what differs), never mixed.
         mixed_weights: let ``resume`` add rows taken at other weights of the same model (a store written
             during training, whose weights change every step; the Trainer callback passes it).
-        overwrite: delete an existing store first. In a multi-rank run only rank 0 deletes, and it refuses
-            while another rank's writer is running: start rank 0's writer first or delete the directory.
-        config: free-form configuration recorded in the manifest.
     """
 
-    def __init__(self, root: str | Path, spec: GradientSpec, *, rank: int | None = None,
-                 world_size: int | None = None, shard_rows: int | None = None, shard_bytes: int | None = None,
-                 queue_size: int = 8, resume: bool = False, overwrite: bool = False,
-                 mixed_weights: bool = False, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, root: str | Path, spec: GradientSpec, options: StoreOptions | None = None, *,
+                 rank: int | None = None, world_size: int | None = None, mixed_weights: bool = False) -> None:
         if spec.dtype not in DTYPES:
             raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {spec.dtype!r}")
-        shard_rows = rows_per_shard(spec.dim, spec.dtype, shard_rows, shard_bytes)
-        if queue_size < 1:
-            raise ValueError("queue_size must be positive")
-        if resume and overwrite:
-            raise ValueError("resume=True and overwrite=True contradict each other; pass one of them")
+        options = option_object(options, StoreOptions, "options")
+        if options.dtype is not None and options.dtype != spec.dtype:
+            raise ValueError(f"StoreOptions(dtype={options.dtype!r}) differs from the spec's dtype {spec.dtype!r}")
+        shard_rows = rows_per_shard(spec.dim, spec.dtype, options.shard_rows, options.shard_bytes)
+        resume, overwrite, config, queue_size = options.resume, options.overwrite, options.config, options.queue_size
         auto_rank, auto_world = _process_rank() if rank is None or world_size is None else (rank, world_size)
         self.rank = auto_rank if rank is None else rank
         self.world_size = auto_world if world_size is None else world_size

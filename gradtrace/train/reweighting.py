@@ -16,7 +16,8 @@ example; weights and scores can rank examples for pruning afterwards.
 
 Usage (the loss line is the only change to a loop)::
 
-    sama = SAMAReweighting(model, optimizer, meta_batches, loss_fn=per_example_loss)
+    sama = SAMAReweighting(model, optimizer, meta_batches, loss_fn=per_example_loss,
+                           options=ReweightingOptions(meta_lr=0.5))
     for batch in loader:
         loss = sama.loss(batch)                     # mean_i w_i l_i, and the batch is remembered
         loss.backward()
@@ -38,9 +39,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..common.checks import count, finite, positive
+from ..common.checks import finite
 from ..common.checks import fraction as checked_fraction
 from ..loss.functions import LossFn
+from ..options.train import ReweightingOptions
 from ..store.artifact import atomic_write_json
 from .cycle import Cycle
 
@@ -83,41 +85,32 @@ class SAMAReweighting:
     """Learns a weight per training example (or per data source) with SAMA (see module docstring).
 
     Args:
-        model, optimizer: the loop's; the meta step runs in ``optimizer``'s step pre-hook.
+        model, optimizer: the loop's; the meta step runs in ``optimizer``'s step pre-hook (SGD without momentum,
+            or Adam/AdamW: another optimizer raises ``TypeError`` at its first meta step).
         meta_data: batches of the meta (validation) set, re-iterated when exhausted.
         loss_fn: ``loss_fn(model, batch) -> [B]`` per-example losses (training and meta batches).
-        meta_lr: learning rate of the logits (Adam; finite and > 0: a negative one would climb the meta loss);
-            alpha: finite-difference scale (``eps = alpha / |v|``; finite and > 0).
-        interval: run a meta step every ``interval`` optimizer steps (>= 1).
-        start_step: optimizer steps to train before the first meta step (the weights stay at ``init_logit``).
         groups: ``{example id: source}`` to learn one weight per data source instead of per example.
-        id_key: where a dict batch holds its ids (else ``ids=`` must be given to :meth:`loss`).
-        normalize: divide the weighted loss by the mean weight of the batch (weights then only reallocate).
+        options: the settings (:class:`gradtrace.options.train.ReweightingOptions`; default: its defaults).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, meta_data: Iterable[Any], *,
-                 loss_fn: LossFn, meta_lr: float = 0.1, alpha: float = 0.01, interval: int = 1, start_step: int = 0,
-                 groups: dict[str, str] | None = None, id_key: str = "id", init_logit: float = 0.0,
-                 normalize: bool = False) -> None:
+                 loss_fn: LossFn, groups: dict[str, str] | None = None,
+                 options: ReweightingOptions | None = None) -> None:
+        options = ReweightingOptions() if options is None else options
+        if not isinstance(options, ReweightingOptions):
+            raise TypeError(f"options= must be a ReweightingOptions, got {type(options).__name__}")
+        self.options = options
         self.model = model
         self.optimizer = optimizer
         self.meta_data = meta_data
         self._meta = Cycle(meta_data, "meta batches")
         self.loss_fn = loss_fn
-        self.alpha = positive(alpha, "alpha")
-        self.interval = count(interval, "interval")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
-        self.start_step = start_step
         self.groups = groups
-        self.id_key = id_key
-        self.init_logit = finite(init_logit, "init_logit")
-        self.normalize = normalize
+        self.init_logit = float(options.init_logit)
         self.logits: dict[str, Tensor] = {}
         self.scores: dict[str, float] = {}
         self._remembered: list[_Remembered] = []
         self._params = [p for p in model.parameters() if p.requires_grad]
-        self._meta_lr = positive(meta_lr, "meta_lr")
         self._moments: dict[str, tuple[float, float, int]] = {}
         self._steps = 0
         self.history: list[dict[str, float]] = []
@@ -205,18 +198,18 @@ class SAMAReweighting:
         weights = self.weight_tensor(ids, losses.device).to(losses.dtype)
         self._remembered.append(_Remembered(inputs, ids))
         total = (weights * losses).mean()
-        return total / weights.mean().clamp(min=1e-12) if self.normalize else total
+        return total / weights.mean().clamp(min=1e-12) if self.options.normalize else total
 
     def _ids(self, batch: Any, ids: list[str] | None) -> list[str]:
         if ids is not None:
             return [str(i) for i in ids]
-        if isinstance(batch, dict) and self.id_key in batch:
-            value = batch[self.id_key]
+        if isinstance(batch, dict) and self.options.id_key in batch:
+            value = batch[self.options.id_key]
             return [str(i) for i in (value.tolist() if isinstance(value, Tensor) else value)]
-        raise ValueError(f"SAMA needs example ids: put them in batch[{self.id_key!r}] or pass ids=")
+        raise ValueError(f"SAMA needs example ids: put them in batch[{self.options.id_key!r}] or pass ids=")
 
     def _strip(self, batch: Any) -> Any:
-        return {k: v for k, v in batch.items() if k != self.id_key} if isinstance(batch, dict) else batch
+        return {k: v for k, v in batch.items() if k != self.options.id_key} if isinstance(batch, dict) else batch
 
     # -- the meta step -------------------------------------------------------------------------------
     def _meta_batch(self) -> Any:
@@ -225,8 +218,8 @@ class SAMAReweighting:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         remembered, self._remembered = self._remembered, []
         self._steps += 1
-        step = self._steps - 1
-        if not remembered or step < self.start_step or (step - self.start_step) % self.interval:
+        step, first = self._steps - 1, self.options.start_step
+        if not remembered or step < first or (step - first) % self.options.interval:
             return
         meta_loss = self.loss_fn(self.model, self._meta_batch()).mean()
         meta_grads = torch.autograd.grad(meta_loss, self._params, allow_unused=True)
@@ -245,7 +238,7 @@ class SAMAReweighting:
         norm = math.sqrt(sum(float(d.pow(2).sum()) for d in direction if d is not None))
         if norm == 0.0:
             return
-        eps = self.alpha / norm
+        eps = float(self.options.alpha) / norm
         saved = [p.detach().clone() for p in self._params]
         try:
             plus = self._probe(remembered, direction, eps)
@@ -290,6 +283,6 @@ class SAMAReweighting:
             t += 1
             m = 0.9 * m + 0.1 * grad
             v = 0.999 * v + 0.001 * grad * grad
-            step = self._meta_lr * (m / (1 - 0.9**t)) / (math.sqrt(v / (1 - 0.999**t)) + 1e-8)
+            step = float(self.options.meta_lr) * (m / (1 - 0.9**t)) / (math.sqrt(v / (1 - 0.999**t)) + 1e-8)
             self.logits[key] = torch.tensor(float(self.logits.get(key, self.init_logit)) - step)
             self._moments[key] = (m, v, t)

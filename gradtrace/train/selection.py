@@ -3,10 +3,10 @@
 ``OnlineSelection`` is a capture callback. It collects the per-example gradients of the backward passes of an
 optimizer step and, in a pre-hook of ``optimizer.step()``, scores every example against a target
 
-* ``"batch"`` -- the mean gradient of the step's own examples (drop examples that disagree with the batch),
-* a fixed target gradient (a :class:`GradientBatch`, a :class:`GradientSet` / store row, or a flat vector laid out
-  like the captured gradients), or
-* ``"validation"`` -- the mean gradient of a validation batch, taken through the same capture hooks (same
+* by default, the mean gradient of the step's own examples (drop examples that disagree with the batch),
+* ``target=``: a fixed target gradient (a :class:`GradientBatch`, a :class:`GradientSet` / store row, or a flat
+  vector laid out like the captured gradients), or
+* ``validation=``: the mean gradient of a validation batch, taken through the same capture hooks (same
   layers, same loss convention) at the current weights,
 
 with the cheap routes of :mod:`gradtrace.grad.ops` (no per-example weight-sized gradient is formed), drops the
@@ -14,8 +14,14 @@ chosen examples and subtracts exactly their contribution from ``param.grad`` -- 
 gradient of the loop's loss over the kept examples only -- optionally renormalised to the mean over the kept
 examples. Under DDP the dropped contributions are all-reduced (on every rank) before subtracting.
 
-Selection rules: ``"negative"`` (score < 0), ``("bottom", f)`` (the lowest fraction ``f``), ``("threshold", x)``
-(score < x). At least ``min_keep`` examples are always kept (with a warning).
+Selection rules (:class:`gradtrace.options.train.SelectionOptions`): ``rule="negative"`` (score < 0),
+``rule="bottom", fraction=f`` (the lowest fraction ``f``), ``rule="threshold", threshold=x`` (score < x). At least
+``min_keep`` examples are always kept (with a warning)::
+
+    selector = OnlineSelection(optimizer, validation=val_batches,
+                               options=SelectionOptions(rule="bottom", fraction=0.25, normalize=True))
+    with gradtrace.capture(model, callbacks=[selector]) as cap:
+        ...                                         # the loop, unchanged
 """
 
 from __future__ import annotations
@@ -29,9 +35,9 @@ import torch
 from torch import Tensor
 
 from ..capture.callbacks import CaptureCallback
-from ..common.checks import count, fraction
 from ..grad.batch import GradientBatch
 from ..grad.ops import check_compatible, concat, dense_inner, sq_norms, weighted_sum
+from ..options.train import SelectionOptions
 from .cycle import Cycle
 
 __all__ = ["OnlineSelection", "SelectionRecord"]
@@ -55,64 +61,48 @@ def _dist() -> tuple[bool, int]:
 class OnlineSelection(CaptureCallback):
     """Drop harmful examples from every optimizer step (see module docstring).
 
+    The target is the step's own mean gradient unless ``target`` or ``validation`` is given (not both).
+
     Args:
         optimizer: the loop's optimizer (selection runs in its step pre-hook).
-        target: ``"batch"``, ``"validation"``, or a fixed target gradient.
-        rule: ``"negative"``, ``("bottom", fraction)`` or ``("threshold", value)``.
-        validation: batches for ``target="validation"`` (re-iterated when exhausted); ``loss_fn(model, batch)``
-            returns their per-example losses (default: gradtrace's default loss for the batch's form).
-        renormalize: rescale ``param.grad`` to the mean over kept examples (for a mean-reduced loop loss).
-        normalize: score by cosine similarity (``<g_e, target> / (|g_e| |target|)``) instead of the inner
-            product, so that examples with large gradients (high loss) do not dominate the ranking; the sign, and
-            so the ``"negative"`` rule, is unchanged.
-        min_keep: examples always kept per step (across ranks under DDP).
-        start_step: optimizer steps to leave alone before selecting (early in training, while a model learns
-            token frequencies or class priors, even corrupted examples can point along the target).
-        record_scores: keep every example's score in the log (``history``).
-        ddp: all-reduce the dropped contributions (default: when a process group is initialised).
+        target: a fixed target gradient: a :class:`GradientBatch` or a :class:`GradientSet` / store (the mean of
+            its rows), or a flat vector laid out like the captured gradients.
+        validation: batches whose mean gradient, taken through the capture hooks at the current weights, is each
+            step's target (re-iterated when exhausted).
+        loss_fn: ``loss_fn(model, batch) -> [B]`` per-example losses of the ``validation`` batches (default:
+            gradtrace's default loss for the batch's form); only with ``validation``.
+        options: which examples are dropped and how ``param.grad`` is edited
+            (:class:`gradtrace.options.train.SelectionOptions`; default: its defaults, the ``"negative"`` rule).
+
+    Raises:
+        ValueError: ``target`` and ``validation`` both given, or ``loss_fn`` without ``validation``.
+        TypeError: ``options`` not a ``SelectionOptions``; ``target`` a string (the old mode names).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, target: Any = "batch", rule: Any = "negative",
-                 validation: Iterable[Any] | None = None, loss_fn: Callable | None = None, renormalize: bool = False,
-                 normalize: bool = False, min_keep: int = 1, start_step: int = 0, record_scores: bool = False,
-                 ddp: bool | None = None) -> None:
-        if isinstance(target, str) and target not in ("batch", "validation"):
-            raise ValueError(f"target must be 'batch', 'validation' or a gradient, got {target!r}")
-        if target == "validation" and validation is None:
-            raise ValueError("target='validation' needs validation=<batches>")
-        self._check_rule(rule)
-        if not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
+    def __init__(self, optimizer: torch.optim.Optimizer, *, target: Any = None,
+                 validation: Iterable[Any] | None = None, loss_fn: Callable | None = None,
+                 options: SelectionOptions | None = None) -> None:
+        options = SelectionOptions() if options is None else options
+        if not isinstance(options, SelectionOptions):
+            raise TypeError(f"options= must be a SelectionOptions, got {type(options).__name__}")
+        if target is not None and validation is not None:
+            raise ValueError("pass target= (a fixed gradient) or validation= (batches), not both")
+        if isinstance(target, str):
+            raise TypeError(f"target= is a gradient, got the string {target!r}: the step's mean gradient is the "
+                            "default, validation=<batches> targets a validation set")
+        if loss_fn is not None and validation is None:
+            raise ValueError("loss_fn= reads the validation batches: pass validation= too")
         self.optimizer = optimizer
+        self.options = options
         self.target = target
-        self.rule = rule
         self.validation = validation
         self._validation = Cycle(validation if validation is not None else (), "validation batches")
         self.loss_fn = loss_fn
-        self.renormalize = renormalize
-        self.normalize = normalize
-        self.min_keep = count(min_keep, "min_keep", minimum=0)
-        self.start_step = start_step
-        self.record_scores = record_scores
-        self.ddp = ddp
         self.history: list[SelectionRecord] = []
         self.capture = None
         self._pending: list[GradientBatch] = []
         self._handle = None
         self._steps = 0
-
-    @staticmethod
-    def _check_rule(rule: Any) -> None:
-        if rule == "negative":
-            return
-        if isinstance(rule, tuple) and len(rule) == 2 and rule[0] in ("bottom", "threshold"):
-            if rule[0] == "bottom":
-                fraction(rule[1], f"the bottom value of rule={rule!r}")
-            elif not isinstance(rule[1], (int, float)) or isinstance(rule[1], bool) or rule[1] != rule[1]:
-                raise ValueError(f"the threshold value of rule={rule!r} must be a number (not NaN; +-inf keeps or "
-                                 "drops every example)")
-            return
-        raise ValueError(f"rule must be 'negative', ('bottom', fraction) or ('threshold', value), got {rule!r}")
 
     # -- capture callback --------------------------------------------------------------------------
     def on_capture_start(self, capture: Any) -> None:
@@ -137,12 +127,12 @@ class OnlineSelection(CaptureCallback):
         batches, self._pending = self._pending, []
         step = self._steps
         self._steps += 1
-        if not batches or step < self.start_step:
+        if not batches or step < self.options.start_step:
             return
         train = concat(batches) if len(batches) > 1 else batches[0]
         target = self._target_vectors(train)
         scores = dense_inner(train, target)  # [E]: <g_e, target>
-        if self.normalize:
+        if self.options.normalize:
             target_norm = sum(float(v.double().pow(2).sum()) for v in target.values()) ** 0.5
             scores = scores / (sq_norms(train).clamp_min(1e-30).sqrt() * max(target_norm, 1e-30))
         drop = self._choose(scores)
@@ -154,9 +144,10 @@ class OnlineSelection(CaptureCallback):
             kept_total = int(kept)
         else:
             kept_total = kept_local
-        if kept_total < self.min_keep:  # keep the best ones back (locally) rather than dropping everything
+        min_keep = self.options.min_keep
+        if kept_total < min_keep:  # keep the best ones back (locally) rather than dropping everything
             order = torch.argsort(scores, descending=True)
-            restore = order[: max(0, self.min_keep - kept_total)] if not ready else order[:1]
+            restore = order[: max(0, min_keep - kept_total)] if not ready else order[:1]
             drop[restore] = False
             warnings.warn(f"gradtrace selection: step {step} would drop every example; kept {len(restore)} "
                           "with the highest scores", stacklevel=2)
@@ -164,23 +155,23 @@ class OnlineSelection(CaptureCallback):
         self._subtract(train, weights * drop.to(torch.float64), weights, ready, world)
         ids = [train.ids[i] for i in drop.nonzero().flatten().tolist()]
         record = SelectionRecord(step, len(train), ids)
-        if self.record_scores:
+        if self.options.record_scores:
             record.scores = {ident: float(s) for ident, s in zip(train.ids, scores.tolist())}
         self.history.append(record)
 
     def _ddp_state(self) -> tuple[bool, int]:
         ready, world = _dist()
-        if self.ddp is False:
+        if self.options.ddp is False:
             return False, 1
         return ready, world
 
     def _choose(self, scores: Tensor) -> Tensor:
-        if self.rule == "negative":
+        rule = self.options.rule
+        if rule == "negative":
             return scores < 0
-        kind, value = self.rule
-        if kind == "threshold":
-            return scores < float(value)
-        count = round(float(value) * scores.numel())
+        if rule == "threshold":
+            return scores < float(self.options.threshold)
+        count = round(float(self.options.fraction) * scores.numel())
         drop = torch.zeros_like(scores, dtype=torch.bool)
         if count:
             drop[torch.argsort(scores)[:count]] = True
@@ -203,21 +194,21 @@ class OnlineSelection(CaptureCallback):
                 torch.distributed.all_reduce(removed)
                 removed /= world
             param.grad.sub_(removed.reshape(param.grad.shape))
-            if self.renormalize and total_share - dropped_share > 0:
+            if self.options.renormalize and total_share - dropped_share > 0:
                 param.grad.mul_(total_share / (total_share - dropped_share))
 
     # -- targets -----------------------------------------------------------------------------------
     def _target_vectors(self, train: GradientBatch) -> dict[str, Tensor]:
         """The target gradient as dense per-parameter tensors laid out like ``train``'s parameters."""
-        if isinstance(self.target, str) and self.target == "batch":
+        if self.target is not None:
+            return _fixed_target(self.target, train)
+        if self.validation is None:  # the step's own mean gradient
             weights = torch.full((len(train),), 1.0 / len(train))
             return {name: weighted_sum(pg, weights) for name, pg in train.params.items()}
-        if isinstance(self.target, str) and self.target == "validation":
-            val = self._validation_batch()
-            check_compatible(train, val, "selection target (validation gradients)")
-            weights = torch.full((len(val),), 1.0 / len(val))
-            return {name: weighted_sum(pg, weights) for name, pg in val.params.items()}
-        return _fixed_target(self.target, train)
+        val = self._validation_batch()
+        check_compatible(train, val, "selection target (validation gradients)")
+        weights = torch.full((len(val),), 1.0 / len(val))
+        return {name: weighted_sum(pg, weights) for name, pg in val.params.items()}
 
     def _validation_batch(self) -> GradientBatch:
         from ..common.batches import to_device

@@ -5,7 +5,9 @@ per-example gradients of the batch ``B_t`` at ``theta_t`` and the step size each
 :class:`TrajectoryWriter` is a capture callback that records exactly that from an unmodified loop::
 
     writer = TrajectoryWriter("runs/trajectory", optimizer)
-    with gradtrace.capture(model, reduction="mean", projection=gradtrace.LoGra(rank=8), callbacks=[writer]) as cap:
+    with gradtrace.capture(model, gradtrace.Loss(reduction="mean"),
+                           options=gradtrace.CaptureOptions(projection=gradtrace.LoGra(rank=8)),
+                           callbacks=[writer]) as cap:
         for batch in loader:
             cap.annotate(ids=batch.pop("id"))
             loss_fn(model(**batch)).backward()
@@ -20,7 +22,7 @@ kept), with per-row fields:
 * ``lr``: ``optimizer.param_groups[0]["lr"]`` when the backward pass ends (the rate that step will use);
 * ``weight``: the example's effective SGD step size, ``lr / scale`` where ``scale`` is the factor the capture
   removed from the loop's loss (the batch size for a mean loss, times the accumulation steps when the loop
-  divides by them and says so with ``capture(..., loss_scale=1/accum)``): the step is
+  divides by them and says so with ``capture(model, Loss(scale=1/accum), ...)``): the step is
   ``theta_{t+1} = theta_t - sum_rows weight * g``;
 * ``backward``: the backward pass within the capture session.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +43,10 @@ from ..capture.gradient_set import GradientSet
 from ..capture.sink.rows import MemoryRows, RowBackend, RowSink, RowTransform, ShardRows
 from ..common.checks import count
 from ..grad.batch import GradientBatch
-from ..options import StoreOptions, takes_options, with_record
+from ..options import StoreOptions, with_record
+from ..options.base import option_object
 from ..store import GradientSpec, GradientStore, ShardWriter, model_fingerprint
+from ..store.writer import resolved_store_options
 
 __all__ = ["FIELDS", "TrajectoryKeys", "TrajectoryRows", "TrajectoryWriter", "step_weights"]
 
@@ -99,38 +104,34 @@ class TrajectoryWriter(CaptureCallback):
         path: store directory; None keeps the rows in memory (:meth:`result` returns a
             :class:`~gradtrace.GradientSet`).
         optimizer: the loop's optimizer: its ``step()`` calls are counted and its learning rate read.
-        dtype, shard_rows, queue_size, resume, overwrite, config: store options (see
-            :class:`gradtrace.store.ShardWriter`).
+        store_options: how the store is written (:class:`gradtrace.StoreOptions`; shards of 4096 rows by
+            default). A store records it and the capture's :class:`gradtrace.CaptureOptions`
+            (``config["gradtrace"]["options"]`` of its manifest: ``store`` and ``capture``), as
+            :func:`gradtrace.collect` does.
         start_step: the index of the first optimizer step recorded (a run resumed from a checkpoint).
-        store_options: ``dtype``/``shard_rows``/``resume``/``overwrite`` as a
-            :class:`gradtrace.options.StoreOptions` instead of the keywords. A store records the resolved object and
-            the capture's resolved :class:`gradtrace.options.CaptureOptions` (``config["gradtrace"]["options"]``
-            of its manifest: ``store`` and ``capture``), as :func:`gradtrace.collect` does.
 
     The optimizer hook is installed when the capture starts and removed when it ends. Pass your own ids with
     ``cap.annotate(ids=...)``: the default content-hash ids count repeats of the same content as new examples
     (``id#1``) unless ``cap.reset_ids()`` is called at every epoch.
     """
 
-    @takes_options(store_options=StoreOptions)
-    def __init__(self, path: str | Path | None, optimizer: torch.optim.Optimizer, *, dtype: str = "float32",
-                 shard_rows: int | None = 4096, queue_size: int = 8, resume: bool = False, overwrite: bool = False,
-                 start_step: int = 0, config: dict[str, Any] | None = None,
-                 store_options: StoreOptions | None = None) -> None:
+    def __init__(self, path: str | Path | None, optimizer: torch.optim.Optimizer, *,
+                 store_options: StoreOptions | None = None, start_step: int = 0) -> None:
         if not hasattr(optimizer, "param_groups") or not hasattr(optimizer, "register_step_post_hook"):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if path is None and (resume or overwrite):
+        store_options = option_object(store_options, StoreOptions, "store_options")
+        if path is None and (store_options.resume or store_options.overwrite):
             raise ValueError("resume/overwrite apply to a store: pass a path")
-        count(queue_size, "queue_size")
         count(start_step, "start_step", minimum=0)
         self.path = Path(path) if path is not None else None
         self.optimizer = optimizer
-        self.dtype = dtype
-        self.store_options = store_options  # resolved by takes_options
+        shard_rows = store_options.shard_rows or (4096 if store_options.shard_bytes is None else None)
+        self.store_options = replace(resolved_store_options(path, store_options) if path is not None else
+                                     replace(store_options, dtype=store_options.store_dtype), shard_rows=shard_rows)
+        self.dtype = self.store_options.dtype
         self.capture_options: Any = None  # the capture's resolved CaptureOptions, from on_capture_start
-        self.options = {"shard_rows": shard_rows, "queue_size": queue_size, "resume": resume, "overwrite": overwrite,
-                        "config": {"trajectory": {"optimizer": type(optimizer).__name__, "start_step": start_step},
-                                   **(config or {})}}
+        self.config = {"trajectory": {"optimizer": type(optimizer).__name__, "start_step": start_step},
+                       **(store_options.config or {})}
         self.step = int(start_step)  # the optimizer step the next backward pass belongs to
         self.model = None
         self._handle: Any = None
@@ -142,8 +143,8 @@ class TrajectoryWriter(CaptureCallback):
 
     def _open_store(self, spec: GradientSpec) -> ShardWriter:
         assert self.path is not None
-        config = with_record(self.options["config"], capture=self.capture_options, store=self.store_options)
-        return ShardWriter(self.path, spec, **{**self.options, "config": config})
+        config = with_record(self.config, capture=self.capture_options, store=self.store_options)
+        return ShardWriter(self.path, spec, replace(self.store_options, config=config))
 
     @property
     def spec(self) -> GradientSpec | None:
@@ -184,7 +185,7 @@ class TrajectoryWriter(CaptureCallback):
             self._handle = None
         if self.writer is not None:
             self.sink.close(complete=error is None)
-            self.options.update(resume=True, overwrite=False)  # a later session appends
+            self.store_options = replace(self.store_options, resume=True, overwrite=False)  # a later session appends
 
     # -- results -------------------------------------------------------------------------------
     def result(self) -> GradientStore | GradientSet:

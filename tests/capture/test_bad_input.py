@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradtrace
+from gradtrace.options import CaptureOptions, Loss
 from tests import tiny
 
 
@@ -22,19 +23,19 @@ def test_unknown_layer_name_suggests_close_matches():
     model = tiny.llama()
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.gate_prj' matches no module name; did you mean "
                                          r"model.layers.0.mlp.gate_proj"):
-        gradtrace.capture(model, layers=["model.layers.0.mlp.gate_prj"])
+        gradtrace.capture(model, options=CaptureOptions(layers=["model.layers.0.mlp.gate_prj"]))
     with pytest.raises(ValueError, match=r"exclude: 'lm_haed' matches no module name; did you mean lm_head"):
-        gradtrace.capture(model, exclude=["lm_haed"])
+        gradtrace.capture(model, options=CaptureOptions(exclude=["lm_haed"]))
     with pytest.raises(ValueError, match="module names look like"):
-        gradtrace.capture(model, layers=["*.nothing_like_this.*"])
+        gradtrace.capture(model, options=CaptureOptions(layers=["*.nothing_like_this.*"]))
 
 
 def test_bad_layer_specs():
     model = tiny.MLP()
     with pytest.raises(ValueError, match="layers=Conv2d: the model has no module of this type"):
-        gradtrace.capture(model, layers=[nn.Conv2d])
+        gradtrace.capture(model, options=CaptureOptions(layers=[nn.Conv2d]))
     with pytest.raises(TypeError, match="name patterns or module classes, got 3"):
-        gradtrace.capture(model, layers=[3])
+        gradtrace.capture(model, options=CaptureOptions(layers=[3]))
 
 
 def test_model_without_capturable_layers():
@@ -66,7 +67,10 @@ def test_all_frozen_model_points_at_include_frozen():
 ])
 def test_invalid_option_values(option, value, error, says):
     with pytest.raises(error, match=says):
-        gradtrace.capture(tiny.MLP(), **{option: value})
+        if option in ("reduction", "example_loss"):
+            gradtrace.capture(tiny.MLP(), Loss(**{option: value}))
+        else:
+            gradtrace.capture(tiny.MLP(), options=CaptureOptions(**{option: value}))
 
 
 # ---------------------------------------------------------------------------------------------- loops
@@ -121,7 +125,8 @@ def test_nonfinite_raise():
     model = tiny.MLP()
     x, y = _poisoned_batch()
     ids = [f"ex{i}" for i in range(5)]
-    with pytest.raises(FloatingPointError, match="ex1, ex3"), gradtrace.capture(model, ids=ids, nonfinite="raise"):
+    with pytest.raises(FloatingPointError, match="ex1, ex3"), \
+            gradtrace.capture(model, ids=ids, options=CaptureOptions(nonfinite="raise")):
         F.cross_entropy(model(x), y).backward()
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules()), "hooks removed"
 

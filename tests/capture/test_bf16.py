@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import CaptureOptions
 from tests import tiny
 from tests.capture.test_exact import _lm_batch, _lm_single_loss
 
@@ -29,7 +30,7 @@ def test_bf16_capture_within_tolerance(make):
     rows, ids, mask, labels, pos = _lm_batch([6, 9, 4])
     ref16 = tiny.reference_grads(model16, rows, _lm_single_loss)
     ref32 = tiny.reference_grads(model32, rows, _lm_single_loss)
-    with gradtrace.capture(model16, verify=True) as cap:
+    with gradtrace.capture(model16, options=CaptureOptions(verify=True)) as cap:
         out = model16(input_ids=ids, attention_mask=mask, position_ids=pos)
         tiny.lm_example_loss(out.logits, labels).mean().backward()
     got = cap.batches[0].per_example_grads()

@@ -18,6 +18,7 @@ import gradtrace
 from gradtrace.capture import checkpoints as per_checkpoint
 from gradtrace.common.errors import UsageError
 from gradtrace.common.provenance import resolve_paths
+from gradtrace.options import CaptureOptions, StoreOptions
 from gradtrace.store import GradientStore, SpecMismatch, model_fingerprint
 from tests.tiny import VOCAB, gpt2
 
@@ -73,8 +74,9 @@ def _plain(run, tmp_path):
     stores, queries = [], []
     for c, model in enumerate(run["models"]):
         projection = gradtrace.LoGra(rank=RANK)
-        stores.append(gradtrace.collect(model, run["train"], store=tmp_path / f"plain-{c}", projection=projection))
-        queries.append(gradtrace.collect(model, run["queries"], projection=projection))
+        stores.append(gradtrace.collect(model, run["train"], store=tmp_path / f"plain-{c}",
+                                        options=CaptureOptions(projection=projection)))
+        queries.append(gradtrace.collect(model, run["queries"], options=CaptureOptions(projection=projection)))
     return stores, queries
 
 
@@ -98,8 +100,9 @@ def test_each_store_equals_a_plain_collect_and_the_ensemble_matches(run, tmp_pat
         names = ["checkpoint-100", "checkpoint-200", "checkpoint-300"]
     projection = gradtrace.LoGra(rank=RANK)
     stores = gradtrace.collect_checkpoints(checkpoints, iter(run["train"]), model=model, out=tmp_path / "stores",
-                                           projection=projection)
-    queries = gradtrace.collect_checkpoints(checkpoints, run["queries"], model=model, projection=projection)
+                                           options=CaptureOptions(projection=projection))
+    queries = gradtrace.collect_checkpoints(checkpoints, run["queries"], model=model,
+                                            options=CaptureOptions(projection=projection))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the model's weights restored
     assert [s.root.name for s in stores] == names and all(isinstance(q, gradtrace.GradientSet) for q in queries)
     plain_stores, plain_queries = _plain(run, tmp_path)
@@ -127,7 +130,7 @@ def test_resume_keeps_finished_stores_and_finishes_the_interrupted_one(run, tmp_
 
     def counting(model, data, *args, **kwargs):
         calls.append(kwargs["store"].name)
-        if len(calls) == 2 and not kwargs.get("resume"):
+        if len(calls) == 2 and not kwargs["store_options"].resume:
             data = interrupted(data)
         return real(model, data, *args, **kwargs)
 
@@ -136,19 +139,21 @@ def test_resume_keeps_finished_stores_and_finishes_the_interrupted_one(run, tmp_
     before = _weights(model)
     with pytest.raises(KeyboardInterrupt):
         gradtrace.collect_checkpoints(run["files"], run["train"], model=model, out=out,
-                                      projection=gradtrace.LoGra(rank=RANK))
+                                      options=CaptureOptions(projection=gradtrace.LoGra(rank=RANK)))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     partial = GradientStore.open(out / "step-200", allow_incomplete=True)
     assert not partial.complete and len(partial) == 4 and not (out / "step-300").exists()
-    with pytest.raises(UsageError, match=r"already holds? a store: pass resume=True"):
+    with pytest.raises(UsageError, match=r"already holds? a store: pass store_options=StoreOptions\(resume=True\)"):
         gradtrace.collect_checkpoints(run["files"], run["train"], model=model, out=out,
-                                      projection=gradtrace.LoGra(rank=RANK))
+                                      options=CaptureOptions(projection=gradtrace.LoGra(rank=RANK)))
     with pytest.raises(SpecMismatch, match="cannot resume"):  # a finished store of another projection is refused
-        gradtrace.collect_checkpoints(run["files"], run["train"], model=model, out=out, resume=True,
-                                      projection=gradtrace.LoGra(rank=2))
+        gradtrace.collect_checkpoints(run["files"], run["train"], model=model, out=out,
+                                      options=CaptureOptions(projection=gradtrace.LoGra(rank=2)),
+                                      store_options=StoreOptions(resume=True))
     calls.clear()
-    stores = gradtrace.collect_checkpoints(run["files"], run["train"], model=model, out=out, resume=True,
-                                           projection=gradtrace.LoGra(rank=RANK))
+    stores = gradtrace.collect_checkpoints(run["files"], run["train"], model=model, out=out,
+                                           options=CaptureOptions(projection=gradtrace.LoGra(rank=RANK)),
+                                           store_options=StoreOptions(resume=True))
     assert calls == ["step-200", "step-300"]  # step-100 was complete: kept, not collected again
     plain_stores, _ = _plain(run, tmp_path)
     for store, plain in zip(stores, plain_stores):
@@ -163,10 +168,8 @@ def test_bad_input_is_refused_with_the_fix_and_loses_nothing(run, tmp_path):
         ([], {}, r"non-empty list of checkpoints"),
         ([tmp_path / "nope.pt"], {"model": model}, r"checkpoint .*nope\.pt does not exist; give existing"),
         ([run["files"][0]], {}, r"state-dict file .*step-100\.pt is loaded into a model: pass model="),
-        ([run["files"][0], run["dirs"][0]], {"model": model, "names": ["a", "a"]},
-         r"store name 'a' would be used for 2 checkpoints .*pass names="),
-        ([run["files"][0]], {"model": model, "store": tmp_path / "s"}, r"pass out=DIR"),
-        ([run["files"][0]], {"model": model, "resume": True}, r"resume/overwrite apply to stores: pass out=DIR"),
+        ([run["files"][0]], {"model": model, "store_options": StoreOptions(resume=True)},
+         r"resume/overwrite apply to stores: pass out=DIR"),
         ([tmp_path], {"model": model}, r"directory without config\.json"),
     ]
     for checkpoints, kwargs, message in cases:

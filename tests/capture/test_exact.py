@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
+from gradtrace.options import CaptureOptions
 from tests import tiny
 
 
@@ -37,7 +38,7 @@ def test_causal_lm_matches_loop(make, pad_side):
     model = make()
     rows, ids, mask, labels, pos = _lm_batch([5, 9, 3, 7], pad_side)
     ref = tiny.reference_grads(model, rows, _lm_single_loss)
-    with gradtrace.capture(model, verify=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(verify=True)) as cap:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
         tiny.lm_example_loss(out.logits, labels).mean().backward()
     assert len(cap.batches) == 1
@@ -70,7 +71,7 @@ def test_bert_padded_classifier_matches_loop():
         return F.cross_entropy(logits, label.view(1), reduction="sum")
 
     ref = tiny.reference_grads(model, list(zip(rows, labels)), single)
-    with gradtrace.capture(model, verify=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(verify=True)) as cap:
         out = model(input_ids=ids, attention_mask=mask)
         F.cross_entropy(out.logits, labels).backward()
     batch = cap.batches[0]
@@ -85,7 +86,7 @@ def test_vision_style_models_match_loop(make, shape):
     y = torch.randint(0, 3, (6,))
     ref = tiny.reference_grads(model, list(zip(x, y)),
                                lambda m, e: F.cross_entropy(m(e[0].unsqueeze(0)), e[1].view(1), reduction="sum"))
-    with gradtrace.capture(model, verify=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(verify=True)) as cap:
         F.cross_entropy(model(x), y).backward()
     batch = cap.batches[0]
     assert set(batch.params) == set(tiny.trainable(model))

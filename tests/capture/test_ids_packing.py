@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import CaptureOptions, Loss
 from tests import tiny
 from tests.capture.test_exact import _lm_batch, _lm_single_loss
 
@@ -28,7 +29,8 @@ def test_packed_rows_give_one_gradient_per_document(mode):
     model = tiny.llama()
     docs, ids, pos, labels, doc_ids = _packed([[4, 6, 3], [7, 6]])
     ref = tiny.reference_grads(model, docs, _lm_single_loss)
-    with gradtrace.capture(model, reduction="sum", packing=(mode == "position_ids"), verify=True) as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="sum"),
+                           options=CaptureOptions(packing=mode == "position_ids", verify=True)) as cap:
         if mode == "doc_ids":
             cap.annotate(doc_ids=doc_ids)
         out = model(input_ids=ids, position_ids=pos, use_cache=False)
@@ -37,7 +39,7 @@ def test_packed_rows_give_one_gradient_per_document(mode):
     assert len(batch) == 5
     tiny.assert_grads_close(batch.per_example_grads(), ref)
     # the id of a packed document is the content hash of that document alone
-    with gradtrace.capture(model, reduction="sum") as solo:
+    with gradtrace.capture(model, loss=Loss(reduction="sum")) as solo:
         out = model(input_ids=docs[0][None])
         tiny.lm_example_loss(out.logits, docs[0][None]).sum().backward()
     assert solo.batches[0].ids[0] == batch.ids[0]
@@ -48,7 +50,7 @@ def test_packed_token_mean_example_mean():
     docs, ids, pos, labels, _ = _packed([[5, 4, 6]])
     ref = tiny.reference_grads(model, docs, lambda m, row: tiny.lm_example_loss(
         m(input_ids=row[None]).logits, row[None], mean=True).sum())
-    with gradtrace.capture(model, reduction="token_mean", example_loss="mean") as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="token_mean", example_loss="mean")) as cap:
         model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss.backward()
     batch = cap.batches[0]
     assert torch.equal(batch.num_targets, torch.tensor([4.0, 3.0, 5.0]))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import gradtrace
+from gradtrace.options import CaptureOptions
 from tests import tiny
 from tests.capture.test_exact import _lm_batch, _lm_single_loss
 
@@ -27,7 +28,7 @@ def _capture_vs_loop(model, x, **kw):
     with torch.no_grad():
         target = torch.randn_like(model(x))
     ref = tiny.reference_grads(model, list(zip(x, target)), _single_sq_loss)
-    with gradtrace.capture(model, **kw) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(**kw)) as cap:
         _sq_loss(model(x), target).mean().backward()
     assert len(cap.batches) == 1
     return cap, cap.batches[0], ref
@@ -153,7 +154,7 @@ def test_norm_lookalike_with_another_formula_is_reported_not_captured():
     assert "norm.weight" not in batch.params
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["inp.weight", "inp.bias", "out.weight",
                                                                    "out.bias"])
-    with pytest.raises(ValueError, match="FancyNorm"), gradtrace.capture(model, strict=True):
+    with pytest.raises(ValueError, match="FancyNorm"), gradtrace.capture(model, options=CaptureOptions(strict=True)):
         pass
 
 
@@ -207,7 +208,7 @@ def _embed_loop(model, ids, **kw):
     with torch.no_grad():
         target = torch.randn_like(model(ids))
     ref = tiny.reference_grads(model, list(zip(ids, target)), _single_sq_loss)
-    with gradtrace.capture(model, **kw) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(**kw)) as cap:
         _sq_loss(model(ids), target).mean().backward()
     return cap, cap.batches[0], ref
 
@@ -239,7 +240,7 @@ def test_embedding_scale_grad_by_freq_is_unsupported():
     assert "emb.weight" not in batch.params
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["head.weight", "head.bias"])
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
-        gradtrace.capture(model, layers=["emb"])
+        gradtrace.capture(model, options=CaptureOptions(layers=["emb"]))
 
 
 # ---------------------------------------------------------------------------------------------- convolutions
@@ -353,7 +354,8 @@ def test_multihead_attention_is_reported_and_never_mis_captured():
     assert not {"attn.in_proj_weight", "attn.in_proj_bias"} & set(batch.params)
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["inp.weight", "inp.bias", "out.weight",
                                                                    "out.bias"])
-    with pytest.raises(ValueError, match="MultiheadAttention"), gradtrace.capture(model, strict=True):
+    with pytest.raises(ValueError, match="MultiheadAttention"), \
+            gradtrace.capture(model, options=CaptureOptions(strict=True)):
         pass
 
 
@@ -365,7 +367,7 @@ def test_multihead_attention_out_proj_is_reported_up_front():
     assert "attn.out_proj" not in _kinds(cap)
     assert "attn.out_proj" in _unsupported(cap)
     with pytest.raises(ValueError, match=r"attn\.out_proj"):
-        gradtrace.capture(model, layers=["attn.out_proj", "out"])
+        gradtrace.capture(model, options=CaptureOptions(layers=["attn.out_proj", "out"]))
 
 
 class FunctionalUse(nn.Module):
@@ -391,7 +393,7 @@ def test_functional_use_is_detected_at_runtime():
 
 def test_strict_raises_on_functional_use():
     model = FunctionalUse()
-    with pytest.raises(ValueError, match=r"lin\.weight"), gradtrace.capture(model, strict=True):
+    with pytest.raises(ValueError, match=r"lin\.weight"), gradtrace.capture(model, options=CaptureOptions(strict=True)):
         model(torch.randn(4, 5)).sum().backward()
 
 
@@ -425,7 +427,7 @@ def test_include_frozen_captures_frozen_layers_exactly():
     with torch.no_grad():
         target = torch.randn(4, 3)
     ref = _all_trainable_ref(model, x, target)
-    with gradtrace.capture(model, include_frozen=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(include_frozen=True)) as cap:
         _sq_loss(model(x), target).mean().backward()
     batch = cap.batches[0]
     assert cap.report().frozen == []
@@ -439,7 +441,7 @@ def test_include_frozen_first_layer_with_input_requiring_grad():
     x = torch.randn(4, 5)
     target = torch.randn(4, 3)
     ref = _all_trainable_ref(model, x, target)
-    with gradtrace.capture(model, include_frozen=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(include_frozen=True)) as cap:
         _sq_loss(model(x.requires_grad_()), target).mean().backward()
     batch = cap.batches[0]
     assert set(batch.params) == {n for n, _ in model.named_parameters()}
@@ -449,7 +451,8 @@ def test_include_frozen_first_layer_with_input_requiring_grad():
 def test_include_frozen_layer_outside_the_graph_is_reported():
     model = _frozen_mlp(freeze_first=True)
     x = torch.randn(4, 5)
-    with pytest.warns(UserWarning, match="does not require grad"), gradtrace.capture(model, include_frozen=True) as cap:
+    with pytest.warns(UserWarning, match="does not require grad"), \
+            gradtrace.capture(model, options=CaptureOptions(include_frozen=True)) as cap:
         _sq_loss(model(x), torch.randn(4, 3)).mean().backward()
     assert "0.weight" not in cap.batches[0].params
     assert "0" in cap.report().runtime_skipped and not cap.report().ok
@@ -491,7 +494,7 @@ def test_layer_selection_by_glob_type_and_exclude():
                          [n for n in names if n.startswith("model.layers.1.") and "layernorm" not in n]),
     }
     for case, (kw, expected) in cases.items():
-        with gradtrace.capture(model, **kw) as cap:
+        with gradtrace.capture(model, options=CaptureOptions(**kw)) as cap:
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
             tiny.lm_example_loss(out.logits, labels).mean().backward()
         batch = cap.batches[0]
@@ -506,7 +509,7 @@ def test_tied_weight_selection_includes_every_use_site(chosen, added):
     model = tiny.gpt2(tied=True)
     rows, ids, mask, labels, pos = _lm_batch([5, 8, 3])
     ref = tiny.reference_grads(model, rows, _lm_single_loss)
-    with gradtrace.capture(model, layers=[chosen]) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(layers=[chosen])) as cap:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
         tiny.lm_example_loss(out.logits, labels).mean().backward()
     batch = cap.batches[0]
@@ -515,7 +518,7 @@ def test_tied_weight_selection_includes_every_use_site(chosen, added):
     assert {"lm_head", "transformer.wte"} <= set(_kinds(cap))
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["transformer.wte.weight"])
     with pytest.raises(ValueError, match="shares parameter"):
-        gradtrace.capture(model, layers=[chosen], exclude=[added])
+        gradtrace.capture(model, options=CaptureOptions(layers=[chosen], exclude=[added]))
 
 
 def test_shared_parameter_with_an_unsupported_site_is_left_out():
@@ -538,7 +541,7 @@ def test_shared_parameter_with_an_unsupported_site_is_left_out():
     assert {"emb", "head"} <= set(_unsupported(cap))
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["head.bias"])
     with pytest.raises(ValueError, match="scale_grad_by_freq"):
-        gradtrace.capture(model, layers=["head"])
+        gradtrace.capture(model, options=CaptureOptions(layers=["head"]))
 
 
 # ---------------------------------------------------------------------------------------------- subclasses
@@ -647,7 +650,7 @@ def test_gemma_scaled_tied_embedding_and_norms_match_loop():
     assert model.lm_head.weight is model.model.embed_tokens.weight
     rows, ids, mask, labels, pos = _lm_batch([5, 8, 3])
     ref = tiny.reference_grads(model, rows, _lm_single_loss)
-    with gradtrace.capture(model, verify=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(verify=True)) as cap:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
         tiny.lm_example_loss(out.logits, labels).mean().backward()
     assert cap.report().ok, str(cap.report())

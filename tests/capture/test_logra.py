@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
+from gradtrace.options import CaptureOptions
 from gradtrace.projection.logra import Projector, gaussian_matrix, stable_seed
 from tests import tiny
 from tests.capture.test_exact import _lm_batch
@@ -13,7 +14,7 @@ from tests.capture.test_exact import _lm_batch
 def _exact_and_projected(model, spec, run):
     with gradtrace.capture(model) as exact:
         run()
-    with gradtrace.capture(model, projection=spec, verify=True) as proj:
+    with gradtrace.capture(model, options=CaptureOptions(projection=spec, verify=True)) as proj:
         run()
     return exact.batches[0], proj.batches[0]
 
@@ -76,7 +77,7 @@ def test_per_parameter_ranks():
     assert gradtrace.LoGra.from_dict(spec.to_dict()).to_dict() == spec.to_dict()
     assert "ranks" not in gradtrace.LoGra(rank=3).to_dict(), "specs without overrides are unchanged"
     with pytest.raises(ValueError, match=r"\['\*lm_head\.bias'\] match no captured parameter"):
-        gradtrace.capture(model, projection=gradtrace.LoGra(rank=3, ranks={"*lm_head.bias": 4}))
+        gradtrace.capture(model, options=CaptureOptions(projection=gradtrace.LoGra(rank=3, ranks={"*lm_head.bias": 4})))
     with pytest.raises(ValueError, match="positive integer ranks"):
         gradtrace.LoGra(rank=3, ranks={"*wte*": (0, 3)})
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
+from gradtrace.options import CaptureOptions, Loss
 from tests import tiny
 from tests.capture.test_exact import _lm_batch, _lm_single_loss
 
@@ -24,7 +25,7 @@ def _train_steps(model, batches, use_capture, **kw):
             opt.zero_grad()
 
     if use_capture:
-        with gradtrace.capture(model, reduction="token_mean", **kw) as cap:
+        with gradtrace.capture(model, Loss(reduction="token_mean"), options=CaptureOptions(**kw)) as cap:
             run()
         return losses, grads, cap
     run()
@@ -52,7 +53,7 @@ def test_gradient_accumulation_gives_one_batch_per_backward():
     model = tiny.llama()
     rows, ids, mask, labels, pos = _lm_batch([4, 6, 5, 7])
     ref = tiny.reference_grads(model, rows, _lm_single_loss)
-    with gradtrace.capture(model, reduction="mean", loss_scale=0.5) as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="mean", scale=0.5)) as cap:
         for part in (slice(0, 2), slice(2, 4)):
             out = model(input_ids=ids[part], attention_mask=mask[part], position_ids=pos[part])
             (tiny.lm_example_loss(out.logits, labels[part]).mean() / 2).backward()
@@ -69,7 +70,7 @@ def test_gradient_checkpointing(make, reentrant):
     ref = tiny.reference_grads(model, rows, _lm_single_loss)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     model.train()
-    with gradtrace.capture(model, verify=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(verify=True)) as cap:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
         tiny.lm_example_loss(out.logits, labels).mean().backward()
     assert len(cap.batches) == 1
@@ -99,7 +100,7 @@ def test_two_forwards_before_one_backward_concat():
     x, y = torch.randn(5, 7), torch.randint(0, 4, (5,))
     ref = tiny.reference_grads(model, list(zip(x, y)),
                                lambda m, e: F.cross_entropy(m(e[0][None]), e[1].view(1), reduction="sum"))
-    with gradtrace.capture(model, reduction="sum") as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="sum")) as cap:
         loss = F.cross_entropy(model(x[:2]), y[:2], reduction="sum") + F.cross_entropy(model(x[2:]), y[2:],
                                                                                        reduction="sum")
         loss.backward()
@@ -120,7 +121,7 @@ def test_two_forwards_before_one_backward_sum():
 
     ref = tiny.reference_grads(model, list(range(4)), lambda m, i: pair_loss(m, x[i:i + 1], y[i:i + 1],
                                                                              noise[i:i + 1]).sum())
-    with gradtrace.capture(model, reduction="mean", multi_forward="sum") as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="mean"), options=CaptureOptions(multi_forward="sum")) as cap:
         pair_loss(model, x, y, noise).mean().backward()
     batch = cap.batches[0]
     assert len(batch) == 4
@@ -153,6 +154,6 @@ def test_module_called_twice_gets_the_sum():
     x, y = torch.randn(5, 6), torch.randint(0, 2, (5,))
     ref = tiny.reference_grads(model, list(zip(x, y)),
                                lambda m, e: F.cross_entropy(m(e[0][None]), e[1].view(1), reduction="sum"))
-    with gradtrace.capture(model, verify=True) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(verify=True)) as cap:
         F.cross_entropy(model(x), y).backward()
     tiny.assert_grads_close(cap.batches[0].per_example_grads(), ref)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import Loss
 from tests import tiny
 from tests.capture.test_exact import _lm_batch
 
@@ -22,7 +23,7 @@ LOOPS = {
     "mean": (dict(reduction="mean"), lambda out, labels, n: tiny.lm_example_loss(out.logits, labels).mean()),
     "sum": (dict(reduction="sum"), lambda out, labels, n: tiny.lm_example_loss(out.logits, labels).sum()),
     "hf-token-mean": (dict(reduction="token_mean"), lambda out, labels, n: out.loss),
-    "sum-times-3": (dict(reduction="sum", loss_scale=3.0),
+    "sum-times-3": (dict(reduction="sum", scale=3.0),
                     lambda out, labels, n: 3 * tiny.lm_example_loss(out.logits, labels).sum()),
 }
 
@@ -34,7 +35,7 @@ def test_reductions_give_example_loss_gradients(loop, example_loss):
     rows, ids, mask, labels, pos = _lm_batch([4, 8, 6])
     ref = tiny.reference_grads(model, rows, _single(example_loss == "mean"))
     kwargs, batch_loss = LOOPS[loop]
-    with gradtrace.capture(model, example_loss=example_loss, **kwargs) as cap:
+    with gradtrace.capture(model, Loss(example_loss=example_loss, **kwargs)) as cap:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
         batch_loss(out, labels, None).backward()
     batch = cap.batches[0]
@@ -55,7 +56,7 @@ def test_num_items_in_batch_with_accumulation():
     rows, ids, mask, labels, pos = _lm_batch([4, 8, 6, 5])
     ref = tiny.reference_grads(model, rows, _single(False))
     n_items = int((labels[:, 1:] != -100).sum())
-    with gradtrace.capture(model, reduction="token_mean") as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="token_mean")) as cap:
         for part in (slice(0, 2), slice(2, 4)):
             out = model(input_ids=ids[part], attention_mask=mask[part], position_ids=pos[part], labels=labels[part],
                          num_items_in_batch=torch.tensor(n_items))
@@ -77,7 +78,7 @@ def test_same_example_same_gradient_in_any_batch(pad_side):
         ids[0] = ids[0].masked_scatter(mask[0].bool(), probe)
         labels = ids.masked_fill(mask == 0, -100)
         labels[torch.arange(size), mask.argmax(1)] = -100
-        with gradtrace.capture(model, reduction="token_mean") as cap:
+        with gradtrace.capture(model, loss=Loss(reduction="token_mean")) as cap:
             model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
         batch = cap.batches[0]
         results.append((batch.ids[0], batch.per_example_grads()))
@@ -93,7 +94,7 @@ def test_left_and_right_padding_agree():
     for side in ("left", "right"):
         torch.manual_seed(3)
         rows, ids, mask, labels, pos = _lm_batch([3, 7, 5], side)
-        with gradtrace.capture(model, reduction="sum") as cap:
+        with gradtrace.capture(model, loss=Loss(reduction="sum")) as cap:
             tiny.lm_example_loss(model(input_ids=ids, attention_mask=mask, position_ids=pos).logits,
                                  labels).sum().backward()
         out[side] = cap.batches[0]
@@ -104,5 +105,5 @@ def test_left_and_right_padding_agree():
 def test_token_mean_without_labels_is_a_clear_error():
     model = tiny.gpt2()
     ids = torch.randint(1, tiny.VOCAB, (2, 5))
-    with gradtrace.capture(model, reduction="token_mean"), pytest.raises(ValueError, match="token_mean"):
+    with gradtrace.capture(model, loss=Loss(reduction="token_mean")), pytest.raises(ValueError, match="token_mean"):
         model(input_ids=ids)

@@ -9,6 +9,7 @@ import torch
 
 import gradtrace
 from gradtrace.grad.terms import VectorTerm
+from gradtrace.options import CaptureOptions, Loss
 from gradtrace.projection.logra import Projector
 from tests import tiny
 from tests.reliability.test_no_silent_loss import (
@@ -33,8 +34,8 @@ def _captured(model, data, monkeypatch, **logra):
         return project(self, param, axis, x)
 
     monkeypatch.setattr(Projector, "project", spy)
-    with gradtrace.capture(model, projection=gradtrace.LoGra(rank=RANK, **logra), reduction="sum",
-                           example_loss="sum") as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="sum", example_loss="sum"),
+                           options=CaptureOptions(projection=gradtrace.LoGra(rank=RANK, **logra))) as cap:
         cap.annotate(ids=NAMES)
         loss = gradtrace.loss.functions.causal_lm_loss(model, data).sum()
         loss.backward()
@@ -69,7 +70,8 @@ def test_nan_in_padding_stays_out_of_projected_vectors():
     torch.manual_seed(0)
     model = tiny.gpt2()
     data = _padded_batch()
-    grads = collect_with_nan_in_padding(model, data, projection=gradtrace.LoGra(rank=RANK))
+    grads = collect_with_nan_in_padding(model, data,
+                                        options=gradtrace.CaptureOptions(projection=gradtrace.LoGra(rank=RANK)))
     ref = tiny.reference_grads(model, [data["input_ids"][i, :n] for i, n in enumerate(LENGTHS)], _single_loss)
     projector = Projector(gradtrace.LoGra(rank=RANK))
     assert grads.dropped == [] and grads.ids == NAMES

@@ -6,6 +6,7 @@ import json
 import shutil
 
 import gradtrace
+from gradtrace.options.data import ReadOptions
 from tests.cli.conftest import error_line, invoke
 
 EPS32 = 2.0 ** -23
@@ -54,8 +55,8 @@ def test_score_tokens_saved_and_reported(ws, runner, store, fresh):
            "--modules", "--no-progress")
     scores = gradtrace.Scores.load(out)
     tokenizer = load_tokenizer(ws.model)
-    train = gd.load(ws.train, tokenizer, max_length=48)
-    queries = gd.load(ws.queries, tokenizer, max_length=48)
+    train = gd.load(ws.train, tokenizer, read_options=ReadOptions(max_length=48))
+    queries = gd.load(ws.queries, tokenizer, read_options=ReadOptions(max_length=48))
     top, bottom = scores.topk(2), scores.topk(2, largest=False)
     for q, qid in enumerate(scores.query_ids):
         for tid, value in zip(top.ids[q] + bottom.ids[q], top.values[q].tolist() + bottom.values[q].tolist()):

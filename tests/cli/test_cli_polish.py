@@ -30,7 +30,8 @@ def _api_params(model_dir: Path, lines: list[str], **layers) -> list[str]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     batch = dict(AutoTokenizer.from_pretrained(model_dir)(lines[:2], return_tensors="pt", padding=True))
-    grads = gradtrace.collect(model, [batch], projection=gradtrace.LoGra(rank=4), **layers)
+    grads = gradtrace.collect(model, [batch], options=gradtrace.CaptureOptions(projection=gradtrace.LoGra(rank=4),
+                                                                               **layers))
     return [name for name, _ in grads.spec.params]
 
 

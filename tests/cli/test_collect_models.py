@@ -10,6 +10,7 @@ import torch
 
 import gradtrace
 from gradtrace.common.provenance import resolve_paths
+from gradtrace.options import CaptureOptions
 from tests.cli.conftest import error_line, flat, invoke
 from tests.cli.test_pipeline import _api_batches
 
@@ -52,7 +53,8 @@ def test_one_store_per_model_and_the_printed_ensemble_command(ws, runner, store,
     got = gradtrace.Scores.load(fresh / "ens")
     queries = [line for line in ws.queries.read_text().splitlines() if line.strip()]
     batches = [{k: v for k, v in b.items() if k != "id"} for b in _api_batches(ws, queries, ["x"] * 3, 8)]
-    query_sets = gradtrace.collect_checkpoints(dirs, batches, projection=gradtrace.LoGra(rank=4, seed=0))
+    query_sets = gradtrace.collect_checkpoints(dirs, batches,
+                                               options=CaptureOptions(projection=gradtrace.LoGra(rank=4, seed=0)))
     want = gradtrace.Ensemble("grad_dot", stores).score(query_sets, topk=None)
     assert got.meta["ensemble"]["members"] == 2 and got.query_ids == want.query_ids
     # float32: the CLI pads the queries on another side than the reference batches (summation order only)

@@ -9,6 +9,7 @@ from markupsafe import escape
 
 import gradtrace
 import gradtrace.data as gd
+from gradtrace.options.data import ReadOptions
 from tests.cli.conftest import error_line, invoke
 
 
@@ -22,7 +23,7 @@ def test_cli_eos_collects_trl_tokens_records_it_and_topk_finds_the_texts(ws, run
     assert "6 examples, text (EOS appended), loss on all" in " ".join(out.split())
     tok = AutoTokenizer.from_pretrained(ws.model)
     store = gradtrace.GradientStore.open(fresh / "s")
-    assert store.ids == gd.load(data, tok, add_eos=True).ids != gd.load(data, tok).ids
+    assert store.ids == gd.load(data, tok, read_options=ReadOptions(add_eos=True)).ids != gd.load(data, tok).ids
     assert json.loads((fresh / "s" / "manifest.json").read_text())["config"]["eos"] is True
     invoke(runner, "score", fresh / "s", data, "--model", ws.model, "--out", fresh / "sc", "--topk", 2, "--eos",
            "--no-progress")

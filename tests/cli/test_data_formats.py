@@ -11,6 +11,7 @@ import torch
 
 import gradtrace
 import gradtrace.data as gd
+from gradtrace.options.data import BatchOptions
 from tests.cli.conftest import error_line, invoke
 
 PAIRS = [("The king speaks:", " fair is foul"), ("The queen hears:", " sweet love and war"),
@@ -43,7 +44,8 @@ def test_collect_prompt_completion_equals_python_api(ws, runner, fresh):
     store = gradtrace.GradientStore.open(fresh / "s")
     tok = AutoTokenizer.from_pretrained(ws.model)
     model = AutoModelForCausalLM.from_pretrained(ws.model).float()
-    want = gradtrace.collect(model, gd.load(_records(), tok, batch_size=2))  # other padding: float32 round-off only
+    # other padding: float32 round-off only
+    want = gradtrace.collect(model, gd.load(_records(), tok, batch_options=BatchOptions(batch_size=2)))
     assert store.ids == want.ids
     rel = (store.read(0, len(store)) - want.vectors).norm(dim=1) / want.vectors.norm(dim=1)
     assert float(rel.max()) < 1e-5

@@ -9,6 +9,7 @@ import torch
 
 import gradtrace
 from gradtrace.curvature import Curvature, fit_curvature
+from gradtrace.options import CaptureOptions, FitOptions
 from tests.cli.conftest import error_line, invoke
 from tests.cli.test_pipeline import _api_batches, _model
 
@@ -28,7 +29,8 @@ def test_fit_then_score_matches_python_api(ws, store, runner, tmp_path, method):
     train = gradtrace.GradientStore.open(store)
     queries = [line for line in ws.queries.read_text().splitlines() if line.strip()]
     batches = [{k: v for k, v in b.items() if k != "id"} for b in _api_batches(ws, queries, ["x"] * 3, 8)]
-    query_set = gradtrace.collect(_model(ws.model), batches, projection=gradtrace.LoGra(rank=4, seed=0))
+    query_set = gradtrace.collect(_model(ws.model), batches,
+                                  options=CaptureOptions(projection=gradtrace.LoGra(rank=4, seed=0)))
     attr = gradtrace.Attributor(method, train, curvature=Curvature.load(curvature_dir))
     expected = attr.score(query_set)
     scale = float(expected.matrix.abs().max())
@@ -67,6 +69,7 @@ def test_fit_curvature_python_matches_cli_fit(ws, store, runner, tmp_path):
     texts = [json.loads(line)["text"] for line in ws.train.read_text().splitlines() if line.strip()]
     batches = [{k: v for k, v in b.items() if k != "id"} for b in _api_batches(ws, texts, ["x"] * len(texts), 5)]
     train = gradtrace.GradientStore.open(store)
-    fitted = fit_curvature(_model(ws.model), batches, kind="kfac", fisher="empirical", spec=train.spec)
+    fitted = fit_curvature(_model(ws.model), batches, spec=train.spec,
+                           fit_options=FitOptions(kind="kfac", fisher="empirical"))
     for name, eig in fitted.blocks.items():
         torch.testing.assert_close(saved.blocks[name].eigenvalues, eig.eigenvalues, rtol=1e-3, atol=1e-6)

@@ -83,16 +83,18 @@ def test_ivfpq_index_from_the_cli(ws, runner, store, scores_dir, fresh):
     dim = gradtrace.GradientStore.open(store).dim
     m = next(d for d in (4, 3, 2, 1) if dim % d == 0)
     out = flat(invoke(runner, "index", store, "--out", fresh / "ivf", "--nlist", 2, "--m", m, "--nbits", 4,
-                      "--nprobe", 2, "--no-progress").stdout)
-    assert "Indexed 24 rows" in out and f"PQ {m}x4 bits" in out
+                      "--no-progress").stdout)
+    assert "Indexed 24 rows" in out and f"PQ {m}x4 bits" in out and "nprobe 2 by default" in out
     invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", fresh / "ivf", "--rerank", 24,
-           "--topk", 5, "--out", fresh / "sc", "--no-progress")
+           "--topk", 5, "--nprobe", 2, "--bottom-nprobe", 2, "--out", fresh / "sc", "--no-progress")
     # every row is a candidate (2 of 2 cells, rerank 24 = rows): exact top-5
-    assert gradtrace.Scores.load(fresh / "sc").topk(5).ids == gradtrace.Scores.load(scores_dir).topk(5).ids
+    got = gradtrace.Scores.load(fresh / "sc")
+    assert got.topk(5).ids == gradtrace.Scores.load(scores_dir).topk(5).ids
+    assert got.meta["index"]["nprobe"] == 2 and got.meta["index"]["bottom_nprobe"] == 2
 
 
 def test_fast_scan_index_from_the_cli(ws, runner, store, scores_dir, fresh):
-    out = flat(invoke(runner, "index", store, "--out", fresh / "fs", "--nlist", 2, "--fast-scan", "--nprobe", 2,
+    out = flat(invoke(runner, "index", store, "--out", fresh / "fs", "--nlist", 2, "--fast-scan",
                       "--no-progress").stdout)
     assert "Indexed 24 rows" in out and "x4 bits fast-scan" in out
     invoke(runner, "score", store, ws.queries, "--model", ws.model, "--index", fresh / "fs", "--rerank", 24,
@@ -130,6 +132,8 @@ def test_index_option_errors(ws, runner, store, flat_index, fresh):
                                  "--no-progress", *args, code=2))
 
     assert "--rerank applies to the shortlist of --index" in error("--rerank", 10)
+    assert "--nprobe applies to the shortlist of --index" in error("--nprobe", 2)
+    assert "--bottom-nprobe applies to the shortlist of --index" in error("--bottom-nprobe", 2)
     assert "--rerank 3 is smaller than --topk 5" in error("--index", flat_index, "--rerank", 3, "--topk", 5)
     assert "needs an index built with --normalize" in error("--index", flat_index, "--method", "grad_cos")
     assert "not the full matrix" in error("--index", flat_index, "--matrix", "yes")

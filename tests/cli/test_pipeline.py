@@ -13,6 +13,7 @@ import yaml
 
 import gradtrace
 from gradtrace.common.provenance import resolve_paths
+from gradtrace.options import CaptureOptions
 from tests.cli.conftest import error_line, invoke
 
 
@@ -64,7 +65,8 @@ def test_collect_writes_store_config_and_manifest(ws, store):
 def test_collect_matches_python_api(ws, store):
     records = [json.loads(line) for line in ws.train.read_text().splitlines()]
     batches = _api_batches(ws, [r["text"] for r in records], [r["id"] for r in records], 3)
-    expected = gradtrace.collect(_model(ws.model), batches, projection=gradtrace.LoGra(rank=4, seed=0))
+    expected = gradtrace.collect(_model(ws.model), batches,
+                                 options=CaptureOptions(projection=gradtrace.LoGra(rank=4, seed=0)))
     stored = gradtrace.GradientStore.open(store)
     assert stored.ids == expected.ids
     torch.testing.assert_close(stored.read(0, len(stored)), expected.vectors, rtol=1e-4, atol=1e-6)
@@ -74,7 +76,7 @@ def test_content_hash_ids_match_library(ws, runner, fresh):
     invoke(runner, "collect", ws.model, ws.train_noid, "--out", fresh / "s", "--rank", 2, "--no-progress")
     texts = [json.loads(line)["text"] for line in ws.train_noid.read_text().splitlines()]
     batches = [{k: v for k, v in b.items() if k != "id"} for b in _api_batches(ws, texts, ["x"] * len(texts), 8)]
-    expected = gradtrace.collect(_model(ws.model), batches, projection=gradtrace.LoGra(rank=2))
+    expected = gradtrace.collect(_model(ws.model), batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     assert gradtrace.GradientStore.open(fresh / "s").ids == expected.ids
 
 
@@ -94,7 +96,8 @@ def test_score_matches_python_api(ws, store, scores_dir):
     scores = gradtrace.Scores.load(scores_dir)
     queries = [line for line in ws.queries.read_text().splitlines() if line.strip()]
     batches = [{k: v for k, v in b.items() if k != "id"} for b in _api_batches(ws, queries, ["x"] * 3, 8)]
-    query_set = gradtrace.collect(_model(ws.model), batches, projection=gradtrace.LoGra(rank=4, seed=0))
+    query_set = gradtrace.collect(_model(ws.model), batches,
+                                  options=CaptureOptions(projection=gradtrace.LoGra(rank=4, seed=0)))
     expected = gradtrace.Attributor("grad_dot", train=gradtrace.GradientStore.open(store)).score(query_set, topk=5)
     assert scores.query_ids == expected.query_ids and scores.train_ids == expected.train_ids
     torch.testing.assert_close(scores.matrix, expected.matrix, rtol=1e-4, atol=1e-3)
@@ -215,7 +218,7 @@ def test_per_parameter_ranks_collect_and_score(ws, runner, fresh):
     records = [json.loads(line) for line in ws.train.read_text().splitlines()]
     batches = _api_batches(ws, [r["text"] for r in records], [r["id"] for r in records], 3)
     logra = gradtrace.LoGra(rank=2, seed=0, ranks={"*wte.weight": (320, 3)})
-    expected = gradtrace.collect(_model(ws.model), batches, projection=logra)
+    expected = gradtrace.collect(_model(ws.model), batches, options=CaptureOptions(projection=logra))
     stored = gradtrace.GradientStore.open(fresh / "s")
     assert stored.spec.projection == logra.to_dict() and dict(stored.spec.params)["transformer.wte.weight"] == 960
     torch.testing.assert_close(stored.read(0, len(stored)), expected.vectors, rtol=1e-4, atol=1e-6)

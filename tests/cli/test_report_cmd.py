@@ -14,6 +14,7 @@ from markupsafe import escape
 import gradtrace
 import gradtrace.data as gd
 from gradtrace.cli.load_model import load_tokenizer
+from gradtrace.options.data import ReadOptions
 from tests.cli.conftest import error_line, flat, invoke
 from tests.report.helpers import only_our_script, parse, section
 
@@ -28,7 +29,7 @@ def test_report_from_recorded_data(ws, runner, scores_dir, fresh):
     assert f"written to {out}" in flat(result.output)
     html = out.read_text(encoding="utf-8")
     scores = gradtrace.Scores.load(scores_dir)
-    query_texts = gd.texts(ws.queries, load_tokenizer(ws.model), max_length=48)
+    query_texts = gd.texts(ws.queries, load_tokenizer(ws.model), read_options=ReadOptions(max_length=48))
     train_texts = gd.texts(ws.train)
     helpful, harmful = scores.topk(3), scores.topk(3, largest=False)
     page = parse(html)

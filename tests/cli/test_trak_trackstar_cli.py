@@ -8,6 +8,7 @@ import torch
 
 import gradtrace
 from gradtrace.methods import load_fit
+from gradtrace.options import CaptureOptions
 from tests.cli.conftest import error_line, invoke
 from tests.cli.test_ensemble_cli import _normalized
 from tests.cli.test_pipeline import _api_batches, _model
@@ -17,7 +18,8 @@ def _queries(ws, model_dir):
     """The queries' gradients as the CLI takes them (the tokenizer's batches of 8, LoGra rank 4, seed 0)."""
     texts = [line for line in ws.queries.read_text().splitlines() if line.strip()]
     batches = [{k: v for k, v in b.items() if k != "id"} for b in _api_batches(ws, texts, ["x"] * 3, 8)]
-    return gradtrace.collect(_model(model_dir), batches, projection=gradtrace.LoGra(rank=4, seed=0))
+    return gradtrace.collect(_model(model_dir), batches,
+                             options=CaptureOptions(projection=gradtrace.LoGra(rank=4, seed=0)))
 
 
 def _optimizer_dir(model_dir, texts, out):

@@ -9,6 +9,7 @@ from torch import nn
 import gradtrace
 from gradtrace.curvature import fit_curvature
 from gradtrace.loss.functions import classification_loss, regression_loss
+from gradtrace.options import CaptureOptions, FitOptions
 from gradtrace.projection.logra import Projector
 
 
@@ -82,7 +83,7 @@ def test_kfac_and_ekfac_equal_dense_kronecker_inverse(kind):
     torch.manual_seed(0)
     model = TokenMLP()
     batches, x, y = _data()
-    curvature = fit_curvature(model, batches, token_loss, kind=kind, fisher="empirical")
+    curvature = fit_curvature(model, batches, token_loss, fit_options=FitOptions(kind=kind, fisher="empirical"))
     assert set(curvature.blocks) == {"fc1.weight", "fc2.weight"}  # fc1.bias joined into fc1's block
     query = torch.randn(2, curvature.spec.dim)
     got = curvature.apply_inverse(query)
@@ -107,7 +108,8 @@ def test_dense_ggn_exact_fisher_equals_label_enumeration():
     model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 3))
     x, y = torch.randn(10, 4), torch.randint(0, 3, (10,))
     batches = [(x[:5], y[:5]), (x[5:], y[5:])]
-    curvature = fit_curvature(model, batches, classification_loss, kind="fisher", fisher="exact")
+    curvature = fit_curvature(model, batches, classification_loss,
+                              fit_options=FitOptions(kind="fisher", fisher="exact"))
     params = dict(model.named_parameters())
     for name, eig in curvature.blocks.items():
         dim = params[name].numel()
@@ -152,8 +154,8 @@ def test_logra_influence_equals_dense_projected_fisher_inverse():
     ids = torch.randint(1, tiny.VOCAB, (24, 9))
     batches = [{"input_ids": ids[i:i + 8]} for i in range(0, 16, 8)]
     logra = gradtrace.LoGra(rank=3)
-    train = gradtrace.collect(model, batches, projection=logra)
-    queries = gradtrace.collect(model, [{"input_ids": ids[16:]}], projection=logra)
+    train = gradtrace.collect(model, batches, options=CaptureOptions(projection=logra))
+    queries = gradtrace.collect(model, [{"input_ids": ids[16:]}], options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("logra", train)
     attr.fit()
     got = attr.score(queries).matrix

@@ -11,6 +11,7 @@ import gradtrace
 from gradtrace.curvature import fit_curvature
 from gradtrace.loss.functions import classification_loss, regression_loss
 from gradtrace.loss.likelihoods import categorical, gaussian
+from gradtrace.options import FitOptions, Loss
 from tests import tiny
 
 
@@ -48,14 +49,14 @@ def my_lm_mask(batch):
 
 def test_custom_lm_loss_with_a_categorical_likelihood_samples_the_built_in_labels():
     model, batches = tiny.gpt2(), _lm_batches()
-    built_in = fit_curvature(model, batches, kind="kfac", fisher="true", seed=5, samples=2)
+    built_in = fit_curvature(model, batches, fit_options=FitOptions(kind="kfac", fisher="true", seed=5, samples=2))
     likelihood = categorical(my_lm_logits, mask=my_lm_mask)
-    custom = fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="true", seed=5, samples=2,
-                           likelihood=likelihood)
+    custom = fit_curvature(model, batches, Loss(fn=my_lm_loss, likelihood=likelihood),
+                           fit_options=FitOptions(kind="kfac", fisher="true", seed=5, samples=2))
     assert custom.fisher == "true"
     _same(custom, built_in)
-    auto = fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="auto", seed=5, samples=2,
-                         likelihood=likelihood)
+    auto = fit_curvature(model, batches, Loss(fn=my_lm_loss, likelihood=likelihood),
+                         fit_options=FitOptions(kind="kfac", fisher="auto", seed=5, samples=2))
     assert auto.fisher == "true"
     _same(auto, built_in)
 
@@ -74,13 +75,15 @@ def test_sampled_fisher_of_a_custom_classifier_matches_the_analytic_fisher_in_ex
     custom_loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none")
     likelihood = categorical(lambda m, b: m(b[0]))
     # analytic: sum_n (diag(p_n) - p_n p_n^T) (x) x_n x_n^T, as gradtrace's exact Fisher enumerates it
-    exact = _dense(fit_curvature(model, batches, classification_loss, kind="fisher", fisher="exact", max_dense=64))
+    exact = _dense(fit_curvature(model, batches, classification_loss,
+                                 fit_options=FitOptions(kind="fisher", fisher="exact", max_dense=64)))
     with torch.no_grad():
         probs = torch.softmax(model(x), -1)
     analytic = sum(torch.kron(torch.diag(p) - torch.outer(p, p), torch.outer(xn, xn)) for p, xn in zip(probs, x))
     scale = float(exact.trace() / analytic.trace())
-    fits = torch.stack([_dense(fit_curvature(model, batches, custom_loss, kind="fisher", fisher="true", seed=s,
-                                             samples=40, likelihood=likelihood, max_dense=64)) for s in range(6)])
+    loss = Loss(fn=custom_loss, likelihood=likelihood)
+    sampled = [FitOptions(kind="fisher", fisher="true", seed=s, samples=40, max_dense=64) for s in range(6)]
+    fits = torch.stack([_dense(fit_curvature(model, batches, loss, fit_options=fitting)) for fitting in sampled])
     mean, se = fits.mean(0), fits.std(0) / fits.shape[0] ** 0.5
     # 240 draws per example: the mean is the Fisher within a few standard errors (Frobenius norm, 5 SE)
     assert float((mean - exact).norm()) <= 5 * float(se.norm()), (float((mean - exact).norm()), float(se.norm()))
@@ -94,13 +97,14 @@ def test_gaussian_likelihood_equals_the_built_in_regression_fisher_and_scales_wi
     model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
     x, y = torch.randn(10, 3), torch.randn(10, 2)
     batches = [(x[:5], y[:5]), (x[5:], y[5:])]
-    built_in = fit_curvature(model, batches, regression_loss, kind="kfac", fisher="true", seed=3)
+    built_in = fit_curvature(model, batches, regression_loss,
+                             fit_options=FitOptions(kind="kfac", fisher="true", seed=3))
     custom_loss = lambda m, b: 0.5 * (m(b[0]) - b[1]).pow(2).sum(1)
-    unit = fit_curvature(model, batches, custom_loss, kind="kfac", fisher="true", seed=3,
-                         likelihood=gaussian(lambda m, b: m(b[0])))
+    unit = fit_curvature(model, batches, Loss(fn=custom_loss, likelihood=gaussian(lambda m, b: m(b[0]))),
+                         fit_options=FitOptions(kind="kfac", fisher="true", seed=3))
     _same(unit, built_in)
-    wide = fit_curvature(model, batches, custom_loss, kind="kfac", fisher="true", seed=3,
-                         likelihood=gaussian(lambda m, b: m(b[0]), variance=4.0))
+    wide = fit_curvature(model, batches, Loss(fn=custom_loss, likelihood=gaussian(lambda m, b: m(b[0]), variance=4.0)),
+                         fit_options=FitOptions(kind="kfac", fisher="true", seed=3))
     for name, eig in wide.blocks.items():  # the same noise draws, gradients -noise/2 instead of -noise: K-FAC's
         # output-gradient factor is 1/4, its activation factor unchanged; float32 eigenvalues are exact to a few
         # eps32 of the largest one
@@ -117,15 +121,19 @@ def test_attributor_fit_takes_the_likelihood_and_bad_input_is_refused():
     want = gradtrace.Attributor("kfac", train, fisher="true", seed=5).fit(model, batches)
     _same(attr.method.curvature, want.method.curvature)
     with pytest.raises(ValueError, match=r"likelihood=gradtrace\.loss\.likelihoods\.categorical"):
-        fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="true")
+        fit_curvature(model, batches, my_lm_loss, fit_options=FitOptions(kind="kfac", fisher="true"))
     with pytest.raises(ValueError, match="unused: pass fisher='true'"):
-        fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="empirical", likelihood=likelihood)
+        fit_curvature(model, batches, Loss(fn=my_lm_loss, likelihood=likelihood),
+                      fit_options=FitOptions(kind="kfac", fisher="empirical"))
     with pytest.raises(ValueError, match="with likelihood= use fisher='true'"):
-        fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="exact", likelihood=likelihood)
+        fit_curvature(model, batches, Loss(fn=my_lm_loss, likelihood=likelihood),
+                      fit_options=FitOptions(kind="kfac", fisher="exact"))
     with pytest.raises(ValueError, match="mask must be shaped like the logits"):
-        fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="true",
-                      likelihood=categorical(my_lm_logits, mask=lambda b: b["attention_mask"][:, 1:]))
+        masked = categorical(my_lm_logits, mask=lambda b: b["attention_mask"][:, 1:])
+        fit_curvature(model, batches, Loss(fn=my_lm_loss, likelihood=masked),
+                      fit_options=FitOptions(kind="kfac", fisher="true"))
     with pytest.raises(TypeError, match=r"must be a gradtrace\.loss\.likelihoods\.Likelihood"):
-        fit_curvature(model, batches, my_lm_loss, kind="kfac", fisher="true", likelihood=my_lm_logits)
+        fit_curvature(model, batches, Loss(fn=my_lm_loss, likelihood=my_lm_logits),
+                      fit_options=FitOptions(kind="kfac", fisher="true"))
     with pytest.raises(ValueError, match="variance must be > 0"):
         gaussian(my_lm_logits, variance=0.0)

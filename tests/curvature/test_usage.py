@@ -8,6 +8,7 @@ from torch import nn
 import gradtrace
 from gradtrace.curvature import Curvature, CurvatureError, fit_curvature
 from gradtrace.methods import MissingStage
+from gradtrace.options import CaptureOptions, FitOptions
 from gradtrace.store import SpecMismatch
 from tests import tiny
 
@@ -23,8 +24,8 @@ def _lm_data(model_seed=0, n=16, t=8):
 def test_ekfac_on_gpt2_with_tied_embeddings(projection, fisher):
     model = tiny.gpt2(tied=True)
     train_batches, query_batches = _lm_data()
-    train = gradtrace.collect(model, train_batches, projection=projection)
-    queries = gradtrace.collect(model, query_batches, projection=projection)
+    train = gradtrace.collect(model, train_batches, options=CaptureOptions(projection=projection))
+    queries = gradtrace.collect(model, query_batches, options=CaptureOptions(projection=projection))
     attr = gradtrace.Attributor("ekfac", train, fisher=fisher)
     with pytest.raises(MissingStage, match=r"attr\.fit"):
         attr.score(queries)
@@ -41,8 +42,8 @@ def test_save_load_and_redamp_without_refit(tmp_path):
     model = tiny.llama()
     train_batches, query_batches = _lm_data(1)
     logra = gradtrace.LoGra(rank=4)
-    train = gradtrace.collect(model, train_batches, projection=logra)
-    queries = gradtrace.collect(model, query_batches, projection=logra)
+    train = gradtrace.collect(model, train_batches, options=CaptureOptions(projection=logra))
+    queries = gradtrace.collect(model, query_batches, options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("kfac", train, fisher="empirical")
     attr.fit(model, train_batches)
     attr.method.curvature.save(tmp_path / "curv")
@@ -71,13 +72,13 @@ def test_save_load_and_redamp_without_refit(tmp_path):
 def test_curvature_from_another_model_or_projection_is_refused(tmp_path):
     model = tiny.gpt2()
     train_batches, query_batches = _lm_data(2)
-    train = gradtrace.collect(model, train_batches, projection=gradtrace.LoGra(rank=4))
-    curvature = fit_curvature(model, train_batches, kind="kfac", spec=train.spec)
-    other = gradtrace.collect(model, train_batches, projection=gradtrace.LoGra(rank=4, seed=9))
+    train = gradtrace.collect(model, train_batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
+    curvature = fit_curvature(model, train_batches, spec=train.spec, fit_options=FitOptions(kind="kfac"))
+    other = gradtrace.collect(model, train_batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4, seed=9)))
     with pytest.raises(SpecMismatch, match="projection"):
         gradtrace.Attributor("kfac", other, curvature=curvature).score(other)
     llama = tiny.llama()
-    llama_train = gradtrace.collect(llama, train_batches, projection=gradtrace.LoGra(rank=4))
+    llama_train = gradtrace.collect(llama, train_batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
     with pytest.raises(SpecMismatch, match="another model"):
         gradtrace.Attributor("kfac", llama_train, curvature=curvature).score(llama_train)
 
@@ -105,9 +106,9 @@ def test_true_fisher_needs_a_known_loss():
     model = tiny.MLP()
     batches = [(torch.randn(4, 7), torch.randint(0, 4, (4,)))]
     with pytest.raises(ValueError, match="sampled from the model"):
-        fit_curvature(model, batches, lambda m, b: m(b[0]).sum(1), kind="kfac", fisher="true")
+        fit_curvature(model, batches, lambda m, b: m(b[0]).sum(1), fit_options=FitOptions(kind="kfac", fisher="true"))
     with pytest.raises(ValueError, match="fisher must be"):
-        fit_curvature(model, batches, kind="kfac", fisher="bogus")
+        fit_curvature(model, batches, fit_options=FitOptions(kind="kfac", fisher="bogus"))
 
 
 def test_auto_fisher_is_exact_for_small_classifiers_and_sampled_for_lms():
@@ -129,14 +130,15 @@ def test_auto_fisher_is_exact_for_small_classifiers_and_sampled_for_lms():
         assert torch.equal(auto.score(train).matrix, exact.score(train).matrix)
     wide = nn.Sequential(nn.Linear(7, EXACT_MAX_OUTPUTS + 1))
     labels = torch.randint(0, EXACT_MAX_OUTPUTS + 1, (16,))
-    assert fit_curvature(wide, [(x, labels)], kind="kfac", fisher="auto").fisher == "true"
+    assert fit_curvature(wide, [(x, labels)], fit_options=FitOptions(kind="kfac", fisher="auto")).fisher == "true"
     narrow = nn.Sequential(nn.Linear(7, EXACT_MAX_OUTPUTS))
-    assert fit_curvature(narrow, [(x, labels % EXACT_MAX_OUTPUTS)], kind="kfac", fisher="auto").fisher == "exact"
+    assert fit_curvature(narrow, [(x, labels % EXACT_MAX_OUTPUTS)],
+                         fit_options=FitOptions(kind="kfac", fisher="auto")).fisher == "exact"
     lm = tiny.gpt2()
     lm_batches, _ = _lm_data(3)
-    sampled = fit_curvature(lm, lm_batches, kind="kfac", fisher="auto", seed=5)
+    sampled = fit_curvature(lm, lm_batches, fit_options=FitOptions(kind="kfac", fisher="auto", seed=5))
     assert sampled.fisher == "true"
-    want = fit_curvature(lm, lm_batches, kind="kfac", fisher="true", seed=5)
+    want = fit_curvature(lm, lm_batches, fit_options=FitOptions(kind="kfac", fisher="true", seed=5))
     for name, eig in sampled.blocks.items():
         assert torch.equal(eig.eigenvalues, want.blocks[name].eigenvalues), name
     custom = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="none") * 2  # gradtrace knows no likelihood
@@ -150,7 +152,7 @@ def test_logra_fisher_follows_its_mode():
     model = tiny.MLP()
     x, y = torch.randn(16, 7), torch.randint(0, 4, (16,))
     batches = [(x[:8], y[:8]), (x[8:], y[8:])]
-    train = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=2))
+    train = gradtrace.collect(model, batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     fitted = gradtrace.Attributor("logra", train, mode="ekfac").fit(model, batches)  # EK-FAC, projected space
     assert fitted.method.curvature.fisher == "exact" and fitted.method.curvature.kind == "ekfac"
     dense = gradtrace.Attributor("logra", train).fit()  # from the store alone: the empirical Fisher
@@ -164,14 +166,14 @@ def test_logra_auto_mode_is_dense_when_the_store_can_estimate_every_block():
     x, y = torch.randn(24, 7), torch.randint(0, 4, (24,))
     batches = [(x[:12], y[:12]), (x[12:], y[12:])]
     # rank 4: the largest projected block has 16 dimensions, 24 examples can estimate it -> the dense Fisher
-    train = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4))
+    train = gradtrace.collect(model, batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
     assert max(dim for _, dim in train.spec.params) == 16
     auto = gradtrace.Attributor("logra", train).fit(model, batches)
     assert auto.method.mode_used == "dense" and auto.method.curvature.kind == "fisher"
     dense = gradtrace.Attributor("logra", train, mode="dense").fit()
     assert torch.equal(auto.score(train).matrix, dense.score(train).matrix)
     # a block of 36 dimensions and 24 examples: the dense estimate would be rank-deficient -> EK-FAC (model pass)
-    wide = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=6))
+    wide = gradtrace.collect(model, batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=6)))
     auto = gradtrace.Attributor("logra", wide).fit(model, batches)
     assert auto.method.mode_used == "ekfac" and auto.method.curvature.kind == "ekfac"
     assert gradtrace.Attributor("logra", wide).fit().method.mode_used == "dense"  # no model: the store alone
@@ -190,14 +192,14 @@ def test_pca_logra_keeps_top_kronecker_directions():
     batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 24, 8)]
     full = gradtrace.LoGra.pca(model, batches, rank=12)  # >= every layer width: nothing is dropped
     exact = gradtrace.collect(model, batches)
-    projected = gradtrace.collect(model, batches, projection=full)
+    projected = gradtrace.collect(model, batches, options=CaptureOptions(projection=full))
     assert projected.spec.projection["init"] == "pca" and "basis" in projected.spec.projection
     gram_exact = exact.vectors @ exact.vectors.t()
     gram_projected = projected.vectors @ projected.vectors.t()
     assert torch.allclose(gram_projected, gram_exact, rtol=1e-4, atol=1e-4 * float(gram_exact.abs().max()))
     small = gradtrace.LoGra.pca(model, batches, rank=2)
-    top = gradtrace.collect(model, batches, projection=small)
-    random = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=2))
+    top = gradtrace.collect(model, batches, options=CaptureOptions(projection=small))
+    random = gradtrace.collect(model, batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     with pytest.raises(SpecMismatch, match="projection"):
         gradtrace.Attributor("grad_dot", top).score(random)
     del random

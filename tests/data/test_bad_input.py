@@ -8,6 +8,7 @@ import json
 import pytest
 
 import gradtrace.data as gd
+from gradtrace.options.data import Fields, ReadOptions
 from tests.data.conftest import CONVERSATIONS, make_tokenizer
 
 
@@ -37,13 +38,14 @@ def test_misnamed_fields_list_what_was_found_and_the_formats(tmp_path, tok):
     assert "prompt-completion ('prompt' + 'completion')" in message and "messages ('messages')" in message
     assert "--prompt-field" in message
     # named: it reads
-    data = gd.load(path, tok, prompt_field="question", completion_field="answer")
+    data = gd.load(path, tok, fields=Fields(prompt="question", completion="answer"))
     assert data.summary.format == "prompt-completion"
     # half a format
     message = _error(tok, _jsonl(tmp_path, [{"prompt": "what?", "answer": "that"}], "half.jsonl"))
     assert "has 'prompt' but no 'completion' field" in message
     # an explicit format whose fields are missing
-    message = _error(tok, _jsonl(tmp_path, [{"text": "hello"}], "t.jsonl"), format="messages")
+    message = _error(tok, _jsonl(tmp_path, [{"text": "hello"}], "t.jsonl"),
+                     read_options=ReadOptions(format="messages"))
     assert "line 1 has no 'messages' field (format messages)" in message
 
 
@@ -61,7 +63,7 @@ def test_empty_completion_and_conversations_without_assistant(tmp_path, tok):
     path = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": "hello"}]}], "noassistant.jsonl")
     message = _error(tok, path)
     assert f"{path} line 1 has no assistant turn" in message and "--loss-on all" in message
-    assert gd.load(path, tok, loss_on="all").num_examples == 1
+    assert gd.load(path, tok, read_options=ReadOptions(loss_on="all")).num_examples == 1
     path = _jsonl(tmp_path, [{"messages": [{"role": "user"}]}], "nocontent.jsonl")
     assert "message 0 of 'messages' needs a string 'role' and 'content'" in _error(tok, path)
 
@@ -112,9 +114,9 @@ def test_sources_and_options(tmp_path, tok):
     both = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "a"}]),
                                  "test": datasets.Dataset.from_list([{"text": "b"}])})
     assert "splits train, test; choose one with --split" in _error(tok, both)
-    assert "has no split 'valid' (it has: train, test)" in _error(tok, both, split="valid")
-    assert "--split 'train' applies to a DatasetDict" in _error(tok, _jsonl(tmp_path, [{"text": "a"}]), split="train")
+    assert "has no split 'valid' (it has: train, test)" in _error(tok, both, read_options=ReadOptions(split="valid"))
+    assert "--split 'train' applies to a DatasetDict" in _error(tok, _jsonl(tmp_path, [{"text": "a"}]),
+                                                                 read_options=ReadOptions(split="train"))
     assert "--loss-on assistant does not apply to prompt-completion data" in _error(
-        tok, [{"prompt": "a", "completion": " b"}], loss_on="assistant")
-    assert "unknown format 'chat'" in _error(tok, [{"text": "a"}], format="chat")
+        tok, [{"prompt": "a", "completion": " b"}], read_options=ReadOptions(loss_on="assistant"))
     assert "'text' is a int, not a string" in _error(tok, [{"text": 3}])

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 import gradtrace.data as gd
+from gradtrace.options.data import BatchOptions, ReadOptions
 from tests.data.conftest import CORPUS, make_tokenizer
 
 
 def test_batches_in_a_given_order_equal_the_tokenizers_padded_batches():
     tok = make_tokenizer()
     records = [{"id": f"d{i}", "text": t} for i, t in enumerate(CORPUS)]
-    data = gd.load(records, tok, max_length=5, truncate=True, batch_size=4)
+    data = gd.load(records, tok, read_options=ReadOptions(max_length=5, truncate=True),
+                   batch_options=BatchOptions(batch_size=4))
     order = list(range(len(records)))
     random.Random(0).shuffle(order)
     batches = list(data.batches(order))
@@ -36,7 +38,8 @@ def test_batches_in_a_given_order_equal_the_tokenizers_padded_batches():
 def test_batches_keep_the_loss_mask_of_each_example():
     tok = make_tokenizer()
     data = gd.load([{"prompt": "count to three:", "completion": " one two three"},
-                    {"prompt": "name a colour:", "completion": " a deep blue"}], tok, batch_size=2)
+                    {"prompt": "name a colour:", "completion": " a deep blue"}], tok,
+                   batch_options=BatchOptions(batch_size=2))
     (batch,) = data.batches([1, 0])
     for row, index in enumerate([1, 0]):
         tokens, in_loss = data.example(index)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import gradtrace
 import gradtrace.data as gd
 from gradtrace.common.modules import canonical_param_names
+from gradtrace.options.data import BatchOptions, ReadOptions
 from tests.data.conftest import conversation_records, gpt2, make_tokenizer, pair_records
 
 RTOL = 1e-4
@@ -65,7 +66,7 @@ def test_stored_gradient_is_the_training_loss_gradient(kind):
                    for r in conversation_records()]
     else:
         records = conversation_records()
-    data = gd.load(records, tok, batch_size=4)  # ragged batches: right padding inside a batch
+    data = gd.load(records, tok, batch_options=BatchOptions(batch_size=4))  # ragged: right padding inside a batch
     assert any((~data.example(i)[1][1:]).any() for i in range(data.num_examples))  # some tokens are not targets
     grads = gradtrace.collect(model, data)
     assert grads.ids == data.ids
@@ -74,7 +75,8 @@ def test_stored_gradient_is_the_training_loss_gradient(kind):
     _assert_rows_close(got, _reference(model, data, names, hf=False))
     _assert_rows_close(got, _reference(model, data, names, hf=True))
     # the prompt's tokens are not in the loss: the all-tokens gradient is another one
-    everything = gradtrace.collect(model, gd.load(records, tok, batch_size=4, loss_on="all"))
+    everything = gradtrace.collect(model, gd.load(records, tok, read_options=ReadOptions(loss_on="all"),
+                                                  batch_options=BatchOptions(batch_size=4)))
     rel = (everything.vectors - got).norm(dim=1) / got.norm(dim=1)
     assert float(rel.min()) > 1e-2
 
@@ -86,7 +88,7 @@ def test_left_truncated_example_gradient():
     records = pair_records()
     full = gd.load(records, tok)
     limit = int(np.max([len(full.example(i)[0]) for i in range(full.num_examples)])) - 3
-    data = gd.load(records, tok, max_length=limit, batch_size=3)
+    data = gd.load(records, tok, read_options=ReadOptions(max_length=limit), batch_options=BatchOptions(batch_size=3))
     assert data.summary.prompt_truncated > 0
     grads = gradtrace.collect(model, data)
     names = [n for n, _ in grads.spec.params]

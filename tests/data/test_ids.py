@@ -9,6 +9,7 @@ import pytest
 import gradtrace
 import gradtrace.data as gd
 from gradtrace.data.ids import ContentIds, content_hash
+from gradtrace.options.data import BatchOptions
 from tests.data.conftest import PAIRS, gpt2, make_tokenizer, sft_store
 
 # two copies of the first pair and three of the second: repeats get #1, #2
@@ -31,7 +32,7 @@ def test_capture_numbers_content_ids_with_the_data_layer_rule():
 
     assert context.content_hash is content_hash and example_ids.ContentIds is ContentIds
     tok = make_tokenizer()
-    data = gd.load(RECORDS, tok, batch_size=4)
+    data = gd.load(RECORDS, tok, batch_options=BatchOptions(batch_size=4))
     assert sum("#" in i for i in data.ids) == 3
     batches = [{k: v for k, v in batch.items() if k != "id"} for batch in data]  # the capture hashes the tokens
     grads = gradtrace.collect(gpt2(len(tok)), batches)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import gradtrace.data as gd
+from gradtrace.options.data import ReadOptions
 from tests.data.conftest import CONVERSATIONS, PAIRS, conversation_records, make_tokenizer, pair_records
 
 
@@ -45,7 +46,7 @@ def test_assistant_mask_equals_hand_computed(template):
         assert ids.tolist() == want_ids
         assert mask.tolist() == want_mask
     # --loss-on all: every token
-    everything = gd.load(conversation_records(), tok, loss_on="all")
+    everything = gd.load(conversation_records(), tok, read_options=ReadOptions(loss_on="all"))
     assert all(everything.example(i)[1].all() for i in range(len(CONVERSATIONS)))
 
 
@@ -66,7 +67,7 @@ def test_prompt_completion_mask_and_eos(tokenizer):
     # a completion that already ends with EOS gets no second one
     again = gd.load([{"prompt": "hi", "completion": " paris<eos>"}], tokenizer)
     assert again.example(0)[0].tolist()[-2:] != [tokenizer.eos_token_id] * 2
-    everything = gd.load(pair_records(), tokenizer, loss_on="all")
+    everything = gd.load(pair_records(), tokenizer, read_options=ReadOptions(loss_on="all"))
     assert everything.example(0)[1].all() and "labels" not in next(iter(everything))
 
 
@@ -111,12 +112,12 @@ def test_truncation_cuts_the_prompt_from_the_left(tokenizer):
     prompt_len = int(np.argmax(mask0))
     completion_len = len(ids0) - prompt_len
     limit = completion_len + 2
-    cut = gd.load(records[:1], tokenizer, max_length=limit)
+    cut = gd.load(records[:1], tokenizer, read_options=ReadOptions(max_length=limit))
     ids, mask = cut.example(0)
     assert ids.tolist() == ids0[-limit:].tolist() and mask.tolist() == mask0[-limit:].tolist()
     assert cut.summary.prompt_truncated == 1 and "1 truncated (prompt cut from the left)" in cut.summary.line()
     # one token of context is kept before the completion: its first token stays a target
-    tight = gd.load(records[:1], tokenizer, max_length=completion_len + 1)
+    tight = gd.load(records[:1], tokenizer, read_options=ReadOptions(max_length=completion_len + 1))
     ids, mask = tight.example(0)
     assert not mask[0] and mask[1:].all() and len(ids) == completion_len + 1
 
@@ -128,11 +129,11 @@ def test_completion_longer_than_max_length_is_reported(tokenizer):
     limit = sorted(completion)[2]  # examples whose completion (+1 token of context) exceeds this are too long
     too_long = [r["id"] for r, c in zip(records, completion) if c + 1 > limit]
     with pytest.raises(gd.DataError) as err:
-        gd.load(records, tokenizer, max_length=limit)
+        gd.load(records, tokenizer, read_options=ReadOptions(max_length=limit))
     message = str(err.value)
     assert f"{len(too_long) - 1} more example" in message and "too long" in message and "--truncate" in message
     assert all(repr(i) in message or i in message for i in too_long)
-    cut = gd.load(records, tokenizer, max_length=limit, truncate=True)
+    cut = gd.load(records, tokenizer, read_options=ReadOptions(max_length=limit, truncate=True))
     assert cut.num_examples == len(records) and cut.summary.cut == len(too_long)
     assert int(cut.lengths.max()) <= limit
     assert f"{len(too_long)} cut to --max-length" in cut.summary.line()

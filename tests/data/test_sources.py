@@ -13,6 +13,7 @@ import torch
 import gradtrace
 import gradtrace.data as gd
 from gradtrace.data import prepare, sources
+from gradtrace.options.data import BatchOptions, ReadOptions
 from tests.data.conftest import conversation_records, gpt2, make_tokenizer, pair_records
 
 datasets = pytest.importorskip("datasets")
@@ -69,12 +70,12 @@ def test_prompt_completion_sources_round_trip_to_the_same_gradients(tmp_path, wi
     tok = make_tokenizer()
     model = gpt2(len(tok))
     records = pair_records(with_ids)
-    reference = gd.load(records, tok, batch_size=4)
+    reference = gd.load(records, tok, batch_options=BatchOptions(batch_size=4))
     want = gradtrace.collect(model, reference)
     for kind in KINDS:
         (tmp_path / kind).mkdir()
         source, split = _write(kind, records, tmp_path / kind)
-        data = gd.load(source, tok, split=split, batch_size=4)
+        data = gd.load(source, tok, read_options=ReadOptions(split=split), batch_options=BatchOptions(batch_size=4))
         _same(data, reference)
         got = gradtrace.collect(model, data)
         assert got.ids == want.ids
@@ -86,7 +87,7 @@ def test_conversations_round_trip(tmp_path, kind):
     tok = make_tokenizer()
     records = conversation_records()
     source, split = _write(kind, records, tmp_path)
-    _same(gd.load(source, tok, split=split), gd.load(records, tok))
+    _same(gd.load(source, tok, read_options=ReadOptions(split=split)), gd.load(records, tok))
 
 
 def test_parquet_and_arrow_are_read_in_record_batches(tmp_path, monkeypatch):

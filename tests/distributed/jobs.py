@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradtrace
+from gradtrace.options import CaptureOptions, Loss, StoreOptions
 from gradtrace.store import GradientStore, StoreWriter, model_fingerprint
 from tests import tiny
 
@@ -92,9 +93,10 @@ def loss_of(kind: str, model: nn.Module, batch: dict[str, torch.Tensor]) -> torc
     return F.cross_entropy(model(batch["x"]), batch["y"])
 
 
-def capture_options(kind: str, logra: bool) -> dict[str, Any]:
-    return {"reduction": "token_mean" if is_lm(kind) else "mean",
-            "projection": gradtrace.LoGra(**LOGRA) if logra else None}
+def capture_options(kind: str, logra: bool, **capture: Any) -> dict[str, Any]:
+    """The ``loss`` and ``options`` keywords of ``gradtrace.capture`` for a job's loop."""
+    return {"loss": gradtrace.Loss(reduction="token_mean" if is_lm(kind) else "mean"),
+            "options": gradtrace.CaptureOptions(projection=gradtrace.LoGra(**LOGRA) if logra else None, **capture)}
 
 
 def per_example(batches: list, logra: bool) -> dict[str, Any]:
@@ -158,8 +160,8 @@ def ddp_capture(rank: int, world: int, kind: str, store_root: str) -> dict[str, 
             seen: list[dict] = []
             callbacks: list[Any] = [lambda batch, model=model, seen=seen: seen.append(_grads(model))]
             if mode == "wrapper" and logra:
-                callbacks.append(StoreWriter(store_root, shard_rows=3))
-            options = dict(capture_options(kind, logra), callbacks=callbacks, keep_batches=True, verify=True)
+                callbacks.append(StoreWriter(store_root, StoreOptions(shard_rows=3)))
+            options = dict(capture_options(kind, logra, verify=True), callbacks=callbacks, keep_batches=True)
             grads_unchanged = callbacks_see_final = True
             with contextlib.ExitStack() as stack:
                 if mode == "before":
@@ -220,8 +222,8 @@ def fsdp_capture(rank: int, world: int, kind: str, store_root: str) -> dict[str,
             seen: list[dict] = []
             callbacks: list[Any] = [lambda batch, model=model, seen=seen: seen.append(_grads(model))]
             if mode == "after" and logra:
-                callbacks.append(StoreWriter(store_root, shard_rows=3))
-            options = dict(capture_options(kind, logra), callbacks=callbacks, keep_batches=True, verify=True)
+                callbacks.append(StoreWriter(store_root, StoreOptions(shard_rows=3)))
+            options = dict(capture_options(kind, logra, verify=True), callbacks=callbacks, keep_batches=True)
             grads_unchanged = callbacks_see_final = True
             with contextlib.ExitStack() as stack:
                 if mode == "before":
@@ -313,7 +315,7 @@ def disagreeing_ranks(rank: int, world: int, store_root: str, what: str) -> dict
         options["projection"] = gradtrace.LoGra(rank=4, seed=8)
     start = time.monotonic()
     try:
-        with gradtrace.capture(ddp, callbacks=[StoreWriter(store_root)], **options):
+        with gradtrace.capture(ddp, options=gradtrace.CaptureOptions(**options), callbacks=[StoreWriter(store_root)]):
             _, batch = rank_batches("mlp", rank, world)[0]
             loss_of("mlp", ddp, batch).backward()
         error = None
@@ -337,7 +339,7 @@ def dying_rank(rank: int, world: int, store_root: str, resume: bool) -> dict[str
 
     model = build("mlp")
     ddp = DDP(model)
-    writer = StoreWriter(store_root, shard_rows=2, resume=resume)
+    writer = StoreWriter(store_root, StoreOptions(shard_rows=2, resume=resume))
     error = None
     try:
         with gradtrace.capture(ddp, callbacks=[writer], **capture_options("mlp", True)) as cap:
@@ -359,7 +361,7 @@ def holding_run(rank: int, world: int, store_root: str, signals: str) -> dict[st
 
     model = build("mlp")
     ddp = DDP(model)
-    writer = StoreWriter(store_root, shard_rows=2)
+    writer = StoreWriter(store_root, StoreOptions(shard_rows=2))
     batches = rank_batches("mlp", rank, world)
     with gradtrace.capture(ddp, callbacks=[writer], **capture_options("mlp", True)) as cap:
         for step, (ids, batch) in enumerate(batches):
@@ -386,8 +388,9 @@ def collect_store(rank: int, world: int, store_root: str, overwrite: bool = Fals
     batches = [{"id": [IDS[i] for i in share[k:k + BATCH]], **{key: v[share[k:k + BATCH]] for key, v in data.items()
                                                              if key != "labels"}}
                for k in range(0, len(share), BATCH)]
-    store = gradtrace.collect(model, batches, projection=gradtrace.LoGra(**LOGRA), store=store_root, shard_rows=3,
-                              overwrite=overwrite)
+    store = gradtrace.collect(model, batches, store=store_root,
+                              options=CaptureOptions(projection=gradtrace.LoGra(**LOGRA)),
+                              store_options=StoreOptions(shard_rows=3, overwrite=overwrite))
     return {"ids": sorted(store.ids), "complete": store.complete}
 
 
@@ -402,13 +405,14 @@ def ddp_selection(rank: int, world: int, renormalize: bool) -> dict[str, Any]:
     """Each rank trains on its half under DDP; selection drops examples against a fixed target on every rank."""
     from torch.nn.parallel import DistributedDataParallel
 
+    from gradtrace.options.train import SelectionOptions
     from gradtrace.train import OnlineSelection
 
     model = DistributedDataParallel(build("mlp"))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    selector = OnlineSelection(opt, target=selection_target(), rule="negative", renormalize=renormalize)
+    selector = OnlineSelection(opt, target=selection_target(), options=SelectionOptions(renormalize=renormalize))
     data, rows = dataset("mlp"), rows_of(rank, world)
-    with gradtrace.capture(model, reduction="mean", callbacks=[selector]) as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="mean"), callbacks=[selector]) as cap:
         cap.annotate(ids=[IDS[i] for i in rows])
         F.cross_entropy(model(data["x"][rows]), data["y"][rows]).backward()
         opt.step()

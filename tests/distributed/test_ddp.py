@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import CaptureOptions
 from gradtrace.store import GradientStore, model_fingerprint
 from tests import tiny
 from tests.distributed import jobs
@@ -106,7 +107,7 @@ def test_collect_into_one_store_from_every_rank(tmp_path):
     model = jobs.build("gpt2")
     reference = gradtrace.collect(model, [{"id": jobs.IDS, **{k: v for k, v in jobs.dataset("gpt2").items()
                                                               if k != "labels"}}],
-                                  projection=gradtrace.LoGra(**jobs.LOGRA))
+                                  options=CaptureOptions(projection=gradtrace.LoGra(**jobs.LOGRA)))
     want = dict(zip(reference.ids, reference.vectors))
     vectors = store.read(0, len(store))
     for row, ident in enumerate(store.ids):

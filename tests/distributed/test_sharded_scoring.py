@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientSpec, ShardWriter
 from tests.distributed import jobs
 from tests.distributed.launch import run_ranks
@@ -28,7 +29,7 @@ def _write(path: Path, rows_per_writer: list[int], seed: int, first_id: int = 0)
     gen = torch.Generator().manual_seed(seed)
     world, next_id = len(rows_per_writer), first_id
     for writer_rank, count in enumerate(rows_per_writer):
-        with ShardWriter(path, SPEC, rank=writer_rank, world_size=world, shard_rows=2) as writer:
+        with ShardWriter(path, SPEC, StoreOptions(shard_rows=2), rank=writer_rank, world_size=world) as writer:
             if count:
                 vectors = torch.randn(count, DIM, generator=gen) * torch.logspace(-1, 1, count).unsqueeze(1)
                 writer.put([f"t{next_id + i}" for i in range(count)], vectors)

@@ -81,9 +81,11 @@ def test_unsupported_methods_and_mismatched_ground_truth(digits_task, digits_gro
 
 def test_evaluate_runs_on_tinylm():
     from gradtrace.eval import TinyLMTask, build_lds_ground_truth
+    from gradtrace.options.eval import LDSOptions
 
     task = TinyLMTask(num_train=12, num_queries=3, epochs=2, batch_size=6, vocab_size=300, width=32)
-    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=6, config=task.config)
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, config=task.config,
+                                   options=LDSOptions(num_subsets=6))
     rows = evaluate(task, ["grad_dot", "random"], truth, batch_size=5)
     assert [row.method for row in rows] == ["grad_dot", "random"]
     assert rows[0].lds.per_query.shape == (3,)

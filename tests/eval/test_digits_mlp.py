@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gradtrace.eval import DigitsMLPTask, DigitsTask, build_lds_ground_truth, evaluate, get_task
+from gradtrace.options.eval import LDSOptions
 
 
 def _same_weights(a, b):
@@ -47,7 +48,8 @@ def test_digits_mlp_trains_deterministically_to_near_convergence(small_task):
 
 def test_kfac_beats_grad_dot_beats_random_on_digits_mlp(small_task):
     task = small_task
-    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=24, config=task.config)
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, config=task.config,
+                                   options=LDSOptions(num_subsets=24))
     rows = {row.method: row for row in evaluate(task, ["grad_dot", "kfac", "random"], truth)}
     for name in ("grad_dot", "kfac"):
         assert rows[name].lds_mean > 0.15 and rows[name].lds_mean > 4 * rows[name].lds_se, name

@@ -5,6 +5,7 @@ import torch
 
 from gradtrace.eval import DigitsMLPTask, DigitsTask, MethodSpec, TinyLMTask, build_lds_ground_truth, evaluate
 from gradtrace.eval.benchmark import ensemble_models
+from gradtrace.options.eval import LDSOptions
 from gradtrace.score.ensemble import EnsembleError
 
 
@@ -64,7 +65,8 @@ def test_seed_ensembles_start_with_the_tasks_model():
 
 def test_evaluate_scores_ensembles_on_tinylm():
     task = TinyLMTask(num_train=12, num_queries=3, epochs=2, batch_size=6, vocab_size=300, width=32)
-    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=6, config=task.config)
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, config=task.config,
+                                   options=LDSOptions(num_subsets=6))
     specs = [MethodSpec("kfac", ensemble="checkpoints", members=2, label="kfac x2"),
              MethodSpec("grad_dot", ensemble="seeds", members=2, label="dot x2")]
     rows = evaluate(task, specs, truth, batch_size=5)
@@ -97,7 +99,8 @@ def test_the_harness_gives_each_trackstar_member_its_own_adam_state(kind):
         assert {int(s["step"]) for s in state["state"].values()} == {3 * epoch}
     first = states[0]["state"][0]["exp_avg_sq"]
     assert not torch.equal(first, states[1]["state"][0]["exp_avg_sq"])
-    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, num_subsets=6, config=task.config)
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, config=task.config,
+                                   options=LDSOptions(num_subsets=6))
     spec = MethodSpec("trackstar", ensemble=kind, members=2, member_options=[{"optimizer": s} for s in states])
     (row,) = evaluate(task, [spec], truth, batch_size=16)
     assert row.lds.per_query.shape == (4,) and bool(torch.isfinite(row.lds.per_query).all())

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gradtrace.eval import GroundTruth, StaleGroundTruth, build_lds_ground_truth, build_loo_ground_truth, lds
-from gradtrace.eval.groundtruth import subset_masks
+from gradtrace.eval.groundtruth import fingerprint, subset_masks
+from gradtrace.options.eval import LDSOptions
 
 
 class Ridge:
@@ -39,7 +40,8 @@ class Ridge:
 
 def test_outcomes_match_closed_form_and_runs_average():
     task = Ridge()
-    gt = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=7, fraction=0.4, seed=3, runs=3)
+    gt = build_lds_ground_truth(task.train, task.outcome, task.n,
+                                options=LDSOptions(num_subsets=7, fraction=0.4, seed=3, runs=3))
     assert gt.masks.shape == (7, 30) and gt.masks.dtype == torch.bool and gt.outcomes.shape == (7, 5)
     assert (gt.masks.sum(1) == 12).all()
     assert torch.equal(gt.masks, subset_masks(30, 7, 0.4, seed=3))
@@ -53,7 +55,8 @@ def test_outcomes_match_closed_form_and_runs_average():
 
 def test_seed_per_subset_and_masks_are_prefix_stable():
     task = Ridge()
-    build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=4, runs=2, seed=10, seed_per_subset=True)
+    build_lds_ground_truth(task.train, task.outcome, task.n,
+                           options=LDSOptions(num_subsets=4, runs=2, seed=10, seed_per_subset=True))
     assert [seed for _, seed in task.calls] == list(range(10, 18))
     assert torch.equal(subset_masks(30, 9, seed=1)[:4], subset_masks(30, 4, seed=1))
     assert not torch.equal(subset_masks(30, 4, seed=1), subset_masks(30, 4, seed=2))
@@ -64,7 +67,8 @@ def test_seed_per_subset_and_masks_are_prefix_stable():
 def test_cache_round_trip_extension_and_refusal(tmp_path):
     task = Ridge()
     cache = tmp_path / "gt"
-    first = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=6, cache=cache, config=task.config)
+    first = build_lds_ground_truth(task.train, task.outcome, task.n, cache=cache, config=task.config,
+                                   options=LDSOptions(num_subsets=6))
     assert len(task.calls) == 6
     meta = json.loads((cache / "meta.json").read_text())
     assert meta["num_subsets"] == 6 and meta["settings"]["config"] == task.config and meta["fingerprint"]
@@ -72,27 +76,30 @@ def test_cache_round_trip_extension_and_refusal(tmp_path):
     def refuse(indices, seed):
         raise AssertionError("a cached ground truth was retrained")
 
-    loaded = build_lds_ground_truth(refuse, task.outcome, task.n, num_subsets=6, cache=cache, config=task.config)
+    loaded = build_lds_ground_truth(refuse, task.outcome, task.n, cache=cache, config=task.config,
+                                    options=LDSOptions(num_subsets=6))
     assert torch.equal(loaded.masks, first.masks) and torch.equal(loaded.outcomes, first.outcomes)
     assert loaded.meta["fingerprint"] == first.meta["fingerprint"]
-    fewer = build_lds_ground_truth(refuse, task.outcome, task.n, num_subsets=4, cache=cache, config=task.config)
+    fewer = build_lds_ground_truth(refuse, task.outcome, task.n, cache=cache, config=task.config,
+                                   options=LDSOptions(num_subsets=4))
     assert torch.equal(fewer.outcomes, first.outcomes[:4])
 
-    more = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=9, cache=cache, config=task.config)
+    more = build_lds_ground_truth(task.train, task.outcome, task.n, cache=cache, config=task.config,
+                                  options=LDSOptions(num_subsets=9))
     assert len(task.calls) == 9  # only the 3 new subsets were trained
     fresh = Ridge()
-    want = build_lds_ground_truth(fresh.train, fresh.outcome, fresh.n, num_subsets=9)
+    want = build_lds_ground_truth(fresh.train, fresh.outcome, fresh.n, options=LDSOptions(num_subsets=9))
     assert torch.equal(more.masks, want.masks) and torch.allclose(more.outcomes, want.outcomes)
     assert GroundTruth.load(cache).num_subsets == 9
 
     with pytest.raises(StaleGroundTruth, match="lam"):
-        build_lds_ground_truth(refuse, task.outcome, task.n, num_subsets=6, cache=cache,
-                               config={"task": "ridge", "lam": 1.0})
+        build_lds_ground_truth(refuse, task.outcome, task.n, cache=cache, config={"task": "ridge", "lam": 1.0},
+                               options=LDSOptions(num_subsets=6))
     with pytest.raises(StaleGroundTruth, match="fraction"):
-        build_lds_ground_truth(refuse, task.outcome, task.n, num_subsets=6, fraction=0.3, cache=cache,
-                               config=task.config)
+        build_lds_ground_truth(refuse, task.outcome, task.n, cache=cache, config=task.config,
+                               options=LDSOptions(num_subsets=6, fraction=0.3))
     with pytest.raises(ValueError, match="config"):
-        build_lds_ground_truth(refuse, task.outcome, task.n, num_subsets=6, cache=cache)
+        build_lds_ground_truth(refuse, task.outcome, task.n, cache=cache, options=LDSOptions(num_subsets=6))
 
 
 def test_interrupted_build_keeps_its_progress(tmp_path):
@@ -105,21 +112,24 @@ def test_interrupted_build_keeps_its_progress(tmp_path):
         return task.train(indices, seed)
 
     with pytest.raises(KeyboardInterrupt):
-        build_lds_ground_truth(flaky, task.outcome, task.n, num_subsets=5, cache=cache, config=task.config)
+        build_lds_ground_truth(flaky, task.outcome, task.n, cache=cache, config=task.config,
+                               options=LDSOptions(num_subsets=5))
     assert GroundTruth.load(cache).num_subsets == 3
-    done = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=5, cache=cache, config=task.config)
+    done = build_lds_ground_truth(task.train, task.outcome, task.n, cache=cache, config=task.config,
+                                  options=LDSOptions(num_subsets=5))
     assert len(task.calls) == 5
     fresh = Ridge()
-    want = build_lds_ground_truth(fresh.train, fresh.outcome, fresh.n, num_subsets=5)
+    want = build_lds_ground_truth(fresh.train, fresh.outcome, fresh.n, options=LDSOptions(num_subsets=5))
     assert torch.allclose(done.outcomes, want.outcomes)
 
 
 def test_bad_outcomes_are_refused():
     task = Ridge()
     with pytest.raises(ValueError, match=r"\[Q\]"):
-        build_lds_ground_truth(task.train, lambda w: torch.zeros(2, 2), task.n, num_subsets=2)
+        build_lds_ground_truth(task.train, lambda w: torch.zeros(2, 2), task.n, options=LDSOptions(num_subsets=2))
     with pytest.raises(ValueError, match="non-finite"):
-        build_lds_ground_truth(task.train, lambda w: torch.full((3,), float("nan")), task.n, num_subsets=2)
+        build_lds_ground_truth(task.train, lambda w: torch.full((3,), float("nan")), task.n,
+                               options=LDSOptions(num_subsets=2))
 
 
 def test_loo_effects_match_closed_form_and_sign():
@@ -139,7 +149,7 @@ def test_loo_effects_match_closed_form_and_sign():
 def test_ridge_linear_datamodel_has_high_lds():
     """For ridge, the exact leave-one-out effects summed over a subset predict its outcomes well."""
     task = Ridge(n=40, q=6)
-    gt = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=30)
+    gt = build_lds_ground_truth(task.train, task.outcome, task.n, options=LDSOptions(num_subsets=30))
     effects = build_loo_ground_truth(task.train, task.outcome, task.n, indices=range(40))
     assert lds(effects, gt.masks, gt.outcomes).mean > 0.5
     assert lds(-effects, gt.masks, gt.outcomes).mean < -0.5
@@ -150,16 +160,66 @@ def test_subset_seed_draws_other_subsets_with_the_same_training_seeds(tmp_path):
     of one is refused for the other); without it the settings -- and the fingerprint of caches built before it
     existed -- are unchanged."""
     task = Ridge()
-    first = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=4, seed=3, cache=tmp_path / "a",
-                                   config=task.config)
+    first = build_lds_ground_truth(task.train, task.outcome, task.n, cache=tmp_path / "a", config=task.config,
+                                   options=LDSOptions(num_subsets=4, seed=3))
     assert "subset_seed" not in first.meta["settings"]
     task.calls.clear()
-    other = build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=4, seed=3, subset_seed=8,
-                                   cache=tmp_path / "b", config=task.config)
+    other = build_lds_ground_truth(task.train, task.outcome, task.n, cache=tmp_path / "b", config=task.config,
+                                   options=LDSOptions(num_subsets=4, seed=3, subset_seed=8))
     assert torch.equal(other.masks, subset_masks(30, 4, seed=8)) and not torch.equal(other.masks, first.masks)
     assert {seed for _, seed in task.calls} == {3}
     for s in range(4):
         assert torch.equal(other.outcomes[s], task.outcome(task.fit(other.masks[s].nonzero().flatten(), 3)))
     with pytest.raises(StaleGroundTruth, match="subset_seed"):
-        build_lds_ground_truth(task.train, task.outcome, task.n, num_subsets=4, seed=3, subset_seed=8,
-                               cache=tmp_path / "a", config=task.config)
+        build_lds_ground_truth(task.train, task.outcome, task.n, cache=tmp_path / "a", config=task.config,
+                               options=LDSOptions(num_subsets=4, seed=3, subset_seed=8))
+
+
+# fingerprints of the ground truths the keyword form of build_lds_ground_truth wrote for Ridge().config on 30
+# examples (computed with that code): a cache built then is recognised as built for the same settings
+OLD_FINGERPRINTS = [
+    ({}, "a1df0ebad80b20f8"),
+    ({"fraction": 0.4, "seed": 3, "runs": 2, "seed_per_subset": True}, "ec1d6f195175ed23"),
+    ({"seed": 3, "subset_seed": 8}, "0531cc06b83b30c8"),
+]
+
+
+@pytest.mark.parametrize("settings,key", OLD_FINGERPRINTS, ids=["defaults", "runs", "subset-seed"])
+def test_the_options_give_the_fingerprint_caches_were_written_with(settings, key, tmp_path):
+    task = Ridge()
+    options = LDSOptions(num_subsets=3, **settings)
+    built = build_lds_ground_truth(task.train, task.outcome, task.n, cache=tmp_path / "new", config=task.config,
+                                   options=options)
+    assert built.meta["fingerprint"] == key
+    want = {"kind": "lds", "schema": 1, "config": task.config, "num_train": 30, "fraction": options.fraction,
+            "seed": options.seed, "runs": options.runs, "seed_per_subset": options.seed_per_subset}
+    if options.subset_seed is not None:
+        want["subset_seed"] = options.subset_seed
+    assert built.meta["settings"] == want and fingerprint(want) == key
+
+    # a cache in the old layout (only what that code wrote) is reused, not retrained
+    old = GroundTruth(built.masks, built.outcomes, {"schema": 1, "fingerprint": key, "settings": want})
+    old.save(tmp_path / "old")
+
+    def refuse(indices, seed):
+        raise AssertionError("a cached ground truth was retrained")
+
+    loaded = build_lds_ground_truth(refuse, task.outcome, task.n, cache=tmp_path / "old", config=task.config,
+                                    options=LDSOptions(num_subsets=2, **settings))
+    assert torch.equal(loaded.outcomes, built.outcomes[:2]) and torch.equal(loaded.masks, built.masks[:2])
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"num_subsets": 0}, "^num_subsets must be an integer >= 1, got 0$"),
+    ({"fraction": 0.0}, r"^fraction must be a finite number in \(0, 1\], got 0.0$"),
+    ({"fraction": float("nan")}, "^fraction must be"),
+    ({"runs": 0}, "^runs must be an integer >= 1, got 0$"),
+    ({"seed": 2**64}, "^seed must be a 64-bit integer"),
+    ({"subset_seed": 1.5}, "^subset_seed must be a 64-bit integer"),
+    ({"save_every_s": -1.0}, "^save_every_s must be a finite number >= 0, got -1.0$"),
+])
+def test_a_bad_lds_setting_is_refused_when_the_options_are_made(settings, message):
+    with pytest.raises(ValueError, match=message):
+        LDSOptions(**settings)
+    with pytest.raises(TypeError, match="LDSOptions"):
+        build_lds_ground_truth(Ridge().train, Ridge().outcome, 30, options=settings)

@@ -9,13 +9,14 @@ from gradtrace.grad import ops
 from gradtrace.grad.cost import CostModel, MachineProfile, TermShape
 from gradtrace.grad.ghost import ghost_inner
 from gradtrace.grad.terms import OuterTerm
+from gradtrace.options import CaptureOptions
 from tests import tiny
 from tests.capture.test_exact import _lm_batch
 
 
 def _two_batches(model, projection=None):
     _, ids, mask, labels, pos = _lm_batch([5, 8, 3, 7])
-    with gradtrace.capture(model, projection=projection) as cap:
+    with gradtrace.capture(model, options=CaptureOptions(projection=projection)) as cap:
         model(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
         model(input_ids=ids[1:3], attention_mask=mask[1:3], position_ids=pos[1:3], labels=labels[1:3]).loss.backward()
     return cap.batches
@@ -154,3 +155,13 @@ def test_weighted_sum_and_dense_inner_equal_materialized(gpt2_batches):
         vectors[name] = torch.randn(pg.shape)
     want = sum(a.params[n].flat() @ v.reshape(-1) for n, v in vectors.items())
     _close(ops.dense_inner(a, vectors), want)
+
+
+def test_calibrating_the_cost_model_leaves_the_global_random_stream_alone():
+    from gradtrace.grad.cost import MachineProfile
+
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    MachineProfile.calibrate(seconds=0.001)
+    assert torch.equal(torch.rand(3), want)

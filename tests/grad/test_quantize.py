@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from gradtrace.grad.quantize import QuantizedRows, quantize, spearman
+from gradtrace.options import CaptureOptions
 
 
 def _gradient_like(count, dim, gen):
@@ -119,8 +120,9 @@ def test_int8_store_keeps_score_ranking_on_captured_gradients():
     model = tiny.gpt2()
     ids = torch.randint(1, tiny.VOCAB, (48, 12))
     logra = gradtrace.LoGra(rank=8)
-    train = gradtrace.collect(model, [{"input_ids": ids[i:i + 16]} for i in range(0, 40, 16)], projection=logra)
-    queries = gradtrace.collect(model, [{"input_ids": ids[40:]}], projection=logra)
+    train = gradtrace.collect(model, [{"input_ids": ids[i:i + 16]} for i in range(0, 40, 16)],
+                              options=CaptureOptions(projection=logra))
+    queries = gradtrace.collect(model, [{"input_ids": ids[40:]}], options=CaptureOptions(projection=logra))
     base = queries.vectors @ train.vectors.t()
     approx = queries.vectors @ quantize(train.vectors, "int8").dequantize().t()
     assert float(spearman(base, approx).min()) >= 0.99

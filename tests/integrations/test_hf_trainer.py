@@ -9,6 +9,7 @@ from transformers import Trainer
 
 import gradtrace
 from gradtrace.integrations.hf import GradtraceCallback
+from gradtrace.options import CaptureOptions, Loss, StoreOptions
 from tests import tiny
 from tests.integrations.common import (
     WeightRecorder,
@@ -40,7 +41,7 @@ def test_trainer_gradients_equal_brute_force(tmp_path, arch, projection):
     example's summed token loss at the weights of its step."""
     rows = lm_rows(12)
     model = MODELS[arch]()
-    callback = GradtraceCallback(tmp_path / "store", projection=projection)
+    callback = GradtraceCallback(tmp_path / "store", options=CaptureOptions(projection=projection))
     trainer, recorder = _train(tmp_path, model, callback, rows)
     store = callback.result()
     assert len(store) == 12 and sorted(store.ids, key=int) == [str(i) for i in range(12)]
@@ -109,7 +110,8 @@ def test_id_column_trajectory_every_and_epochs(tmp_path):
     """ids from a column, every other step, two epochs, one row per (example, step) with DVEmb's fields."""
     rows = lm_rows(8, seed=1)
     projection = gradtrace.LoGra(rank=2, vector_rank=2)
-    callback = GradtraceCallback(tmp_path / "store", ids="id", every=2, trajectory=True, projection=projection)
+    callback = GradtraceCallback(tmp_path / "store", ids="id", every=2, trajectory=True,
+                                 options=CaptureOptions(projection=projection))
     trainer, recorder = _train(tmp_path, tiny.gpt2(), callback, rows, gradient_accumulation_steps=1, max_steps=-1,
                                num_train_epochs=2)
     store = callback.result()
@@ -132,7 +134,7 @@ def test_id_column_trajectory_every_and_epochs(tmp_path):
 
 def test_checkpoints_are_recorded_in_the_store(tmp_path):
     """Also: evaluation between steps (its batches carry no ids and run without capture)."""
-    callback = GradtraceCallback(tmp_path / "store", projection=gradtrace.LoGra(rank=2))
+    callback = GradtraceCallback(tmp_path / "store", options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     model = tiny.gpt2()
     trainer = Trainer(model=model, args=training_args(str(tmp_path / "out"), save_strategy="steps", save_steps=1,
                                                       lr_scheduler_type="constant", eval_strategy="steps",
@@ -162,25 +164,32 @@ def test_checkpoints_are_recorded_in_the_store(tmp_path):
     train_sets, query_sets = [], []
     for c in saved[1:]:
         at = GPT2LMHeadModel.from_pretrained(c["path"])
-        train_sets.append(gradtrace.collect(at, [batch], projection=logra))
-        query_sets.append(gradtrace.collect(at, [{**batch, "id": ["q0", "q1", "q2", "q3"]}], projection=logra))
+        train_sets.append(gradtrace.collect(at, [batch], options=CaptureOptions(projection=logra)))
+        query_sets.append(gradtrace.collect(at, [{**batch, "id": ["q0", "q1", "q2", "q3"]}],
+                                            options=CaptureOptions(projection=logra)))
     scores = gradtrace.Attributor("tracin", train_sets, weights=[c["mean_lr"] for c in saved[1:]]).score(
         query_sets, matrix=True)
     assert scores.matrix.shape == (4, 4)
     last = saved[-1]
     state = torch.load(f"{last['path']}/optimizer.pt", weights_only=True)
     names = store.manifest["config"]["trainer"]["optimizer_parameters"]
-    features = less_features(GPT2LMHeadModel.from_pretrained(last["path"]), state, [batch],
-                             projection=DenseProjection(8), param_names=names, layers=["transformer.h.0.mlp.*"])
+    named, start = {**state, "param_groups": []}, 0  # a state dict naming its parameters, as torch records them
+    for group in state["param_groups"]:
+        named["param_groups"].append({**group, "param_names": names[start:start + len(group["params"])]})
+        start += len(group["params"])
+    features = less_features(GPT2LMHeadModel.from_pretrained(last["path"]), named, [batch], DenseProjection(8),
+                             options=CaptureOptions(layers=["transformer.h.0.mlp.*"]))
     assert features.read(0, 4).shape == (4, 8)
 
     # TrackStar over the saved checkpoints, an ensemble: each member reads its own checkpoint's optimizer.pt (the
     # Trainer's weight-decay groups: matched to the model by the names each entry carries into its store)
     assert all(c["optimizer_parameters"] == names for c in saved) and len(state["param_groups"]) == 2
     layers = ["transformer.h.*.mlp.*"]
-    stores = gradtrace.collect_checkpoints(saved, [batch], out=tmp_path / "members", layers=layers)
+    stores = gradtrace.collect_checkpoints(saved, [batch], out=tmp_path / "members",
+                                           options=CaptureOptions(layers=layers))
     assert all(s.manifest["config"]["checkpoint"]["optimizer_parameters"] == names for s in stores)
-    queries = gradtrace.collect_checkpoints(saved, [{**batch, "id": ["q0", "q1", "q2", "q3"]}], layers=layers)
+    queries = gradtrace.collect_checkpoints(saved, [{**batch, "id": ["q0", "q1", "q2", "q3"]}],
+                                            options=CaptureOptions(layers=layers))
     ensemble = gradtrace.Ensemble("trackstar", stores).fit(GPT2LMHeadModel.from_pretrained(saved[0]["path"]),
                                                            checkpoints=saved)
     got = ensemble.score(queries, matrix=True).matrix.double()
@@ -221,18 +230,20 @@ def test_checkpoints_are_recorded_in_the_store(tmp_path):
         beside = json.loads((Path(c["path"]) / OPTIMIZER_NAMES_FILE).read_text())
         assert beside == {"optimizer_parameters": names, "step": c["step"]}
     first = GPT2LMHeadModel.from_pretrained(saved[0]["path"])
-    plain = gradtrace.collect(first, [batch], layers=layers)
+    plain = gradtrace.collect(first, [batch], options=CaptureOptions(layers=layers))
     from_dir = gradtrace.Attributor("trackstar", plain).fit(first, optimizer=saved[0]["path"])
     by_hand = gradtrace.Attributor("trackstar", plain).fit(first, optimizer=torch.load(
         f"{saved[0]['path']}/optimizer.pt", weights_only=True), param_names=names)
     assert torch.equal(from_dir.score(queries[0], matrix=True).matrix, by_hand.score(queries[0], matrix=True).matrix)
-    path_store = gradtrace.collect_checkpoints([saved[0]["path"]], [batch], out=tmp_path / "by_path", layers=layers)
+    path_store = gradtrace.collect_checkpoints([saved[0]["path"]], [batch], out=tmp_path / "by_path",
+                                               options=CaptureOptions(layers=layers))
     assert path_store[0].manifest["config"]["checkpoint"]["optimizer_parameters"] == names
     # without the names (a checkpoint saved without the callback) a grouped state is refused, not guessed
     bare_dir = tmp_path / "bare-checkpoint"
     shutil.copytree(saved[0]["path"], bare_dir)
     (bare_dir / OPTIMIZER_NAMES_FILE).unlink()
-    bare = gradtrace.collect_checkpoints([bare_dir], [batch], out=tmp_path / "bare", layers=layers)
+    bare = gradtrace.collect_checkpoints([bare_dir], [batch], out=tmp_path / "bare",
+                                         options=CaptureOptions(layers=layers))
     with pytest.raises(ValueError, match="2 parameter groups and records no parameter names"):
         gradtrace.Attributor("trackstar", bare[0]).fit(first, optimizer=bare_dir)
     (bare_dir / OPTIMIZER_NAMES_FILE).write_text("{not json")
@@ -256,7 +267,7 @@ def test_custom_compute_loss_is_refused(tmp_path):
     assert not (tmp_path / "store" / "manifest.json").exists()
     assert not model._forward_pre_hooks and "compute_loss" not in vars(trainer)
     # stating the convention (here: the token mean of num_items_in_batch, doubled) makes it work
-    callback = GradtraceCallback(tmp_path / "store2", reduction="token_mean", loss_scale=2.0)
+    callback = GradtraceCallback(tmp_path / "store2", loss=Loss(reduction="token_mean", scale=2.0))
     trainer = Doubled(model=tiny.gpt2(), args=training_args(str(tmp_path / "out")),
                       train_dataset=Dataset.from_list(lm_rows(8)), data_collator=pad_collate, callbacks=[callback])
     trainer.train()
@@ -294,7 +305,7 @@ def test_store_another_run_is_writing_fails_at_train_begin(tmp_path):
     other = subprocess.Popen(["sleep", "60"])
     try:
         (store / "rank-00000.lock").write_text(json.dumps({"pid": other.pid, "host": socket.gethostname()}))
-        callback = GradtraceCallback(store, overwrite=True)
+        callback = GradtraceCallback(store, store_options=StoreOptions(overwrite=True))
         recorder = WeightRecorder()
         trainer = Trainer(model=tiny.gpt2(), args=training_args(str(tmp_path / "out")),
                           train_dataset=Dataset.from_list(lm_rows(8)), data_collator=pad_collate,
@@ -315,7 +326,7 @@ def test_error_during_training_closes_the_capture_and_the_store(tmp_path):
             if state.global_step == 2:
                 raise RuntimeError("boom")
 
-    callback = GradtraceCallback(tmp_path / "store", projection=gradtrace.LoGra(rank=2))
+    callback = GradtraceCallback(tmp_path / "store", options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     trainer = Trainer(model=tiny.gpt2(), args=training_args(str(tmp_path / "out")),
                       train_dataset=Dataset.from_list(lm_rows(12)), data_collator=pad_collate,
                       callbacks=[callback, Boom()])
@@ -347,7 +358,8 @@ def test_content_hash_ids_across_epochs(tmp_path):
     from gradtrace.capture.context import content_hash
 
     rows = lm_rows(8, seed=2)
-    callback = GradtraceCallback(tmp_path / "store", ids=None, projection=gradtrace.LoGra(rank=2))
+    callback = GradtraceCallback(tmp_path / "store", ids=None,
+                                 options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     _train(tmp_path, tiny.gpt2(), callback, rows, gradient_accumulation_steps=1, max_steps=-1, num_train_epochs=2)
     store = callback.result()
     import numpy as np

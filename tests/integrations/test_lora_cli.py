@@ -15,6 +15,8 @@ import torch
 
 import gradtrace
 from gradtrace.integrations.hf import GradtraceCallback
+from gradtrace.options import CaptureOptions
+from gradtrace.options.data import BatchOptions
 from tests import tiny
 from tests.cli.conftest import error_line, flat, invoke
 from tests.integrations.common import char_tokenizer, lm_rows, pad_collate, training_args
@@ -62,7 +64,8 @@ class Run:
         lora = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, task_type="CAUSAL_LM",
                                target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
         self.model = peft.get_peft_model(_base(self.base), lora)  # adapter_config names self.base
-        callback = GradtraceCallback(self.store, projection=gradtrace.LoGra(rank=2), start_step=2)
+        callback = GradtraceCallback(self.store, start_step=2,
+                                     options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
         self.trainer = Trainer(model=self.model, args=training_args(str(self.out), max_steps=4, save_strategy="steps",
                                                                    save_steps=2),
                                train_dataset=Dataset.from_list(lm_rows(12)), data_collator=pad_collate,
@@ -90,7 +93,7 @@ def _batches(tokenizer_dir: Path, data: Path, batch_size: int):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    return gradtrace.data.load(data, tokenizer, batch_size=batch_size)
+    return gradtrace.data.load(data, tokenizer, batch_options=BatchOptions(batch_size=batch_size))
 
 
 def _max_row_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -108,7 +111,8 @@ def test_collect_an_adapter_dir_equals_the_python_api(run, runner, tmp_path):
     # the Python API on PeftModel.from_pretrained(..., is_trainable=True), the tokenizer the base's; other batches
     # (3 rows, not 5: other padding), so the per-token sums run in another order: float32 rounding, ~1e-7 of a row
     model = _peft(run.base, run.adapter)
-    want = gradtrace.collect(model, _batches(run.base, run.train, 3), projection=gradtrace.LoGra(rank=RANK, seed=0))
+    want = gradtrace.collect(model, _batches(run.base, run.train, 3),
+                             options=CaptureOptions(projection=gradtrace.LoGra(rank=RANK, seed=0)))
     assert got.spec.params == want.spec.params and got.spec.model == want.spec.model
     assert got.ids == list(want.ids)
     error = _max_row_error(got.read(0, len(got)), want.vectors)
@@ -129,7 +133,8 @@ def test_score_a_lora_training_store_from_the_cli(run, runner, tmp_path):
     store = gradtrace.GradientStore.open(run.store)
     # the Python API: queries through PeftModel.from_pretrained(..., is_trainable=True) with the store's projection
     projection = gradtrace.projection.projection_from_dict(store.spec.projection)
-    queries = gradtrace.collect(_peft(run.base, run.out), _batches(run.out, run.queries, 8), projection=projection)
+    queries = gradtrace.collect(_peft(run.base, run.out), _batches(run.out, run.queries, 8),
+                                options=CaptureOptions(projection=projection))
     store.spec.check_compatible(queries.spec)  # the captured parameters of training are those of the CLI's loading
     assert queries.spec.params == store.spec.params
     want = gradtrace.Attributor("grad_dot", store).score(queries)
@@ -151,9 +156,11 @@ def test_a_frozen_peft_model_gets_advice_that_works(run):
     projection = gradtrace.projection.projection_from_dict(store.spec.projection)
     batches = list(_batches(run.base, run.queries, 8))
     with pytest.raises(ValueError, match="is_trainable=True") as err:  # PEFT's default loading: adapters frozen
-        gradtrace.collect(_peft(run.base, run.adapter, trainable=False), batches, projection=projection)
+        gradtrace.collect(_peft(run.base, run.adapter, trainable=False), batches,
+                          options=CaptureOptions(projection=projection))
     assert "include_frozen" in str(err.value)  # named as what not to do: it adds the base's weights
-    followed = gradtrace.collect(_peft(run.base, run.adapter, trainable=True), batches, projection=projection)
+    followed = gradtrace.collect(_peft(run.base, run.adapter, trainable=True), batches,
+                                 options=CaptureOptions(projection=projection))
     store.spec.check_compatible(followed.spec)
     assert followed.spec.params == store.spec.params
 
@@ -172,7 +179,7 @@ def test_a_lora_trainer_checkpoint_is_a_model(run, runner, tmp_path):
     store = gradtrace.GradientStore.open(run.store)
     projection = gradtrace.projection.projection_from_dict(store.spec.projection)
     queries = gradtrace.collect(_peft(run.base, checkpoint), _batches(checkpoint, run.queries, 8),
-                                projection=projection)
+                                options=CaptureOptions(projection=projection))
     want = gradtrace.Attributor("grad_dot", store).score(queries)
     error = float((got.matrix - want.matrix).abs().max()) / float(want.matrix.abs().max())
     assert error < 1e-5, error
@@ -243,8 +250,8 @@ def test_collect_checkpoints_takes_lora_checkpoint_directories(run):
     batches = _batches(run.base, run.train, 4)
     checkpoints = [run.out / "checkpoint-2", run.out / "checkpoint-4"]
     projection = gradtrace.LoGra(rank=RANK)
-    sets = gradtrace.collect_checkpoints(checkpoints, batches, projection=projection)
+    sets = gradtrace.collect_checkpoints(checkpoints, batches, options=CaptureOptions(projection=projection))
     for checkpoint, got in zip(checkpoints, sets):
-        want = gradtrace.collect(_peft(run.base, checkpoint), batches, projection=projection)
+        want = gradtrace.collect(_peft(run.base, checkpoint), batches, options=CaptureOptions(projection=projection))
         assert [n for n, _ in got.spec.params] == [n for n, _ in want.spec.params]
         assert _max_row_error(got.read(0, len(got)), want.read(0, len(want))) < 1e-5

@@ -15,6 +15,7 @@ import gradtrace
 from gradtrace.cli import app
 from gradtrace.integrations.hf import GradtraceCallback, checkpoints
 from gradtrace.integrations.trainer_store import trained_weights
+from gradtrace.options import CaptureOptions
 from gradtrace.store.spec import model_fingerprint
 from tests import tiny
 from tests.integrations.common import char_tokenizer, lm_rows, pad_collate, training_args
@@ -32,7 +33,8 @@ def _score(tmp_path, store, out, *extra, code=0):
 def test_score_a_trainer_store_without_model_and_with_its_checkpoints(tmp_path):
     torch.manual_seed(0)
     model = tiny.gpt2(pad_token_id=0)
-    callback = GradtraceCallback(tmp_path / "store", projection=gradtrace.LoGra(rank=2), start_step=2)
+    callback = GradtraceCallback(tmp_path / "store", start_step=2,
+                                 options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     trainer = Trainer(model=model, args=training_args(str(tmp_path / "out"), max_steps=4, save_strategy="steps",
                                                       save_steps=1),
                       train_dataset=Dataset.from_list(lm_rows(12)), data_collator=pad_collate,

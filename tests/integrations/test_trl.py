@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gradtrace.options import CaptureOptions
+
 pytest.importorskip("trl")
 
 import torch
@@ -66,7 +68,7 @@ def test_sft_lora_captures_only_the_adapters(tmp_path):
 
     lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, task_type="CAUSAL_LM")
     projection = gradtrace.LoGra(rank=2, vector_rank=2)
-    callback = GradtraceCallback(tmp_path / "store", ids="id", projection=projection)
+    callback = GradtraceCallback(tmp_path / "store", ids="id", options=CaptureOptions(projection=projection))
     trainer, recorder, examples = _sft(tmp_path, tiny.llama(), callback, peft_config=lora)
     store = callback.result()
     names = [n for n, _ in store.spec.params]

@@ -10,6 +10,7 @@ import gradtrace
 from gradtrace.loss.functions import regression_loss
 from gradtrace.methods import MissingStage
 from gradtrace.methods.dvemb import data_value_embeddings
+from gradtrace.options import CaptureOptions, Loss
 from gradtrace.train import TrajectoryWriter
 from tests import tiny
 
@@ -61,7 +62,8 @@ def test_recursion_equals_the_product_formula(tmp_path):
     logra = gradtrace.LoGra(rank=2)
     writer = TrajectoryWriter(tmp_path / "trajectory", optimizer)
     schedule = _schedule(6, [3, 3], 1) + _schedule(6, [4, 2], 1, seed=1) + [[0, 5, 2]]
-    with gradtrace.capture(model, reduction="mean", projection=logra, callbacks=[writer]) as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="mean"), callbacks=[writer],
+                           options=CaptureOptions(projection=logra)) as cap:
         for batch in schedule:
             cap.annotate(ids=[f"ex{i}" for i in batch])
             F.cross_entropy(model(x[batch]), y[batch]).backward()
@@ -91,7 +93,7 @@ def test_recursion_equals_the_product_formula(tmp_path):
     assert (examples.vectors.double() - want).abs().max() <= 1e-5 * scale
     assert examples.field("rows") == [traj.field("example").count(i) for i in examples.ids]
 
-    queries = gradtrace.collect(model, [(qx, qy)], projection=logra)
+    queries = gradtrace.collect(model, [(qx, qy)], options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("dvemb", traj)
     with pytest.raises(MissingStage, match=r"attr\.fit"):
         attr.score(queries)
@@ -113,7 +115,7 @@ def test_trajectory_counts_optimizer_steps_and_step_sizes_under_accumulation():
     writer = TrajectoryWriter(None, optimizer)
     params = dict(model.named_parameters())
     updates = []
-    with gradtrace.capture(model, reduction="mean", loss_scale=0.5, callbacks=[writer]) as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="mean", scale=0.5), callbacks=[writer]) as cap:
         for step in range(3):
             before = {n: p.detach().clone() for n, p in params.items()}
             for micro in range(2):
@@ -171,7 +173,7 @@ def test_dvemb_predicts_retraining_when_its_curvature_is_exact():
     lrs = [0.3, 0.2, 0.2, 0.1]
     optimizer = torch.optim.SGD(model.parameters(), lr=lrs[0])
     writer = TrajectoryWriter(None, optimizer)
-    with gradtrace.capture(model, reduction="mean", callbacks=[writer]) as cap:
+    with gradtrace.capture(model, loss=Loss(reduction="mean"), callbacks=[writer]) as cap:
         for batch, lr in zip(schedule, lrs):
             optimizer.param_groups[0]["lr"] = lr
             cap.annotate(ids=[f"ex{i}" for i in batch])
@@ -179,7 +181,7 @@ def test_dvemb_predicts_retraining_when_its_curvature_is_exact():
             optimizer.step()
             optimizer.zero_grad()
     traj = writer.result()
-    qgrad = gradtrace.collect(model, [query], loss_fn=regression_loss).vectors[0].double()
+    qgrad = gradtrace.collect(model, [query], loss=regression_loss).vectors[0].double()
     predicted = data_value_embeddings(traj, by="row").vectors.double() @ qgrad  # [rows]
     ones = torch.ones(len(traj), dtype=torch.float64)
     base = _retrain(init, x, sign, schedule, lrs, ones, query)
@@ -206,12 +208,13 @@ def test_dvemb_predicts_retraining_when_its_curvature_is_exact():
 def test_dvemb_refuses_stores_without_a_trajectory_and_large_dims(tmp_path):
     model = tiny.MLP()
     x, y = _data(4, seed=5)
-    plain = gradtrace.collect(model, [(x, y)], projection=gradtrace.LoGra(rank=2), store=tmp_path / "plain")
+    plain = gradtrace.collect(model, [(x, y)], store=tmp_path / "plain",
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     with pytest.raises(MissingStage, match=r"'example'.*TrajectoryWriter"):
         gradtrace.Attributor("dvemb", plain).fit()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = TrajectoryWriter(None, optimizer)
-    with gradtrace.capture(model, reduction="mean", callbacks=[writer]):
+    with gradtrace.capture(model, loss=Loss(reduction="mean"), callbacks=[writer]):
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
     with pytest.raises(ValueError, match=r"smaller LoGra rank.*fewer layers"):

@@ -10,6 +10,7 @@ import torch
 import gradtrace
 from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import FitError, MissingStage, load_fit, save_fit
+from gradtrace.options import CaptureOptions
 from gradtrace.store.spec import SpecMismatch
 from tests.methods.test_trackstar import _setup as trackstar_setup
 from tests.methods.test_trak import _setup as trak_setup
@@ -38,8 +39,8 @@ def _assert_same_scores(got, want, method, train, query):
 def test_a_saved_trak_kernel_scores_exactly_as_the_fitted_one(tmp_path):
     model, batches, queries, *_ = trak_setup()
     logra = gradtrace.LoGra(rank=2, seed=0)
-    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
-    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    train = gradtrace.collect(model, batches, classification_loss, options=CaptureOptions(projection=logra))
+    query = gradtrace.collect(model, queries, classification_loss, options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("trak", train).fit(model, batches, classification_loss)
     want = attr.score(query, matrix=True).matrix
     assert save_fit(attr, tmp_path / "fit", meta={"by": "test"}) == tmp_path / "fit"
@@ -54,7 +55,8 @@ def test_a_saved_trak_kernel_scores_exactly_as_the_fitted_one(tmp_path):
     absolute = load_fit(tmp_path / "fit", damping=1e-3, damping_mode="absolute")
     assert absolute.lam == 1e-3
     # the fit is bound to its gradients: other projections are refused at scoring
-    other = gradtrace.collect(model, batches, classification_loss, projection=gradtrace.LoGra(rank=2, seed=1))
+    other = gradtrace.collect(model, batches, classification_loss,
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=2, seed=1)))
     with pytest.raises(SpecMismatch, match="trak: the kernel was fitted for other gradients"):
         gradtrace.Attributor(loaded, other).score(query)
 
@@ -63,8 +65,8 @@ def test_a_saved_trak_kernel_scores_exactly_as_the_fitted_one(tmp_path):
 def test_a_saved_trackstar_fit_scores_exactly_as_the_fitted_one(tmp_path, precondition):
     model, optimizer, batches, queries, *_ = trackstar_setup(seed=6)
     logra = gradtrace.LoGra(rank=2, seed=4)
-    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
-    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    train = gradtrace.collect(model, batches, classification_loss, options=CaptureOptions(projection=logra))
+    query = gradtrace.collect(model, queries, classification_loss, options=CaptureOptions(projection=logra))
     structure = "parameter" if precondition == "autocorrelation-parameter" else "joint"
     precondition = "autocorrelation" if structure == "parameter" else precondition
     attr = gradtrace.Attributor("trackstar", train, precondition=precondition, structure=structure)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import gradtrace
 from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import MissingStage
+from gradtrace.options import CaptureOptions
 from gradtrace.projection.logra import Projector
 from tests.methods.test_trak import Net
 
@@ -72,8 +73,8 @@ def test_trackstar_equals_the_hand_computation_on_exact_gradients(amsgrad):
 def test_trackstar_on_logra_gradients_maps_the_second_moment_into_the_projection():
     model, optimizer, batches, queries, x, y, qx, qy = _setup(1)
     logra = gradtrace.LoGra(rank=2, seed=3)
-    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
-    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    train = gradtrace.collect(model, batches, classification_loss, options=CaptureOptions(projection=logra))
+    query = gradtrace.collect(model, queries, classification_loss, options=CaptureOptions(projection=logra))
     got = gradtrace.Attributor("trackstar", train).fit(model, optimizer=optimizer).score(query).matrix.double()
     projector = Projector(logra)
     parts, denominators, start = {"train": [], "query": []}, [], 0
@@ -99,8 +100,8 @@ def test_trackstar_on_logra_gradients_maps_the_second_moment_into_the_projection
 def test_trackstar_autocorrelation_preconditioning_equals_the_hand_computation():
     model, optimizer, batches, queries, x, y, qx, qy = _setup(2)
     logra = gradtrace.LoGra(rank=2, seed=1)
-    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
-    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    train = gradtrace.collect(model, batches, classification_loss, options=CaptureOptions(projection=logra))
+    query = gradtrace.collect(model, queries, classification_loss, options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("trackstar", train, precondition="autocorrelation", damping=0.1)
     attr.fit(model, optimizer=optimizer)
     got = attr.score(query).matrix.double()
@@ -123,8 +124,8 @@ def test_trackstar_autocorrelation_per_parameter_is_the_block_diagonal_hand_comp
     eigenvalue, cross-parameter terms dropped (Bergson's per-module autocorrelation)."""
     model, optimizer, batches, queries, x, y, qx, qy = _setup(3)
     logra = gradtrace.LoGra(rank=2, seed=2) if projected else None
-    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
-    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    train = gradtrace.collect(model, batches, classification_loss, options=CaptureOptions(projection=logra))
+    query = gradtrace.collect(model, queries, classification_loss, options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("trackstar", train, precondition="autocorrelation", structure="parameter",
                                 damping=0.1)
     attr.fit(model, optimizer=optimizer)

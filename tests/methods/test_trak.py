@@ -10,6 +10,7 @@ import gradtrace
 from gradtrace.curvature import CurvatureError
 from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import MissingStage
+from gradtrace.options import CaptureOptions
 from gradtrace.projection.logra import Projector
 from tests import tiny
 
@@ -72,8 +73,8 @@ def _trak(phi_train, complement_train, phi_query, damping=0.1):
 def test_trak_equals_the_paper_formula(projected):
     model, batches, queries, x, y, qx, qy = _setup()
     logra = gradtrace.LoGra(rank=2, seed=3) if projected else None
-    train = gradtrace.collect(model, batches, classification_loss, projection=logra)
-    query = gradtrace.collect(model, queries, classification_loss, projection=logra)
+    train = gradtrace.collect(model, batches, classification_loss, options=CaptureOptions(projection=logra))
+    query = gradtrace.collect(model, queries, classification_loss, options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("trak", train).fit(model, batches, classification_loss)
     got = attr.score(query).matrix.double()
     phi, comp = _margin_grads(model, x, y)
@@ -120,8 +121,8 @@ def test_trak_on_a_language_model_has_no_reweighting():
     ids = torch.randint(1, tiny.VOCAB, (12, 7))
     batches = [{"input_ids": ids[i:i + 4]} for i in range(0, 8, 4)]
     logra = gradtrace.LoGra(rank=2)
-    train = gradtrace.collect(model, batches, projection=logra)
-    query = gradtrace.collect(model, [{"input_ids": ids[8:]}], projection=logra)
+    train = gradtrace.collect(model, batches, options=CaptureOptions(projection=logra))
+    query = gradtrace.collect(model, [{"input_ids": ids[8:]}], options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("trak", train).fit(model, batches)
     assert attr.method.options()["reweighted"] is False
     g, q = train.vectors.double(), query.vectors.double()
@@ -174,6 +175,6 @@ def test_the_dual_form_equals_the_primal_one(reweight):
     torch.testing.assert_close(dual.self_scores().double(), primal.self_scores().double(), rtol=1e-5, atol=0)
     # more examples than dimensions: auto keeps the primal kernel
     logra = gradtrace.LoGra(rank=2, seed=0)
-    projected = gradtrace.collect(model, batches, classification_loss, projection=logra)
+    projected = gradtrace.collect(model, batches, classification_loss, options=CaptureOptions(projection=logra))
     assert projected.spec.dim < 30
     assert gradtrace.Attributor("trak", projected, reweight=False).fit().method.mode_used == "primal"

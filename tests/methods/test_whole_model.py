@@ -14,6 +14,7 @@ from gradtrace.curvature import CurvatureError
 from gradtrace.curvature.hvp import EmpiricalFisherOperator, GGNOperator
 from gradtrace.loss.functions import causal_lm_loss, classification_loss, regression_loss
 from gradtrace.methods import MissingStage
+from gradtrace.options import CaptureOptions
 from gradtrace.store import SpecMismatch
 from tests import tiny
 
@@ -196,7 +197,8 @@ def test_bad_input_is_a_clear_error():
         gradtrace.Attributor("arnoldi", train, rank=60).fit(model, batches, classification_loss)
     with pytest.raises(CurvatureError, match="ggn_full: the dense matrix of 51 parameters needs"):
         gradtrace.Attributor("ggn_full", train, max_params=50).fit(model, batches, classification_loss)
-    projected = gradtrace.collect(model, batches, classification_loss, projection=gradtrace.LoGra(rank=2))
+    projected = gradtrace.collect(model, batches, classification_loss,
+                                  options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     with pytest.raises(ValueError, match="exact gradients over all captured parameters"):
         gradtrace.Attributor("cg", projected).fit(model, batches, classification_loss)
     with pytest.raises(MissingStage, match=r"needs attr.fit\(model, train_data, loss_fn\)"):

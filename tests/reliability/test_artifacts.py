@@ -18,6 +18,7 @@ import torch
 import gradtrace
 from gradtrace.curvature import Curvature, CurvatureError
 from gradtrace.methods.influence import CurvatureWeightsWarning
+from gradtrace.options import CaptureOptions
 from gradtrace.score.engine import ScoringError
 from gradtrace.score.scores import ScoresError
 from gradtrace.store import artifact
@@ -43,8 +44,8 @@ def fit():
     model = tiny.llama()
     train_batches, query_batches = _lm_data()
     logra = gradtrace.LoGra(rank=4)
-    train = gradtrace.collect(model, train_batches, projection=logra)
-    queries = gradtrace.collect(model, query_batches, projection=logra)
+    train = gradtrace.collect(model, train_batches, options=CaptureOptions(projection=logra))
+    queries = gradtrace.collect(model, query_batches, options=CaptureOptions(projection=logra))
     attr = gradtrace.Attributor("kfac", train, fisher="empirical").fit(model, train_batches)
     return {"model": model, "batches": train_batches, "logra": logra, "train": train, "queries": queries,
             "curvature": attr.method.curvature, "scores": attr.score(queries).matrix}
@@ -266,7 +267,7 @@ def test_curvature_fitted_at_other_weights_warns(fit):
     model.load_state_dict(fit["model"].state_dict())
     with torch.no_grad():
         model.model.norm.weight.mul_(1.5)
-    train = gradtrace.collect(model, fit["batches"], projection=fit["logra"])
+    train = gradtrace.collect(model, fit["batches"], options=CaptureOptions(projection=fit["logra"]))
     attr = gradtrace.Attributor("kfac", train, curvature=fit["curvature"])
     with pytest.warns(CurvatureWeightsWarning, match="fitted at other weights"):
         attr.score(train)

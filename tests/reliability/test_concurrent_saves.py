@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options.index import IndexOptions
 from gradtrace.score.index import Index, IndexMismatch, build_index
 from gradtrace.store.artifact import ArtifactExists, artifact_file
 from gradtrace.store.locking import DIRECTORY_LOCK, LockedError, directory_lock
@@ -155,10 +156,10 @@ def _killing_save(index: Index, where: str, kill_at: int) -> None:
 def test_a_kill_at_each_step_of_an_index_rebuild_leaves_the_old_index_loading_and_searching_as_before(
         stores, tmp_path):
     store = stores[0]
-    old = build_index(store, "flat")
+    old = build_index(store)
     old.save(tmp_path / "index")
     before_values, before_rows = Index.load(tmp_path / "index").search(_queries(store), 10)
-    new = build_index(store, "ivfpq", nlist=4, m=8, nbits=4, train_rows=ROWS)
+    new = build_index(store, IndexOptions(kind="ivfpq", nlist=4, m=8, nbits=4, train_rows=ROWS))
     kills = 0
     for kill_at in range(1, 100):
         child = _fork.Process(target=_killing_save, args=(new, str(tmp_path / "index"), kill_at))
@@ -186,7 +187,7 @@ def test_a_kill_at_each_step_of_an_index_rebuild_leaves_the_old_index_loading_an
 
 def test_faiss_data_of_another_index_or_with_a_flipped_bit_is_refused(stores, tmp_path):
     """A flat index (documented as exact) with another store's FAISS data used to answer with the wrong top-k."""
-    mine, theirs = build_index(stores[0], "flat"), build_index(stores[1], "flat")
+    mine, theirs = build_index(stores[0]), build_index(stores[1])
     mine.save(tmp_path / "mine")
     theirs.save(tmp_path / "theirs")
     data = artifact_file(tmp_path / "mine", json.loads((tmp_path / "mine" / "index.json").read_text()), "faiss")
@@ -211,8 +212,8 @@ def test_faiss_data_of_another_index_or_with_a_flipped_bit_is_refused(stores, tm
 
 def test_faiss_data_of_another_kind_under_a_version_1_manifest_is_refused(stores, tmp_path):
     """Version-1 indexes carry no checksums; their FAISS data must still be of the kind and shape recorded."""
-    flat = build_index(stores[0], "flat")
-    ivf = build_index(stores[0], "ivfpq", nlist=4, m=8, nbits=4, train_rows=ROWS)
+    flat = build_index(stores[0])
+    ivf = build_index(stores[0], IndexOptions(kind="ivfpq", nlist=4, m=8, nbits=4, train_rows=ROWS))
     save_v1(flat, tmp_path / "old")
     faiss.write_index(ivf.faiss_index, str(tmp_path / "old" / "index.faiss"))
     with pytest.warns(UserWarning), pytest.raises(IndexMismatch, match=r"is not the index index.json describes"):

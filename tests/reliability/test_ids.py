@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import gradtrace
 from gradtrace.capture.gradient_set import GradientSet
+from gradtrace.options import RunOptions, StoreOptions
 from gradtrace.store import GradientStore, IdCollision, StoreError, StoreWriter
 from tests import tiny
 
@@ -38,14 +39,15 @@ def test_a_repeated_example_is_kept_once_and_counted_in_both_paths(tmp_path):
     x, y = _examples()
     order = [0, 1, 2, 3, 1, 4, 5, 6, 7, 3]  # examples 1 and 3 come twice, with their ids
     ids = [f"ex{i}" for i in order]
-    memory = gradtrace.collect(_model(), _batches(x[order], y[order]), ids=ids)
-    store = gradtrace.collect(_model(), _batches(x[order], y[order]), ids=ids, store=tmp_path / "s", shard_rows=4)
+    memory = gradtrace.collect(_model(), _batches(x[order], y[order]), run=RunOptions(ids=ids))
+    store = gradtrace.collect(_model(), _batches(x[order], y[order]), store=tmp_path / "s",
+                              store_options=StoreOptions(shard_rows=4), run=RunOptions(ids=ids))
     want = [f"ex{i}" for i in range(8)]
     assert memory.ids == store.ids == want
     assert torch.equal(memory.read(0, 8), store.read(0, 8))  # the same computation: bit-identical
     assert memory.skipped == {"nonfinite": [], "duplicate": 2}
     assert _status(tmp_path / "s")["skipped"]["duplicate"] == 2
-    reference = gradtrace.collect(_model(), _batches(x, y), ids=want)
+    reference = gradtrace.collect(_model(), _batches(x, y), run=RunOptions(ids=want))
     assert store.field("digest") == _digests()  # recorded per row: a resumed run compares with them
     # the same examples in other batches: equal up to float32 round-off of the batched products (entries are
     # sums of a few terms of magnitude <= max|g|; 8 ulps of the largest entry bounds a reordered sum)
@@ -72,7 +74,8 @@ def test_two_examples_sharing_an_id_are_an_error_in_both_paths(tmp_path, where):
     store = tmp_path / "s" if where == "store" else None
     with pytest.raises(IdCollision, match=r"id 'ex1' names two different examples \(content digests [0-9a-f]{16} and "
                                           r"[0-9a-f]{16}.*give every example its own id"):
-        gradtrace.collect(_model(), _batches(x, y), ids=ids, store=store, shard_rows=2)
+        gradtrace.collect(_model(), _batches(x, y), store=store, store_options=StoreOptions(shard_rows=2),
+                          run=RunOptions(ids=ids))
     if where == "store":  # what was committed before the collision is kept, and the store says it is unfinished
         with pytest.raises(StoreError, match=r"incomplete \(rank 0: interrupted\)"):
             GradientStore.open(store)
@@ -85,7 +88,8 @@ def test_a_resumed_run_compares_contents_with_what_the_store_holds(tmp_path):
     model = _model()
 
     def run(ids, rows, resume):
-        with gradtrace.capture(model, ids=ids, callbacks=[StoreWriter(tmp_path, shard_rows=2, resume=resume)]):
+        with gradtrace.capture(model, ids=ids,
+                               callbacks=[StoreWriter(tmp_path, StoreOptions(shard_rows=2, resume=resume))]):
             for bx, by in _batches(x[rows], y[rows]):
                 F.cross_entropy(model(bx), by, reduction="sum").backward()
 
@@ -119,7 +123,7 @@ def test_ids_of_two_types_are_refused(tmp_path, where, given):
     ids = [1, "1", 2, 3]  # 1 and "1" would both be stored as "1"
     store = tmp_path / "s" if where == "store" else None
     if given == "ids":
-        data, options = _batches(x, y, 2), {"ids": ids}
+        data, options = _batches(x, y, 2), {"run": RunOptions(ids=ids)}
     else:  # an id column in dict batches
         data, options = [{"x": x[i:i + 2], "y": y[i:i + 2], "id": ids[i:i + 2]} for i in (0, 2)], {}
 
@@ -146,7 +150,7 @@ def test_one_id_type_is_fine_and_annotate_is_checked_too():
 
 def test_a_saved_gradient_set_keeps_its_digests(tmp_path):
     x, y = _examples()
-    memory = gradtrace.collect(_model(), _batches(x, y), ids=[f"ex{i}" for i in range(8)])
+    memory = gradtrace.collect(_model(), _batches(x, y), run=RunOptions(ids=[f"ex{i}" for i in range(8)]))
     assert memory.field("digest") == _digests()
     saved = memory.save(tmp_path / "s")
     assert saved.ids == memory.ids and saved.field("digest") == _digests()

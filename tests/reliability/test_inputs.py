@@ -25,6 +25,7 @@ from gradtrace.cli import score as cli_score
 from gradtrace.common.errors import UsageError
 from gradtrace.data import tokenize
 from gradtrace.data.files import DataChangedWarning
+from gradtrace.options.data import ReadOptions
 from tests.cli import conftest as cli_fixtures
 from tests.cli.conftest import error_line, invoke
 
@@ -289,10 +290,10 @@ def test_truncated_tokens_equal_tokenizing_everything_then_truncating(ws, monkey
     for name, tok in _tokenizers(ws.lines).items():
         full = tok(texts, add_special_tokens=True)["input_ids"]
         for max_length in (16, 100):
-            data = gd.load(records, tok, max_length=max_length, truncate=True)
+            data = gd.load(records, tok, read_options=ReadOptions(max_length=max_length, truncate=True))
             with monkeypatch.context() as unbounded:  # every text tokenized whole, as before the bound
                 unbounded.setattr(tokenize, "_prefix_ids", lambda *args: None)
-                reference = gd.load(records, tok, max_length=max_length, truncate=True)
+                reference = gd.load(records, tok, read_options=ReadOptions(max_length=max_length, truncate=True))
             for i, ids in enumerate(full):
                 assert data.example(i)[0].tolist() == ids[:max_length], (name, max_length, i)
             assert data.ids == reference.ids and data.summary == reference.summary, name  # content hashes too
@@ -307,7 +308,7 @@ def test_prompt_completion_with_a_long_completion_is_cut_before_tokenizing(ws):
     prose = " ".join(rng.choice(ws.lines) for _ in range(3_000))  # ~150,000 characters
     records = [{"prompt": ws.lines[i] + " " + prose[:2_000 * i], "completion": " " + prose} for i in range(4)]
     calls = _spy_lengths(tok)
-    data = gd.load(records, tok, max_length=24, truncate=True)
+    data = gd.load(records, tok, read_options=ReadOptions(max_length=24, truncate=True))
     longest = max(calls)  # before the reference below tokenizes every text whole
     eos = tok.eos_token
     for i, r in enumerate(records):
@@ -340,13 +341,13 @@ def test_a_long_jsonl_line_is_not_tokenized_whole(ws, runner, tmp_path):
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"text": line}) + "\n" + json.dumps({"text": ws.lines[0]}) + "\n")
     seen = _spy_lengths(tok)
-    data = gd.load(path, tok, max_length=32, truncate=True)
+    data = gd.load(path, tok, read_options=ReadOptions(max_length=32, truncate=True))
     assert data.summary.cut == 1 and len(data.example(0)[0]) == 32
     assert max(seen) < 64 * 1024 < len(line)
     assert data.example(0)[0].tolist() == tok(line[:20_000])["input_ids"][:32]
     seen.clear()  # without --truncate the example is too long: said so, still without tokenizing it whole
     with pytest.raises(gd.DataError, match="line 1 has more tokens than --max-length 32"):
-        gd.load(path, tok, max_length=32)
+        gd.load(path, tok, read_options=ReadOptions(max_length=32))
     assert max(seen) < 64 * 1024
     result = invoke(runner, "collect", ws.model, path, "--out", tmp_path / "store", "--max-length", 32, "--truncate",
                     "--dry-run", "--no-progress")
@@ -360,7 +361,7 @@ def test_budget_settles_on_the_tokens_of_the_whole_text_when_prefixes_disagree(w
     monkeypatch.setattr(tokenize, "_MIN_CHARS", 16)
     monkeypatch.setattr(tokenize, "_CHARS_PER_TOKEN", 1)
     text = "the king " + "q" * 150 + " " + " ".join(ws.lines[:400])
-    data = gd.load([{"text": text}], tok, max_length=8, truncate=True)
+    data = gd.load([{"text": text}], tok, read_options=ReadOptions(max_length=8, truncate=True))
     assert data.example(0)[0].tolist() == tok(text)["input_ids"][:8]
     assert "[UNK]" in tok.convert_ids_to_tokens(data.example(0)[0].tolist())  # the 150-letter word, whole
 

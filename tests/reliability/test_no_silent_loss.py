@@ -11,6 +11,7 @@ import torch
 
 import gradtrace
 from gradtrace.loss.functions import causal_lm_loss
+from gradtrace.options import CaptureOptions, StoreOptions
 from tests import tiny
 
 LENGTHS = [10, 7, 4, 9, 2, 6]  # right-padded to 10
@@ -92,7 +93,7 @@ def collect_with_nan_in_padding(model, batch: dict, **options):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            return gradtrace.collect(model, [{**batch, "id": NAMES}], **options)
+            return gradtrace.collect(model, [{**batch, "id": NAMES}], **options)  # store=, store_options=
     finally:
         handle.remove()
 
@@ -157,7 +158,8 @@ def test_a_run_where_every_example_is_nonfinite_is_an_error_and_keeps_the_store(
             warnings.simplefilter("ignore")  # the capture's per-batch warning
             with pytest.raises(NonFiniteError, match=r"all 6 examples have NaN/inf gradients \(e0, e1, e2 \.\.\.\); "
                                                      r"nothing new was stored in .*store \(it keeps what it held\)"):
-                gradtrace.collect(model, [{**_padded_batch(), "id": NAMES}], store=store, resume=True)
+                gradtrace.collect(model, [{**_padded_batch(), "id": NAMES}], store=store,
+                                  store_options=StoreOptions(resume=True))
             with pytest.raises(NonFiniteError, match="no gradient is left"):
                 gradtrace.collect(model, [{**_padded_batch(), "id": NAMES}])
     finally:
@@ -191,7 +193,8 @@ def test_rank_beyond_every_dimension_is_refused_before_allocating():
                                          r"parameters \(the largest is 64\): .* each example's projected "
                                          r"gradient would take 100,001,800,000 floats \(372\.5 GiB\)\. Use a rank "
                                          r"of at most 64"):
-        gradtrace.capture(tiny.gpt2(), projection=gradtrace.LoGra(rank=100000))
-    gradtrace.capture(tiny.gpt2(), projection=gradtrace.LoGra(rank=64))  # the largest accepted
+        gradtrace.capture(tiny.gpt2(), options=CaptureOptions(projection=gradtrace.LoGra(rank=100000)))
+    gradtrace.capture(tiny.gpt2(), options=CaptureOptions(projection=gradtrace.LoGra(rank=64)))  # the largest accepted
     with pytest.raises(ValueError, match="LoGra rank 65 is larger"):
-        gradtrace.capture(tiny.gpt2(), projection=gradtrace.LoGra(rank=4, ranks={"*wte.weight": (65, 4)}))
+        gradtrace.capture(tiny.gpt2(),
+                          options=CaptureOptions(projection=gradtrace.LoGra(rank=4, ranks={"*wte.weight": (65, 4)})))

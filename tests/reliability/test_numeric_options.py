@@ -6,7 +6,9 @@ outside it -- ``nan``, ``inf``, one past a bound -- is refused with one line nam
 
 from __future__ import annotations
 
+import importlib
 import math
+import pkgutil
 import typing
 from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
@@ -30,14 +32,17 @@ def _numeric_options() -> list[tuple[str, object]]:
 
 
 def _bad_values(rule: Range) -> list[str]:
-    """Values just outside ``rule``, as typed on a command line."""
+    """Values just outside ``rule``, as typed on a command line (an infinite bound has nothing beyond it; a range
+    that allows +-inf may still refuse NaN)."""
     bad: list[str] = []
     if rule.kind is float and rule.finite:
         bad += ["nan", "inf", "-inf"]
-    if rule.low is not None:
+    elif rule.kind is float and not rule.holds(math.nan):
+        bad.append("nan")
+    if rule.low is not None and math.isfinite(rule.low):
         low = rule.low
         bad.append(_text(low if rule.open_low else (low - 1 if rule.kind is int else low - 0.5), rule.kind))
-    if rule.high is not None:
+    if rule.high is not None and math.isfinite(rule.high):
         bad.append(_text(rule.high + (1 if rule.kind is int else 0.5), rule.kind))
     if rule.nonzero:
         bad.append("0")
@@ -97,8 +102,15 @@ def test_every_numeric_option_refuses_values_outside_its_range_before_any_work(c
 
 # ------------------------------------------------------------------------------------------- Python API objects
 def _api_option_classes() -> list[type]:
-    return [obj for name in api_options.__all__ if is_dataclass(obj := getattr(api_options, name))
-            and isinstance(obj, type)]
+    """Every option dataclass of the ``gradtrace.options`` package: those it exports, and those of each of its
+    modules (one per concern), exported there or not."""
+    found = [obj for name in api_options.__all__ if is_dataclass(obj := getattr(api_options, name))
+             and isinstance(obj, type)]
+    for info in pkgutil.iter_modules(api_options.__path__):
+        module = importlib.import_module(f"{api_options.__name__}.{info.name}")
+        found += [obj for obj in vars(module).values() if isinstance(obj, type) and is_dataclass(obj)
+                  and obj.__module__ == module.__name__]
+    return sorted(set(found), key=lambda cls: (cls.__module__, cls.__qualname__))
 
 
 def _numeric_fields(cls: type) -> list[tuple[str, Range]]:
@@ -117,7 +129,7 @@ API_FIELDS = [(cls, name, rule) for cls in _api_option_classes() for name, rule 
 
 def test_the_api_walk_sees_the_option_objects():
     seen = {cls.__name__ for cls, _, _ in API_FIELDS}
-    assert {"StoreOptions", "FitOptions"} <= seen, seen
+    assert {"StoreOptions", "FitOptions", "ReweightingOptions", "SelectionOptions", "LDSOptions"} <= seen, seen
 
 
 @pytest.mark.parametrize("cls,name,rule", API_FIELDS, ids=[f"{c.__name__}.{n}" for c, n, _ in API_FIELDS])
@@ -164,13 +176,13 @@ def test_projection_ranks_and_callback_intervals_must_be_positive_integers(value
 
 
 def test_train_time_settings_refuse_non_finite_and_out_of_range_values():
-    import torch
+    from gradtrace.options.train import ReweightingOptions, SelectionOptions
 
-    from gradtrace.train.reweighting import SAMAReweighting
-
-    model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for bad, name in [({"alpha": math.nan}, "alpha"), ({"alpha": 0.0}, "alpha"), ({"meta_lr": -1.0}, "meta_lr"),
                       ({"interval": 0}, "interval"), ({"init_logit": math.inf}, "init_logit")]:
         with pytest.raises(ValueError, match=f"{name} must be"):
-            SAMAReweighting(model, optimizer, [], loss_fn=lambda *a: 0, **bad)
+            ReweightingOptions(**bad)
+    for bad, name in [({"rule": "bottom", "fraction": math.nan}, "fraction"), ({"min_keep": -1}, "min_keep"),
+                      ({"rule": "threshold", "threshold": math.nan}, "threshold")]:
+        with pytest.raises(ValueError, match=f"{name} must be"):
+            SelectionOptions(**bad)

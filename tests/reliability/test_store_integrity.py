@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 import gradtrace
 from gradtrace.cli.inspect import describe
 from gradtrace.cli.main import app
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientStore, ShardWriter, StoreError, StoreWriteError
 from gradtrace.store import writer as writer_module
 from gradtrace.store.artifact import checksum
@@ -31,10 +32,12 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i:i + 3], y[i:i + 3]) for i in range(0, NUM, 3)]
 
 
-def _collect(path: Path, **options) -> GradientStore:
+def _collect(path: Path, resume: bool = False) -> GradientStore:
     torch.manual_seed(0)
-    return gradtrace.collect(tiny.MLP(), _batches(), projection=gradtrace.LoGra(rank=2), store=path,
-                             ids=[f"ex{i}" for i in range(NUM)], shard_rows=SHARD_ROWS, **options)
+    return gradtrace.collect(tiny.MLP(), _batches(), store=path,
+                             options=gradtrace.CaptureOptions(projection=gradtrace.LoGra(rank=2)),
+                             store_options=gradtrace.StoreOptions(shard_rows=SHARD_ROWS, resume=resume),
+                             run=gradtrace.RunOptions(ids=[f"ex{i}" for i in range(NUM)]))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,7 @@ def test_deleted_shard_is_named(store, pristine):
     with pytest.raises(StoreError, match=message):
         GradientStore.open(store, verify=False, allow_incomplete=True)
     with pytest.raises(StoreError, match=message):
-        ShardWriter(store, GradientStore.open(pristine).spec, resume=True)
+        ShardWriter(store, GradientStore.open(pristine).spec, StoreOptions(resume=True))
     assert not (store / "rank-00000.lock").exists()
     _assert_nothing_lost(store, before, {"shards/r00000-000001.data", "shards/r00000-000001.json"}, pristine)
 
@@ -214,7 +217,7 @@ def test_stray_file_in_shards_is_ignored_with_a_warning(store, pristine, name):
     original = GradientStore.open(pristine)
     assert opened.ids == original.ids and torch.equal(opened.read(0, NUM), original.read(0, NUM))
     with pytest.warns(UserWarning, match="no part of the store"):
-        ShardWriter(store, original.spec, resume=True).close()  # a resumed writer is not stopped either
+        ShardWriter(store, original.spec, StoreOptions(resume=True)).close()  # a resumed writer is not stopped either
     with pytest.warns(UserWarning, match="no part of the store"):
         assert GradientStore.open(store).ids == original.ids
 
@@ -238,7 +241,7 @@ def test_edited_manifest_is_refused(store, pristine, edit):
     with pytest.raises(StoreError, match=message):
         GradientStore.open(store, verify=False, allow_incomplete=True)
     with pytest.raises(StoreError, match=r"manifest.json was edited or is corrupted .* overwrite=True"):
-        ShardWriter(store, GradientStore.open(pristine).spec, resume=True)
+        ShardWriter(store, GradientStore.open(pristine).spec, StoreOptions(resume=True))
     _assert_nothing_lost(store, before, {"manifest.json"}, pristine)
 
 
@@ -291,7 +294,7 @@ def test_record_committed_but_not_listed_is_adopted_on_resume(store, pristine):
     original = GradientStore.open(pristine)
     partial = GradientStore.open(store, allow_incomplete=True)
     assert partial.ids == original.ids and [s.listed for s in partial.shards] == [True, True, False]
-    ShardWriter(store, original.spec, resume=True).close()
+    ShardWriter(store, original.spec, StoreOptions(resume=True)).close()
     assert _json(store / "rank-00000.json")["committed"] == _json(pristine / "rank-00000.json")["committed"]
     assert torch.equal(GradientStore.open(store).read(0, NUM), original.read(0, NUM))
 
@@ -310,7 +313,7 @@ def test_schema_1_stores_are_read_with_the_checks_they_allow(store, pristine):
     assert describe(store)["checked"][0] == "shard and row counts of finished ranks"
     with pytest.raises(StoreError, match=r"schema version 1 \(an older gradtrace's store: readable, but not "
                                          r"resumable\), this gradtrace writes version 2"):
-        ShardWriter(store, original.spec, resume=True)
+        ShardWriter(store, original.spec, StoreOptions(resume=True))
     before = _files(store)
     _shard(store, 2, "json").unlink()
     with pytest.raises(StoreError, match=r"lost or gained shards: rank-00000.json says rank 0 committed 3 shards, "

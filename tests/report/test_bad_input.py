@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from gradtrace.options.report import ReportOptions
 from gradtrace.report import ReportError, render_report
 from tests.report.helpers import synthetic
 
@@ -38,7 +39,7 @@ def test_recorded_data_is_read_with_the_recorded_fields(tmp_path):
     (store / "manifest.json").write_text(json.dumps({"config": {"data": str(data), "text_field": "body",
                                                                 "id_field": "key"}}))
     scores.meta["config"] = {"store": str(store)}
-    html = render_report(scores, queries=queries, k=2)
+    html = render_report(scores, queries=queries, options=ReportOptions(k=2))
     assert f"training text of {scores.topk(1).ids[0][0]}:" in html
 
 
@@ -48,10 +49,10 @@ def test_ids_missing_from_the_texts_name_the_first_and_count():
     for t in shown[1:3]:
         del texts[t]
     with pytest.raises(ReportError, match=rf"training id '{shown[1]}' is not in the given texts \(1 more are missing"):
-        render_report(scores, texts, queries, k=3)
+        render_report(scores, texts, queries, options=ReportOptions(k=3))
     del queries["query-0"]
     with pytest.raises(ReportError, match=r"query id 'query-0' is not in the given queries"):
-        render_report(scores, {t: "x" for t in scores.train_ids}, queries, k=3)
+        render_report(scores, {t: "x" for t in scores.train_ids}, queries, options=ReportOptions(k=3))
 
 
 def test_non_finite_matrix_names_query_and_example():
@@ -74,8 +75,28 @@ def test_non_finite_kept_top_k_names_the_training_example():
 
 def test_more_examples_than_kept_is_an_error():
     scores, texts, queries = synthetic(matrix=False, topk=3)
-    with pytest.raises(ReportError, match=r"only the top 3 .* report fewer with k="):
-        render_report(scores, texts, queries, k=5)
+    with pytest.raises(ReportError, match=r"only the top 3 .* report fewer with ReportOptions\(k=\) / --k"):
+        render_report(scores, texts, queries, options=ReportOptions(k=5))
+
+
+@pytest.mark.parametrize("build, line", [
+    (lambda: ReportOptions(k=0), "k must be an integer >= 1, got 0"),
+    (lambda: ReportOptions(per_page=-3), "per_page must be an integer >= 1, got -3"),
+    (lambda: ReportOptions(max_chars=1.5), "max_chars must be an integer >= 1, got 1.5"),
+    (lambda: ReportOptions(self_k=True), "self_k must be an integer >= 1, got True"),
+])
+def test_a_bad_number_is_refused_when_the_options_are_made(build, line):
+    with pytest.raises(ValueError) as refused:
+        build()
+    assert str(refused.value) == line
+
+
+def test_options_must_be_report_options():
+    scores, texts, queries = synthetic()
+    with pytest.raises(TypeError, match=r"options= must be a gradtrace\.ReportOptions, got dict"):
+        render_report(scores, texts, queries, options={"k": 3})
+    with pytest.raises(TypeError, match="title must be a string"):
+        ReportOptions(title=3)
 
 
 def test_bad_self_scores():

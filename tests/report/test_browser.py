@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from gradtrace.options.report import ReportOptions
 from gradtrace.report import render_report
 from tests.report.helpers import read_png, synthetic
 
@@ -44,7 +45,7 @@ def _report(tmp_path: Path) -> tuple[Path, object, dict[str, str]]:
     scores.meta["tokens"] = [{"query_id": "query-0", "train_id": top.ids[0][0], "train_tokens": ["a", "b"],
                               "train_scores": [0.75 * value, 0.25 * value], "train_in_loss": [False, True]}]
     out = tmp_path / "report.html"
-    render_report(scores, texts, queries, out=out, self_scores=torch.rand(NUM_TRAIN), per_page=PER_PAGE)
+    render_report(scores, texts, queries, out, ReportOptions(per_page=PER_PAGE), self_scores=torch.rand(NUM_TRAIN))
     return out, scores, texts
 
 

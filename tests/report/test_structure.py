@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from gradtrace.options.report import ReportOptions
 from gradtrace.report import render_report
 from gradtrace.report.content import RANK_TABLE_QUERIES
 from gradtrace.report.errors import ReportError
@@ -28,7 +29,7 @@ def _lists(article: str) -> tuple[str, str]:
 
 def test_every_query_and_top_k_id_in_rank_order_with_scores():
     scores, texts, queries = synthetic(num_queries=4, num_train=60)
-    html = render_report(scores, texts, queries, k=5)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=5))
     helpful, harmful = scores.topk(5), scores.topk(5, largest=False)
     for q, qid in enumerate(scores.query_ids):
         article = section(html, f"q{q}")
@@ -45,7 +46,7 @@ def test_every_query_and_top_k_id_in_rank_order_with_scores():
 
 def test_score_bars_are_proportional_to_the_scores():
     scores, texts, queries = synthetic(num_queries=1, num_train=40)
-    html = render_report(scores, texts, queries, k=4)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=4))
     widths = [float(w) for w in re.findall(r'class="bar (?:pos|neg)" style="width:([0-9.]+)%"', section(html, "q0"))]
     values = scores.topk(4).values[0].tolist() + scores.topk(4, largest=False).values[0].tolist()
     scale = max(abs(v) for v in values)
@@ -73,7 +74,7 @@ def test_script_in_training_text_query_and_ids_is_inert():
     scores.query_ids[1] = "<script>alert('q')</script>"
     queries = {scores.query_ids[0]: queries["query-0"], scores.query_ids[1]: "<img src=x onerror=alert(1)>"}
     scores.meta["answers"] = {scores.query_ids[0]: "</p><script>alert('answer')</script>"}
-    html = render_report(scores, texts, queries, k=3)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=3))
     page = parse(html)
     assert only_our_script(page) and page.count("img") == 0
     assert SCRIPT_TEXT in page.text  # shown as text, exactly
@@ -128,10 +129,10 @@ def test_histogram_bars_and_ticks_are_where_the_values_are():
 
 def test_distribution_only_with_the_full_matrix():
     scores, texts, queries = synthetic(num_queries=3)
-    with_matrix = render_report(scores, texts, queries, k=5)
+    with_matrix = render_report(scores, texts, queries, options=ReportOptions(k=5))
     assert all('<svg class="hist"' in section(with_matrix, f"q{q}") for q in range(3))
     scores.matrix = None
-    top_only = render_report(scores, texts, queries, k=5)
+    top_only = render_report(scores, texts, queries, options=ReportOptions(k=5))
     assert '<svg class="hist"' not in top_only
     assert all("only the top/bottom scores were kept" in section(top_only, f"q{q}") for q in range(3))
     assert "score distributions are not shown" in top_only
@@ -139,7 +140,7 @@ def test_distribution_only_with_the_full_matrix():
 
 def test_token_heat_and_module_bars_when_the_scores_carry_them():
     scores, texts, queries = synthetic(num_queries=2, num_train=20)
-    plain = render_report(scores, texts, queries, k=3)
+    plain = render_report(scores, texts, queries, options=ReportOptions(k=3))
     assert 'class="heat"' not in plain and 'class="mods"' not in plain
     top = scores.topk(3)
     tid, value = top.ids[0][0], float(top.values[0, 0])
@@ -149,7 +150,7 @@ def test_token_heat_and_module_bars_when_the_scores_carry_them():
                               "query_tokens": ["How", " many"], "query_scores": [0.25 * value, 0.75 * value]}]
     scores.meta["modules"] = [{"query_id": "query-0", "train_id": tid,
                                "modules": {"h.0.mlp": 0.4 * value, "h.1.attn": 0.7 * value, "lm_head": -0.1 * value}}]
-    html = render_report(scores, texts, queries, k=3)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=3))
     first = section(html, "q0").split("<li>")[1]  # [query, first helpful row, ...]
     levels = re.findall(r'<span class="([pn]\d)(?: l)?" title="([^"]+)">([^<]*)</span>', first)
     assert [(cls, tok) for cls, _, tok in levels[:3]] == [("p5", "The"), ("p4", " &lt;keeper&gt;"), ("n1", " counted")]
@@ -208,7 +209,7 @@ def _training_index(html: str) -> dict[str, list[tuple[str, str]]]:
 def test_training_index_ranks_every_shown_example_as_the_scores_do():
     scores, texts, queries = synthetic(num_queries=4, num_train=60)
     self_values = torch.rand(60, generator=torch.Generator().manual_seed(4))
-    html = render_report(scores, texts, queries, k=3, self_scores=self_values, self_k=4)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=3, self_k=4), self_scores=self_values)
     ranking = scores.topk(60)  # Scores' own order of all training examples, per query
     helpful, harmful = scores.topk(3), scores.topk(3, largest=False)
     shown = {t for ids in helpful.ids + harmful.ids for t in ids}
@@ -230,7 +231,7 @@ def test_training_index_ranks_every_shown_example_as_the_scores_do():
 def test_training_index_with_the_top_and_bottom_k_only():
     scores, texts, queries = synthetic(num_queries=3, num_train=50)
     scores.matrix = None  # kept: top/bottom 10
-    html = render_report(scores, texts, queries, k=4)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=4))
     helpful, harmful = scores.topk(4), scores.topk(4, largest=False)
     for tid, cells in _training_index(html).items():
         expected = []
@@ -248,7 +249,7 @@ def test_training_index_with_the_top_and_bottom_k_only():
 def test_training_index_lists_the_showing_queries_only_with_many_queries():
     num_queries = RANK_TABLE_QUERIES + 1
     scores, texts, queries = synthetic(num_queries=num_queries, num_train=40)
-    html = render_report(scores, texts, queries, k=2)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=2))
     helpful, harmful = scores.topk(2), scores.topk(2, largest=False)
     body = section(html, "train").split("<tbody>")[1]
     rows = re.findall(r'<code class="tid">([^<]*)</code>.*?<td class="places">(.*?)</td>', body, re.S)
@@ -279,7 +280,7 @@ def test_loss_tokens_are_marked_exactly_where_the_mask_says():
                               "query_in_loss": query_mask},
                              {"query_id": "query-1", "train_id": top.ids[1][0], "train_tokens": ["e", "f"],
                               "train_scores": [0.5 * float(top.values[1, 0])] * 2}]  # no mask recorded
-    html = render_report(scores, texts, queries, k=3)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=3))
     heat = lambda part: [("l" in cls.split(), tok) for cls, tok in re.findall(
         r'<span class="([pn]\d(?: l)?)" title="[^"]+">([^<]*)</span>', part)]
     first = section(html, "q0").split("<li>")[1]  # the top helpful row: its training side, then its query side
@@ -290,19 +291,21 @@ def test_loss_tokens_are_marked_exactly_where_the_mask_says():
     assert heat(section(html, "q1")) == [(False, "e"), (False, "f")]  # no mask: nothing marked
     assert '<span class="l">underlined</span>: in the loss' in html.split("<nav>")[0]  # the legend
     del scores.meta["tokens"][0]
-    assert "in the loss" not in render_report(scores, texts, queries, k=3)  # no legend when nothing is marked
+    # no legend when nothing is marked
+    assert "in the loss" not in render_report(scores, texts, queries, options=ReportOptions(k=3))
     scores.meta["tokens"][0]["train_in_loss"] = [True]  # one flag for two tokens
     with pytest.raises(ReportError, match="2 tokens but 1 in_loss flags"):
-        render_report(scores, texts, queries, k=3)
+        render_report(scores, texts, queries, options=ReportOptions(k=3))
     scores.meta["tokens"][0]["train_in_loss"] = ["yes", "no"]
     with pytest.raises(ReportError, match="one true/false"):
-        render_report(scores, texts, queries, k=3)
+        render_report(scores, texts, queries, options=ReportOptions(k=3))
 
 
 def test_self_influence_lists_the_highest_in_order():
     scores, texts, queries = synthetic(num_train=50)
     values = torch.linspace(0, 1, 50)[torch.randperm(50, generator=torch.Generator().manual_seed(1))]
-    html = render_report(scores, texts, queries, self_scores=values, self_method="grad_dot", self_k=7)
+    html = render_report(scores, texts, queries, options=ReportOptions(self_k=7), self_scores=values,
+                         self_method="grad_dot")
     part = section(html, "self")
     order = torch.argsort(values, descending=True)[:7].tolist()
     assert _column(part, "tid") == [f"t{i}" for i in order]
@@ -315,7 +318,7 @@ def test_self_influence_lists_the_highest_in_order():
 
 def test_pages_index_and_navigation():
     scores, texts, queries = synthetic(num_queries=5)
-    html = render_report(scores, texts, queries, per_page=2)
+    html = render_report(scores, texts, queries, options=ReportOptions(per_page=2))
     page = parse(html)
     pages = [i for i in page.ids if i.startswith("page-")]
     assert pages == ["page-1", "page-2", "page-3"]
@@ -332,7 +335,7 @@ def test_pages_index_and_navigation():
 def test_long_texts_are_cut_and_counted():
     scores, texts, queries = synthetic(num_queries=1, num_train=10)
     texts = {t: "x" * 5000 for t in texts}
-    html = render_report(scores, texts, queries, k=2, max_chars=100)
+    html = render_report(scores, texts, queries, options=ReportOptions(k=2, max_chars=100))
     assert _column(section(html, "q0"), "tx", "div")[0] == "x" * 100
     assert "4900 more characters" in section(html, "q0")
 
@@ -342,7 +345,8 @@ def test_file_size_does_not_grow_with_the_training_set():
     big, big_texts, _ = synthetic(num_queries=20, num_train=100_000)
     # the rank numbers of the training-example index have more digits; the rest does not grow
     without_ranks = lambda html: re.sub(r'(<td(?: class="\w+")?>)[\d,]+</td>', r"\1</td>", html)
-    small_html, big_html = render_report(small, texts, queries, k=5), render_report(big, big_texts, queries, k=5)
+    small_html = render_report(small, texts, queries, options=ReportOptions(k=5))
+    big_html = render_report(big, big_texts, queries, options=ReportOptions(k=5))
     # top-k rows, a fixed-size histogram per query, and at most 2 k examples per query in the index
     assert len(without_ranks(big_html).encode()) < 1.05 * len(without_ranks(small_html).encode())
     assert big_html.count('<tr class="te"') <= 2 * 5 * 20
@@ -350,9 +354,9 @@ def test_file_size_does_not_grow_with_the_training_set():
 
 def test_to_html_writes_the_same_page(tmp_path):
     scores, texts, queries = synthetic()
-    path = scores.to_html(tmp_path / "r.html", texts, queries, k=3)
+    path = scores.to_html(tmp_path / "r.html", texts, queries, options=ReportOptions(k=3))
     assert path == tmp_path / "r.html"
-    assert path.read_text(encoding="utf-8") == render_report(scores, texts, queries, k=3)
+    assert path.read_text(encoding="utf-8") == render_report(scores, texts, queries, options=ReportOptions(k=3))
     assert path.stat().st_mode & 0o777 == 0o644
 
 
@@ -389,3 +393,32 @@ def test_the_diagnostics_of_the_scores_and_their_warnings_are_shown_in_the_heade
     for line in found.lines():
         assert htmllib.escape(line, quote=False) in block.replace("&#39;", "'").replace("&#34;", '"')
     assert '<p class="warning"><b>Warning:</b> the model has memorised &lt;its&gt; training set</p>' in block
+
+
+def test_report_options_set_what_the_report_shows():
+    """Each field of ReportOptions is what the built report holds: k rows per side (the exact top and bottom k of
+    the matrix), texts cut at max_chars, per_page queries a page, self_k self-influence rows, the title; the
+    defaults are those of ReportOptions()."""
+    from gradtrace.report import build_report
+
+    scores, texts, queries = synthetic(num_queries=5)
+    texts = {t: f"{t} " + "long text " * 20 for t in texts}
+    self_values = torch.rand(60, generator=torch.Generator().manual_seed(1))
+    options = ReportOptions(k=3, per_page=2, max_chars=50, self_k=4, title="My report")
+    report = build_report(scores, texts, queries, options, self_scores=self_values, self_method="grad_dot")
+    assert report.k == 3 and report.pages == 3 and report.title == "My report"
+    assert [view.page for view in report.queries] == [1, 1, 2, 2, 3]
+    for q, view in enumerate(report.queries):
+        top, low = torch.topk(scores.matrix[q], 3), torch.topk(scores.matrix[q], 3, largest=False)
+        assert [row.train_id for row in view.helpful] == [scores.train_ids[j] for j in top.indices.tolist()]
+        assert [row.train_id for row in view.harmful] == [scores.train_ids[j] for j in low.indices.tolist()]
+        assert [row.score for row in view.helpful] == top.values.tolist()
+        for row in view.helpful + view.harmful:
+            assert row.text == texts[row.train_id][:50] and row.cut == len(texts[row.train_id]) - 50
+    assert report.self_influence.method == "grad_dot"
+    assert report.self_influence.train_rows == torch.topk(self_values, 4).indices.tolist()
+    default = build_report(scores, texts, queries)
+    assert default.k == ReportOptions().k == 5 and default.title == "GradTrace report: grad_dot"
+    assert default.pages == 1 and default.self_influence is None
+    html = render_report(scores, texts, queries, options=options, self_scores=self_values, self_method="grad_dot")
+    assert "<title>My report</title>" in html

@@ -8,6 +8,7 @@ import json
 import pytest
 
 import gradtrace.data as gd
+from gradtrace.options.data import ReadOptions
 from gradtrace.report import DataSource, ReportError, read_texts
 from tests.data.conftest import PAIRS, gpt2, make_tokenizer
 
@@ -29,7 +30,7 @@ def _write(path, records):
 def test_prompt_completion_texts_under_content_hash_ids(tmp_path, model_dir):
     data = _write(tmp_path / "sft.jsonl", [{"prompt": p, "completion": c} for p, c in PAIRS])
     texts = read_texts(DataSource(data, model=model_dir, max_length=8))
-    expected = gd.load(data, make_tokenizer(), max_length=8, truncate=True)
+    expected = gd.load(data, make_tokenizer(), read_options=ReadOptions(max_length=8, truncate=True))
     assert list(texts) == expected.ids
     assert list(texts.values()) == [p + c for p, c in PAIRS]
 

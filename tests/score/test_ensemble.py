@@ -12,6 +12,7 @@ import torch
 import gradtrace
 from gradtrace.loss.functions import classification_loss
 from gradtrace.methods.influence import CurvatureWeightsWarning
+from gradtrace.options import CaptureOptions
 from gradtrace.score.ensemble import EnsembleError
 from gradtrace.store import SpecMismatch
 from tests.methods.test_trak import Net
@@ -59,8 +60,10 @@ def _members(method, projection=None, options=None, count=3):
     trains, qsets, singles = [], [], []
     for c, model in enumerate(models):
         data = _reversed(batches) if c == 1 else batches
-        trains.append(gradtrace.collect(model, data, classification_loss, projection=projection))
-        qsets.append(gradtrace.collect(model, queries, classification_loss, projection=projection))
+        trains.append(gradtrace.collect(model, data, classification_loss,
+                                        options=CaptureOptions(projection=projection)))
+        qsets.append(gradtrace.collect(model, queries, classification_loss,
+                                       options=CaptureOptions(projection=projection)))
         single = gradtrace.Attributor(method, trains[-1], block_rows=4, **(options or {}))
         singles.append(single.fit(model, batches, classification_loss))
     return models, batches, trains, qsets, singles
@@ -217,7 +220,8 @@ def test_bad_input_is_refused_with_the_fix():
     fewer = gradtrace.collect(models[2], batches[:-1], classification_loss)
     with pytest.raises(EnsembleError, match=r"member 1 holds other examples .* 2 missing \(e.g. \['ex24', 'ex25'\]"):
         gradtrace.Ensemble("grad_dot", [trains[0], fewer])
-    projected = gradtrace.collect(models[1], batches, classification_loss, projection=gradtrace.LoGra(rank=2))
+    projected = gradtrace.collect(models[1], batches, classification_loss,
+                                  options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     with pytest.raises(SpecMismatch, match=r"member 1's training gradients vs member 0's .*different projections"):
         gradtrace.Ensemble("grad_dot", [trains[0], projected])
     ens = gradtrace.Ensemble("kfac", trains)

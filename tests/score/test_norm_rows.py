@@ -1,6 +1,7 @@
 """The norm shortlist of the index path (issue #14): every row's L2 norm is recorded with the index (or attached
-later), and ``score_with_index(..., norm_rows=N)`` scores the N rows of largest norm for every query, so that a
-bottom-k made of large-norm rows scattered over IVF cells is found exactly; refusals are one clear error."""
+later), and ``score_with_index(..., SearchOptions(norm_rows=N))`` scores the N rows of largest norm for every query,
+so that a bottom-k made of large-norm rows scattered over IVF cells is found exactly; refusals are one clear
+error."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options.index import IndexOptions, SearchOptions
 from gradtrace.score import shortlist
 from gradtrace.score.index import Index, IndexMismatch, build_index
 from gradtrace.score.shortlist import score_with_index
@@ -26,6 +28,11 @@ OUTLIERS = 40  # rows 0..39 of the store: norm ~20x the others, direction = a cl
 K = 8
 SPEC = GradientSpec([("synthetic.weight", DIM)], None, {"reduction": "sum", "example_loss": "sum"})
 U = 2.0**-24  # float32 unit round-off
+
+
+def one_cell(**options) -> SearchOptions:
+    """Search options visiting one IVF cell per query: a query's own cells for the top, one cell for the bottom."""
+    return SearchOptions(nprobe=1, topk=K, **options)
 
 
 def _rows(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,8 +65,8 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ivf(data) -> Index:
-    """12 cells, one visited per query: a query's own cells for the top, one cell for the bottom."""
-    return build_index(data[0], "ivfpq", nlist=CLUSTERS, m=8, nbits=4, nprobe=1, train_rows=ROWS)
+    """12 cells (searched one per query: :func:`one_cell`)."""
+    return build_index(data[0], IndexOptions(kind="ivfpq", nlist=CLUSTERS, m=8, nbits=4, train_rows=ROWS))
 
 
 def _bound(store, queries) -> float:
@@ -87,10 +94,10 @@ def test_bottom_k_is_made_of_scattered_large_norm_rows(data, ivf):
 def test_norm_rows_covering_the_outliers_give_the_exact_bottom_k(data, ivf):
     store, queries, exact = data
     attr = gradtrace.Attributor("grad_dot", store)
-    plain = score_with_index(attr, queries, ivf, rerank=20, topk=K)
+    plain = score_with_index(attr, queries, ivf, one_cell(rerank=20))
     hits = sum(len(set(a) & set(b)) for a, b in zip(plain.bottom[1].tolist(), exact.bottom[1].tolist()))
     assert hits < 0.75 * 6 * K  # without the norm rows the bottom-k is mostly missed: the test is meaningful
-    got = score_with_index(attr, queries, ivf, rerank=20, topk=K, norm_rows=OUTLIERS)
+    got = score_with_index(attr, queries, ivf, one_cell(rerank=20, norm_rows=OUTLIERS))
     _assert_exact(got, exact, store, queries)
     assert got.meta["index"]["norm_rows"] == OUTLIERS and plain.meta["index"]["norm_rows"] == 0
 
@@ -105,7 +112,7 @@ def test_the_shared_rows_are_scored_once_for_top_and_bottom(data, ivf, monkeypat
         return original(attributor, store, prepared, norms, n, k, **options)
 
     monkeypatch.setattr(shortlist, "score_norm_rows", counting)
-    score_with_index(gradtrace.Attributor("grad_dot", store), queries, ivf, rerank=20, topk=K, norm_rows=OUTLIERS)
+    score_with_index(gradtrace.Attributor("grad_dot", store), queries, ivf, one_cell(rerank=20, norm_rows=OUTLIERS))
     assert calls == [6]  # one [Q, N] product for all queries, top and bottom
 
 
@@ -113,8 +120,9 @@ def test_rows_in_both_shortlists_are_kept_once(data):
     """A flat index with a shortlist of exactly k: its candidates are the exact top-k, which the 60 norm rows
     largely contain too; no id repeats, and the result is exact."""
     store, queries, exact = data
-    flat = build_index(store, "flat")
-    got = score_with_index(gradtrace.Attributor("grad_dot", store), queries, flat, rerank=K, topk=K, norm_rows=60)
+    flat = build_index(store)
+    got = score_with_index(gradtrace.Attributor("grad_dot", store), queries, flat,
+                           SearchOptions(rerank=K, topk=K, norm_rows=60))
     overlap = [len(set(a) & set(range(OUTLIERS))) for a in exact.top[1].tolist()]
     assert min(overlap) > 0  # the top-k's candidates and the norm rows do overlap
     for _, rows in (got.top, got.bottom):
@@ -124,8 +132,8 @@ def test_rows_in_both_shortlists_are_kept_once(data):
 
 def test_norm_rows_covering_the_store_give_the_exact_top_and_bottom(data, ivf):
     store, queries, exact = data
-    got = score_with_index(gradtrace.Attributor("grad_dot", store), queries, ivf, rerank=K, topk=K,
-                           norm_rows=ROWS + 5)
+    got = score_with_index(gradtrace.Attributor("grad_dot", store), queries, ivf,
+                           one_cell(rerank=K, norm_rows=ROWS + 5))
     _assert_exact(got, exact, store, queries)
     assert got.meta["index"]["norm_rows"] == ROWS
 
@@ -148,10 +156,11 @@ def test_saved_norms_equal_a_direct_computation(data, ivf, tmp_path):
 
 def test_normalized_index_records_raw_norms_and_refuses_norm_rows(data):
     store, queries, _ = data
-    index = build_index(store, "flat", normalize=True)
+    index = build_index(store, IndexOptions(normalize=True))
     torch.testing.assert_close(index.row_norms, _float32_norms(store), rtol=(DIM + 2) * U, atol=0)
     with pytest.raises(IndexMismatch, match=r"normalized rows \(grad_cos\): every row has norm 1.*drop norm_rows"):
-        score_with_index(gradtrace.Attributor("grad_cos", store), queries, index, topk=K, norm_rows=10)
+        score_with_index(gradtrace.Attributor("grad_cos", store), queries, index,
+                         SearchOptions(topk=K, norm_rows=10))
 
 
 def _old_style(index: Index, where) -> None:
@@ -168,17 +177,17 @@ def test_attach_row_norms_upgrades_an_old_index(data, ivf, tmp_path):
         old = Index.load(where)
     assert old.row_norms is None
     attr = gradtrace.Attributor("grad_dot", store)
-    plain = score_with_index(attr, queries, old, rerank=20, topk=K)  # works as before
-    assert torch.equal(plain.top[1], score_with_index(attr, queries, ivf, rerank=20, topk=K).top[1])
+    plain = score_with_index(attr, queries, old, one_cell(rerank=20))  # works as before
+    assert torch.equal(plain.top[1], score_with_index(attr, queries, ivf, one_cell(rerank=20)).top[1])
     with pytest.raises(IndexMismatch, match=r"records no row norms .*gradtrace index .* --out .*old --add-norms"):
-        score_with_index(attr, queries, old, topk=K, norm_rows=10)
+        score_with_index(attr, queries, old, one_cell(norm_rows=10))
     norms = old.attach_row_norms(store, block_rows=50)
     torch.testing.assert_close(norms, ivf.row_norms, rtol=(DIM + 2) * U, atol=0)
     again = Index.load(where)  # saved again as a checksummed index: no warning
     assert artifact_file(where, json.loads((where / "index.json").read_text()), "faiss").read_bytes() == faiss_bytes
     assert not (where / "index.faiss").exists()  # no rebuild: the FAISS data moved as it was
     assert torch.equal(again.row_norms, norms)
-    _assert_exact(score_with_index(attr, queries, again, rerank=20, topk=K, norm_rows=OUTLIERS), exact, store,
+    _assert_exact(score_with_index(attr, queries, again, one_cell(rerank=20, norm_rows=OUTLIERS)), exact, store,
                   queries)
 
 
@@ -230,10 +239,9 @@ def test_damaged_norms_of_an_index_are_refused(ivf, tmp_path, damage):
 
 
 @pytest.mark.parametrize("value", [-1, 2.5, True])
-def test_bad_norm_rows_is_refused(data, ivf, value):
-    store, queries, _ = data
+def test_bad_norm_rows_is_refused(value):
     with pytest.raises(ValueError, match=r"norm_rows must be an integer >= 0"):
-        score_with_index(gradtrace.Attributor("grad_dot", store), queries, ivf, topk=K, norm_rows=value)
+        SearchOptions(norm_rows=value)
 
 
 def test_a_search_with_more_cells_does_not_change_the_saved_index(data, ivf, tmp_path):
@@ -241,7 +249,7 @@ def test_a_search_with_more_cells_does_not_change_the_saved_index(data, ivf, tmp
     so a later save (``attach_row_norms``) writes the same FAISS data."""
     import faiss
 
-    assert ivf.params.nprobe < ivf.params.nlist
+    assert ivf.params.nprobe == ivf.params.nlist  # min(nlist, 16) by default: search with fewer
     before = faiss.serialize_index(ivf.faiss_index).tobytes()
-    ivf.search(torch.randn(2, ivf.dim, generator=torch.Generator().manual_seed(0)), 5, nprobe=ivf.params.nlist)
+    ivf.search(torch.randn(2, ivf.dim, generator=torch.Generator().manual_seed(0)), 5, nprobe=1)
     assert faiss.serialize_index(ivf.faiss_index).tobytes() == before

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import CaptureOptions
 from gradtrace.score.pairs import map_condition
 from gradtrace.score.scores import ScoresError
 from tests import tiny
@@ -136,8 +137,8 @@ def _tok_setup(method, projection, seed=1):
     train_batches = _own_width(_data([5, 8, 3, 7, 6], seed=seed)[1])
     query_batches = _own_width(_data([6, 4, 7], seed=2, batch_size=2)[1])
     assert [b["input_ids"].shape[1] for b in train_batches] == [8, 7]
-    train = gradtrace.collect(model, train_batches, projection=projection, keep_tokens=True)
-    queries = gradtrace.collect(model, query_batches, projection=projection, keep_tokens=True)
+    train = gradtrace.collect(model, train_batches, options=CaptureOptions(projection=projection, keep_tokens=True))
+    queries = gradtrace.collect(model, query_batches, options=CaptureOptions(projection=projection, keep_tokens=True))
     attributor = gradtrace.Attributor(method, train, **({"fisher": "empirical"} if method == "kfac" else {}))
     if method == "kfac":
         attributor.fit(model, train_batches)
@@ -193,7 +194,8 @@ def test_tokens_of_a_store_from_recaptured_rows(tmp_path):
     # re-capture only the pairs' training examples, in other batches than the store was written with
     _, batches = _data([5, 8, 3, 7, 6], seed=1, batch_size=1)
     rows = [b for b in batches if gradtrace.collect(model, [b]).ids[0] in kept]
-    recaptured = gradtrace.collect(model, rows, projection=gradtrace.LoGra(rank=4), keep_tokens=True)
+    recaptured = gradtrace.collect(model, rows,
+                                   options=CaptureOptions(projection=gradtrace.LoGra(rank=4), keep_tokens=True))
     assert sorted(recaptured.ids) == kept and len(recaptured) < len(train)
     tokens = {ident: [f"tok{n}" for n in range(3)] for ident in [*queries.ids, *kept]}
     attributor.token_attributions(queries, scores, train_tokens=recaptured, tokens=tokens)
@@ -211,7 +213,7 @@ def test_tokens_refuse_gradients_that_do_not_add_up():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # other weights than the store's
     _, batches = _data([5, 8, 3, 7, 6], seed=1)
-    other = gradtrace.collect(model, batches, keep_tokens=True)
+    other = gradtrace.collect(model, batches, options=CaptureOptions(keep_tokens=True))
     with pytest.raises(ValueError, match=r"training-side token shares of query .* re-captured gradient"):
         attributor.token_attributions(queries, scores, query_side=False, train_tokens=other)
     plain = gradtrace.collect(tiny.gpt2(), _data([6, 4, 7], seed=2)[1])

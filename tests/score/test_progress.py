@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import gradtrace
+from gradtrace.options import RunOptions
 from tests import tiny
 
 
@@ -40,14 +41,14 @@ def test_collect_over_a_generator_shows_a_rate(capsys, monkeypatch):
     from gradtrace.common import progress
 
     model = tiny.MLP()
-    gradtrace.collect(model, (b for b in _mlp_batches(12)), progress=True)  # no len, no total=
+    gradtrace.collect(model, (b for b in _mlp_batches(12)), run=RunOptions(progress=True))  # no len, no total=
     last = _last_frame(capsys.readouterr().err, "collect")
     assert last.startswith("collect: 3 batch, done in ") and "batch/s" in last and last.endswith("/s")
     assert "; 12 examples, " in last
     monkeypatch.setattr(progress, "_is_terminal", lambda stream: True)  # a terminal: tqdm's bar
-    gradtrace.collect(model, (b for b in _mlp_batches(12)), progress=True)
+    gradtrace.collect(model, (b for b in _mlp_batches(12)), run=RunOptions(progress=True))
     last = _last_frame(capsys.readouterr().err, "collect")
     assert "3batch" in last and "batch/s" in last and "12 examples" in last and "/s]" in last
     monkeypatch.undo()
-    gradtrace.collect(model, _mlp_batches(12), progress="collect queries")
+    gradtrace.collect(model, _mlp_batches(12), run=RunOptions(progress="collect queries"))
     assert "3/3" in _last_frame(capsys.readouterr().err, "collect queries")

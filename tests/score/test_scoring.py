@@ -5,6 +5,7 @@ import torch
 
 import gradtrace
 from gradtrace.methods import MissingStage
+from gradtrace.options import CaptureOptions, RunOptions, StoreOptions
 from gradtrace.store import SpecMismatch
 from tests import tiny
 from tests.capture.test_exact import _lm_batch, _lm_single_loss
@@ -68,8 +69,10 @@ def test_streaming_topk_equals_dense_topk(tmp_path):
     model = tiny.gpt2()
     _, batches = _data([5, 8, 3, 7, 6, 4, 9, 5, 6, 7, 3], seed=3)
     _, qbatches = _data([4, 6, 5], seed=4)
-    store = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4), store=tmp_path / "s", shard_rows=4)
-    queries = gradtrace.collect(model, qbatches, projection=gradtrace.LoGra(rank=4))
+    store = gradtrace.collect(model, batches, store=tmp_path / "s",
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=4)),
+                              store_options=StoreOptions(shard_rows=4))
+    queries = gradtrace.collect(model, qbatches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
     dense = gradtrace.Attributor("grad_dot", store, block_rows=100).score(queries, matrix=True, topk=None)
     streamed = gradtrace.Attributor("grad_dot", store, block_rows=3).score(queries, matrix=False, topk=4)
     assert streamed.matrix is None
@@ -96,8 +99,10 @@ def test_default_blocks_are_bounded_in_bytes_not_rows(tmp_path, monkeypatch):
     model = tiny.gpt2()
     _, batches = _data([5, 8, 3, 7, 6, 4, 9], seed=3)
     _, qbatches = _data([4, 6], seed=4)
-    store = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4), store=tmp_path / "s", shard_rows=4)
-    queries = gradtrace.collect(model, qbatches, projection=gradtrace.LoGra(rank=4))
+    store = gradtrace.collect(model, batches, store=tmp_path / "s",
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=4)),
+                              store_options=StoreOptions(shard_rows=4))
+    queries = gradtrace.collect(model, qbatches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
     monkeypatch.setattr(engine, "block_rows_for", lambda dim: block_rows_for(dim, budget=3 * 4 * dim))
     auto = gradtrace.Attributor("grad_dot", store)
     assert auto.block_rows == 3
@@ -136,7 +141,7 @@ def test_collect_leaves_the_model_alone_and_weight_grads_agree():
     _, batches = _data([5, 8, 3])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     fast = gradtrace.collect(model, batches)
-    full = gradtrace.collect(model, batches, weight_grads=True)
+    full = gradtrace.collect(model, batches, run=RunOptions(weight_grads=True))
     assert torch.allclose(fast.vectors, full.vectors, atol=1e-6)
     assert model.training, "the model's mode is restored"
     assert all(p.grad is None for p in model.parameters()), "param.grad untouched"
@@ -148,8 +153,8 @@ def test_per_token_scores_sum_to_scores():
     _, batches = _data([5, 8, 3, 7])
     _, qbatches = _data([6, 4], seed=9)
     for projection in (None, gradtrace.LoGra(rank=4)):
-        train = gradtrace.collect(model, batches, projection=projection, keep_tokens=True)
-        queries = gradtrace.collect(model, qbatches, projection=projection)
+        train = gradtrace.collect(model, batches, options=CaptureOptions(projection=projection, keep_tokens=True))
+        queries = gradtrace.collect(model, qbatches, options=CaptureOptions(projection=projection))
         for method in ("grad_dot", "grad_cos"):
             attr = gradtrace.Attributor(method, train)
             scores = attr.score(queries)
@@ -180,19 +185,19 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="context is 64"):
         gradtrace.collect(model, [long])
     with pytest.raises(ValueError, match="ids given"):
-        gradtrace.collect(model, batches, ids=["a"])
-    train = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4))
-    queries = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4, seed=1))
+        gradtrace.collect(model, batches, run=RunOptions(ids=["a"]))
+    train = gradtrace.collect(model, batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
+    queries = gradtrace.collect(model, batches, options=CaptureOptions(projection=gradtrace.LoGra(rank=4, seed=1)))
     with pytest.raises(SpecMismatch, match="different projections"):
         gradtrace.Attributor("grad_dot", train).score(queries)
     other_model = gradtrace.collect(tiny.llama(), [{"input_ids": torch.randint(1, tiny.VOCAB, (2, 5))}],
-                                    projection=gradtrace.LoGra(rank=4))
+                                    options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
     with pytest.raises(SpecMismatch, match="another model"):
         gradtrace.Attributor("grad_dot", train).score(other_model)
     with pytest.raises(ValueError, match="unknown method"):
         gradtrace.Attributor("nope", train)
     with pytest.raises(ValueError, match="loss_fn must return one loss per example"):
-        gradtrace.collect(model, batches, loss_fn=lambda m, b: m(input_ids=b["input_ids"]).logits.sum())
+        gradtrace.collect(model, batches, loss=lambda m, b: m(input_ids=b["input_ids"]).logits.sum())
 
 
 def test_collect_store_resume_when_everything_is_stored(tmp_path):
@@ -200,8 +205,11 @@ def test_collect_store_resume_when_everything_is_stored(tmp_path):
     _, batches = _data([5, 8, 3, 7])
     for b, start in zip(batches, (0, 3)):
         b["id"] = [f"ex{start + i}" for i in range(len(b["input_ids"]))]
-    first = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4), store=tmp_path / "s")
-    again = gradtrace.collect(model, batches, projection=gradtrace.LoGra(rank=4), store=tmp_path / "s", resume=True)
+    first = gradtrace.collect(model, batches, store=tmp_path / "s",
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=4)))
+    again = gradtrace.collect(model, batches, store=tmp_path / "s",
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=4)),
+                              store_options=StoreOptions(resume=True))
     assert again.ids == first.ids and again.complete
     assert torch.equal(again.read(0, len(again)), first.read(0, len(first)))
 

@@ -17,6 +17,7 @@ from gradtrace.curvature.curvature import DenseEigen, KronEigen
 from gradtrace.loss.functions import classification_loss
 from gradtrace.methods import MissingStage
 from gradtrace.methods.influence import GGN
+from gradtrace.options import CaptureOptions
 from gradtrace.score.ensemble import EnsembleError
 from tests.score.test_ensemble import _adam_run, _data, _trainer_directories
 
@@ -24,8 +25,10 @@ EPS = torch.finfo(torch.float32).eps
 
 
 def _collect(models, batches, queries, projection=None):
-    trains = [gradtrace.collect(m, batches, classification_loss, projection=projection) for m in models]
-    return trains, gradtrace.collect(models[-1], queries, classification_loss, projection=projection)
+    trains = [gradtrace.collect(m, batches, classification_loss,
+                                options=CaptureOptions(projection=projection)) for m in models]
+    return trains, gradtrace.collect(models[-1], queries, classification_loss,
+                                     options=CaptureOptions(projection=projection))
 
 
 def _layout(eig, offsets):

@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gradtrace.options import CaptureOptions, StoreOptions
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -41,8 +43,9 @@ def run(path: str | Path, *, resume: bool = False, kill_after: int | None = None
     x = torch.randn(NUM_EXAMPLES, 7, generator=gen)
     y = torch.randint(0, 4, (NUM_EXAMPLES,), generator=gen)
     ids = example_ids()
-    store = StoreWriter(path, shard_rows=SHARD_ROWS, resume=resume)
-    with gradtrace.capture(model, projection=gradtrace.LoGra(rank=3, seed=5), callbacks=[store]) as cap:
+    store = StoreWriter(path, StoreOptions(shard_rows=SHARD_ROWS, resume=resume))
+    with gradtrace.capture(model, callbacks=[store],
+                           options=CaptureOptions(projection=gradtrace.LoGra(rank=3, seed=5))) as cap:
         for step, start in enumerate(range(0, NUM_EXAMPLES, BATCH)):
             rows = slice(start, start + BATCH)
             cap.annotate(ids=ids[rows])

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from gradtrace.options import CaptureOptions, RunOptions, StoreOptions
+
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -44,8 +46,9 @@ def run(path: str | Path, *, resume: bool = False, kill: tuple[signal.Signals, i
                 os.kill(os.getpid(), kill[0])
             yield x[start:start + BATCH], y[start:start + BATCH]
 
-    return gradtrace.collect(model, batches(), projection=gradtrace.LoGra(rank=3, seed=5), store=path,
-                             dtype="int8", ids=example_ids(), resume=resume)
+    return gradtrace.collect(model, batches(), store=path,
+                             options=CaptureOptions(projection=gradtrace.LoGra(rank=3, seed=5)),
+                             store_options=StoreOptions(dtype="int8", resume=resume), run=RunOptions(ids=example_ids()))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientSpec, ShardWriter
 
 PARAMS = [("fc1.weight", 6), ("fc1.bias", 3), ("head.weight", 5)]
@@ -36,7 +38,8 @@ def write(path: Path, ids: list[str], rows: torch.Tensor, *, chunks: list[int] |
     """Put ``rows`` through a ShardWriter in puts of ``chunks`` rows; returns the (closed) writer."""
     chunks = chunks or [len(ids)]
     assert sum(chunks) == len(ids)
-    writer = ShardWriter(path, make_spec(dtype), shard_rows=shard_rows, **options)
+    store = {k: options.pop(k) for k in list(options) if k in {f.name for f in dataclasses.fields(StoreOptions)}}
+    writer = ShardWriter(path, make_spec(dtype), StoreOptions(shard_rows=shard_rows, **store), **options)
     start = 0
     for size in chunks:
         part = {k: v[start:start + size] for k, v in (fields or {}).items()}

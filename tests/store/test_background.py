@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import gradtrace.store.shards as writer_module
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientStore, ShardWriter, StoreError, StoreWriteError
 from tests.store.common import make_rows, make_spec, status
 
@@ -25,7 +26,7 @@ def test_disk_full_mid_write_keeps_committed_shards_and_resumes(tmp_path, monkey
         real_append(shard, part, values)
 
     monkeypatch.setattr(writer_module._OpenShard, "append", fill_disk_after_two_shards)
-    writer = ShardWriter(tmp_path, make_spec(), shard_rows=4, queue_size=2)
+    writer = ShardWriter(tmp_path, make_spec(), StoreOptions(shard_rows=4, queue_size=2))
     with pytest.raises(StoreWriteError) as err:
         for start in range(0, 20, 2):
             writer.put(ids[start:start + 2], rows[start:start + 2])
@@ -48,7 +49,7 @@ def test_disk_full_mid_write_keeps_committed_shards_and_resumes(tmp_path, monkey
     assert not list((tmp_path / "shards").glob(".tmp-*"))  # the failed shard's temporary file is removed
 
     monkeypatch.setattr(writer_module._OpenShard, "append", real_append)  # space was freed
-    with ShardWriter(tmp_path, make_spec(), shard_rows=4, resume=True) as resumed:
+    with ShardWriter(tmp_path, make_spec(), StoreOptions(shard_rows=4, resume=True)) as resumed:
         resumed.put(ids, rows)
     store = GradientStore.open(tmp_path)
     assert store.ids == ids and torch.equal(store.read(0, 20), rows)
@@ -69,7 +70,7 @@ def test_put_does_not_wait_for_a_slow_disk_until_the_queue_is_full(tmp_path, mon
     safety.start()
     try:
         ids, rows = make_rows(10)
-        writer = ShardWriter(tmp_path, make_spec(), shard_rows=2, queue_size=2)
+        writer = ShardWriter(tmp_path, make_spec(), StoreOptions(shard_rows=2, queue_size=2))
         writer.put(ids[0:2], rows[0:2])  # the thread takes it and blocks in the write
         assert started.wait(timeout=10)
         tic = time.monotonic()

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
+from gradtrace.options import CaptureOptions, StoreOptions
 from gradtrace.store import GradientStore, ShardWriter, StoreError, StoreWriter, model_fingerprint
 from tests import tiny
 from tests.capture.test_exact import _lm_batch
@@ -21,8 +22,9 @@ def test_gpt2_training_steps_with_logra_store(tmp_path):
     spec = gradtrace.LoGra(rank=4)
     lengths = [[5, 8, 3], [6, 6, 2, 7], [4, 9]]
     ids = [f"doc{i}" for i in range(sum(len(x) for x in lengths))]
-    store = StoreWriter(tmp_path, shard_rows=4, config={"task": "tiny"})
-    with gradtrace.capture(model, projection=spec, ids=ids, callbacks=[store], keep_batches=True) as cap:
+    store = StoreWriter(tmp_path, StoreOptions(shard_rows=4, config={"task": "tiny"}))
+    with gradtrace.capture(model, ids=ids, callbacks=[store], keep_batches=True,
+                           options=CaptureOptions(projection=spec)) as cap:
         for step_lengths in lengths:
             _, input_ids, mask, labels, pos = _lm_batch(step_lengths)
             model(input_ids=input_ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
@@ -64,8 +66,9 @@ def test_nonfinite_examples_are_skipped_and_listed(tmp_path):
     ids = [f"ex{i}" for i in range(12)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the capture warns about the NaN example
-        with gradtrace.capture(model, projection=gradtrace.LoGra(rank=3), ids=ids, keep_batches=True,
-                               callbacks=[StoreWriter(tmp_path, shard_rows=5)]) as cap:
+        with gradtrace.capture(model, ids=ids, keep_batches=True,
+                               callbacks=[StoreWriter(tmp_path, StoreOptions(shard_rows=5))],
+                               options=CaptureOptions(projection=gradtrace.LoGra(rank=3))) as cap:
             for x, y in _mlp_batches(nan_example=6):
                 F.cross_entropy(model(x), y).backward()
     flagged = [i for b in cap.batches for i, bad in zip(b.ids, b.nonfinite.tolist()) if bad]
@@ -83,10 +86,11 @@ def test_nonfinite_rows_put_directly_are_skipped_and_kept_listed_on_resume(tmp_p
     ids, rows = make_rows(6)
     rows[1, 3] = float("inf")
     rows[4, 0] = float("nan")
-    with pytest.warns(UserWarning, match="2 row"), ShardWriter(tmp_path, make_spec("int8"), shard_rows=2) as writer:
+    with pytest.warns(UserWarning, match="2 row"), \
+            ShardWriter(tmp_path, make_spec("int8"), StoreOptions(shard_rows=2)) as writer:
         writer.put(ids, rows)
     assert status(tmp_path)["skipped"]["nonfinite"] == [ids[1], ids[4]]
-    ShardWriter(tmp_path, make_spec("int8"), resume=True).close()
+    ShardWriter(tmp_path, make_spec("int8"), StoreOptions(resume=True)).close()
     assert status(tmp_path)["skipped"]["nonfinite"] == [ids[1], ids[4]]
     store = GradientStore.open(tmp_path)
     assert store.ids == [ids[i] for i in (0, 2, 3, 5)]
@@ -95,7 +99,7 @@ def test_nonfinite_rows_put_directly_are_skipped_and_kept_listed_on_resume(tmp_p
 def test_capture_that_raises_leaves_an_interrupted_store(tmp_path):
     model = tiny.MLP()
     with pytest.raises(RuntimeError, match="boom"), gradtrace.capture(
-            model, ids=[f"ex{i}" for i in range(12)], callbacks=[StoreWriter(tmp_path, shard_rows=3)]):
+            model, ids=[f"ex{i}" for i in range(12)], callbacks=[StoreWriter(tmp_path, StoreOptions(shard_rows=3))]):
         for step, (x, y) in enumerate(_mlp_batches()):
             F.cross_entropy(model(x), y).backward()
             if step == 1:
@@ -110,7 +114,7 @@ def test_later_epochs_do_not_store_an_example_twice(tmp_path):
     model = tiny.MLP()
     data = _mlp_batches()
     with gradtrace.capture(model, ids=[f"ex{i}" for i in range(12)] * 2,
-                           callbacks=[StoreWriter(tmp_path, shard_rows=5)], keep_batches=True) as cap:
+                           callbacks=[StoreWriter(tmp_path, StoreOptions(shard_rows=5))], keep_batches=True) as cap:
         for _ in range(2):
             for x, y in data:
                 F.cross_entropy(model(x), y).backward()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientStore, ShardWriter, SpecMismatch, StoreError
 from tests.store.common import PROJECTION, make_rows, make_spec, status
 
@@ -10,8 +11,9 @@ from tests.store.common import PROJECTION, make_rows, make_spec, status
 def test_two_ranks_interleaved_make_one_store(tmp_path):
     ids0, rows0 = make_rows(7, seed=0)
     ids1, rows1 = make_rows(5, seed=1)
-    rank1 = ShardWriter(tmp_path, make_spec("bfloat16"), rank=1, world_size=2, shard_rows=3)  # rank 1 arrives first
-    rank0 = ShardWriter(tmp_path, make_spec("bfloat16"), rank=0, world_size=2, shard_rows=3)
+    # rank 1 arrives first
+    rank1 = ShardWriter(tmp_path, make_spec("bfloat16"), StoreOptions(shard_rows=3), rank=1, world_size=2)
+    rank0 = ShardWriter(tmp_path, make_spec("bfloat16"), StoreOptions(shard_rows=3), rank=0, world_size=2)
     for k in range(0, 7, 2):
         rank0.put(ids0[k:k + 2], rows0[k:k + 2], {"step": [k // 2] * len(ids0[k:k + 2])})
         if k < 5:
@@ -68,11 +70,11 @@ def test_rank_zero_cannot_overwrite_while_another_rank_writes(tmp_path):
         rank0.put(ids, rows)
     rank1 = ShardWriter(tmp_path, make_spec(), rank=1, world_size=2)
     with pytest.raises(StoreError, match=r"cannot overwrite .* pid \d+ .*rank-00001.lock"):
-        ShardWriter(tmp_path, make_spec(), rank=0, world_size=2, overwrite=True)
+        ShardWriter(tmp_path, make_spec(), StoreOptions(overwrite=True), rank=0, world_size=2)
     rank1.close()
-    with ShardWriter(tmp_path, make_spec(), rank=0, world_size=2, overwrite=True) as rank0:
+    with ShardWriter(tmp_path, make_spec(), StoreOptions(overwrite=True), rank=0, world_size=2) as rank0:
         rank0.put(ids[:2], rows[:2])
-    with ShardWriter(tmp_path, make_spec(), rank=1, world_size=2, overwrite=True) as rank1:
+    with ShardWriter(tmp_path, make_spec(), StoreOptions(overwrite=True), rank=1, world_size=2) as rank1:
         rank1.put(ids[2:], rows[2:])
     store = GradientStore.open(tmp_path)
     assert store.ids == ids and torch.equal(store.read(0, 4), rows)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import CaptureOptions, StoreOptions
 from gradtrace.plan import RECORD_BYTES_PER_ROW, free_space
 from tests import tiny
 
@@ -20,8 +21,10 @@ def test_plan_matches_the_store_collect_writes(tmp_path):
     torch.manual_seed(0)
     model = tiny.gpt2()
     data, logra = _lm_batches(), gradtrace.LoGra(rank=2)
-    got = gradtrace.plan(model, data, projection=logra, dtype="int8", store=tmp_path / "s")
-    store = gradtrace.collect(model, data, projection=logra, dtype="int8", store=tmp_path / "s")
+    got = gradtrace.plan(model, data, store=tmp_path / "s", options=CaptureOptions(projection=logra),
+                         store_options=StoreOptions(dtype="int8"))
+    store = gradtrace.collect(model, data, store=tmp_path / "s", options=CaptureOptions(projection=logra),
+                              store_options=StoreOptions(dtype="int8"))
     assert got.examples == len(store) == 10 and got.tokens == 10 * 6 - 2
     assert got.dim == store.dim and got.params == len(store.spec.params)
     assert got.bytes_per_example == store.dim + 4  # int8 values and a float32 scale
@@ -82,7 +85,8 @@ def test_plan_fit_sizes_by_hand(tmp_path, kind, passes):
 def test_plan_fit_logra_from_the_store(tmp_path):
     torch.manual_seed(0)
     model = tiny.gpt2()
-    store = gradtrace.collect(model, _lm_batches(), projection=gradtrace.LoGra(rank=2), store=tmp_path / "s")
+    store = gradtrace.collect(model, _lm_batches(), store=tmp_path / "s",
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     dims = [d for _, d in store.spec.params]
     assert max(dims) <= 4096  # every block dense: d^2 factor values, d^2 + d saved
     got = gradtrace.plan_fit(store, method="logra", out=tmp_path / "c")
@@ -161,8 +165,9 @@ def test_plan_fit_refusals(tmp_path):
 def test_plan_score_sizes_by_hand(tmp_path, matrix):
     torch.manual_seed(0)
     model = tiny.gpt2()
-    store = gradtrace.collect(model, _lm_batches(), projection=gradtrace.LoGra(rank=2), store=tmp_path / "s")
-    queries = gradtrace.collect(model, _lm_batches(3, 3), projection=gradtrace.LoGra(rank=2))
+    store = gradtrace.collect(model, _lm_batches(), store=tmp_path / "s",
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
+    queries = gradtrace.collect(model, _lm_batches(3, 3), options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     n, d, q, k, block = 10, store.dim, 3, 2, 4
     got = gradtrace.plan_score(store, q, topk=k, matrix=matrix, block_rows=block)
     assert (got.rows, got.dim, got.queries, got.blocks, got.block_rows, got.topk, got.matrix) == \

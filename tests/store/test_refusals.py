@@ -6,6 +6,7 @@ import socket
 
 import pytest
 
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientStore, ShardWriter, SpecMismatch, StoreError
 from tests.store.common import MODEL, PROJECTION, make_rows, make_spec, write
 
@@ -55,7 +56,7 @@ def test_corrupted_records_and_status_files(store_path):
     with pytest.raises(StoreError, match=r"shard record r00000-000001.json is corrupted"):
         GradientStore.open(store_path)
     with pytest.raises(StoreError, match=r"shard record r00000-000001.json .* is corrupted"):
-        ShardWriter(store_path, make_spec("int8"), resume=True)
+        ShardWriter(store_path, make_spec("int8"), StoreOptions(resume=True))
     assert not (store_path / "rank-00000.lock").exists()  # a refused writer leaves no lock behind
 
 
@@ -64,7 +65,7 @@ def test_corrupted_manifest(store_path):
     with pytest.raises(StoreError, match=r"manifest.json is corrupted"):
         GradientStore.open(store_path)
     with pytest.raises(StoreError, match=r"corrupted.*overwrite=True"):
-        ShardWriter(store_path, make_spec(), resume=True)
+        ShardWriter(store_path, make_spec(), StoreOptions(resume=True))
     ids, rows = make_rows(3, seed=9)
     write(store_path, ids, rows, overwrite=True)  # a store with a broken manifest can still be replaced
     assert GradientStore.open(store_path).ids == ids
@@ -77,7 +78,7 @@ def test_wrong_schema_version(store_path):
     with pytest.raises(StoreError, match="schema version 99, this gradtrace reads version 1"):
         GradientStore.open(store_path)
     with pytest.raises(StoreError, match="schema version 99"):
-        ShardWriter(store_path, make_spec("int8"), resume=True)
+        ShardWriter(store_path, make_spec("int8"), StoreOptions(resume=True))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -92,7 +93,7 @@ def test_wrong_schema_version(store_path):
 def test_resume_with_an_incompatible_spec(store_path, change, message):
     spec = make_spec(**{"dtype": "int8", **change})
     with pytest.raises(SpecMismatch, match=message):
-        ShardWriter(store_path, spec, resume=True)
+        ShardWriter(store_path, spec, StoreOptions(resume=True))
     assert not (store_path / "rank-00000.lock").exists()
     assert len(GradientStore.open(store_path)) == 12  # untouched
 
@@ -101,12 +102,12 @@ def test_resume_with_other_weights_of_the_same_model_is_refused(store_path):
     spec = make_spec("int8", model={**MODEL, "weights": "9999999999999999"})
     with pytest.raises(SpecMismatch, match=r"collected with other model weights \(fingerprint 0011223344556677, "
                                            r"this model's is 9999999999999999\).*overwrite=True"):
-        ShardWriter(store_path, spec, resume=True)
+        ShardWriter(store_path, spec, StoreOptions(resume=True))
     assert not (store_path / "rank-00000.lock").exists()
     assert len(GradientStore.open(store_path)) == 12  # untouched
     ids, rows = make_rows(2, seed=8)
     # a store written during training admits other weights (the Trainer callback passes mixed_weights)
-    with ShardWriter(store_path, spec, resume=True, mixed_weights=True) as writer:
+    with ShardWriter(store_path, spec, StoreOptions(resume=True), mixed_weights=True) as writer:
         writer.put(ids, rows)
     assert len(GradientStore.open(store_path)) == 14
 
@@ -123,7 +124,7 @@ def test_non_store_directories(tmp_path):
     with pytest.raises(StoreError, match="not a gradtrace store"):
         GradientStore.open(tmp_path)
     with pytest.raises(StoreError, match="not a gradtrace store"):
-        ShardWriter(tmp_path, make_spec(), overwrite=True)
+        ShardWriter(tmp_path, make_spec(), StoreOptions(overwrite=True))
     assert (tmp_path / "notes.txt").read_text() == "mine"  # overwrite never deletes what is not a store
     (tmp_path / "manifest.json").write_text("[1, 2]")
     with pytest.raises(StoreError, match="not a gradtrace store"):
@@ -134,7 +135,7 @@ def test_existing_store_needs_resume_or_overwrite(store_path):
     with pytest.raises(StoreError, match=r"already holds a store; pass resume=True .* or overwrite=True"):
         ShardWriter(store_path, make_spec("int8"))
     with pytest.raises(ValueError, match="contradict"):
-        ShardWriter(store_path, make_spec("int8"), resume=True, overwrite=True)
+        ShardWriter(store_path, make_spec("int8"), StoreOptions(resume=True, overwrite=True))
     ids, rows = make_rows(3, seed=5)
     write(store_path, ids, rows, dtype="float32", overwrite=True)  # another dtype, even: it is a new store
     store = GradientStore.open(store_path)
@@ -143,16 +144,17 @@ def test_existing_store_needs_resume_or_overwrite(store_path):
 
 
 def test_second_writer_on_the_same_rank_is_refused(store_path):
-    first = ShardWriter(store_path, make_spec("int8"), resume=True)
+    first = ShardWriter(store_path, make_spec("int8"), StoreOptions(resume=True))
     try:
         with pytest.raises(StoreError, match=rf"being written by another run \(pid {os.getpid()} on"):
-            ShardWriter(store_path, make_spec("int8"), resume=True)
+            ShardWriter(store_path, make_spec("int8"), StoreOptions(resume=True))
         with pytest.raises(StoreError, match=rf"pid {os.getpid()}"):
-            ShardWriter(store_path, make_spec("int8"), overwrite=True)
+            ShardWriter(store_path, make_spec("int8"), StoreOptions(overwrite=True))
         assert len(GradientStore.open(store_path, allow_incomplete=True)) == 12
     finally:
         first.close()
-    ShardWriter(store_path, make_spec("int8"), resume=True).close()  # free again once the first one closed
+    # free again once the first one closed
+    ShardWriter(store_path, make_spec("int8"), StoreOptions(resume=True)).close()
 
 
 def test_lock_of_a_live_process_is_respected(store_path):
@@ -160,9 +162,9 @@ def test_lock_of_a_live_process_is_respected(store_path):
     lock = store_path / "rank-00000.lock"
     lock.write_text(json.dumps({"pid": other, "host": socket.gethostname()}))
     with pytest.raises(StoreError, match=rf"pid {other} on {socket.gethostname()}.*delete .*rank-00000.lock"):
-        ShardWriter(store_path, make_spec("int8"), resume=True)
+        ShardWriter(store_path, make_spec("int8"), StoreOptions(resume=True))
     with pytest.raises(StoreError, match=rf"being written by another run \(pid {other}"):
-        ShardWriter(store_path, make_spec("int8"), overwrite=True)
+        ShardWriter(store_path, make_spec("int8"), StoreOptions(overwrite=True))
     assert lock.exists() and str(other) in lock.read_text()
     (store_path / "rank-00000.json").write_text('{"status": "writing"}')
     with pytest.raises(StoreError, match=rf"rank 0: writing, writer pid {other} on .* still holds the lock"):
@@ -179,8 +181,10 @@ def test_reader_writer_and_delete_share_one_manifest_check(tmp_path, store_path)
     foreign.mkdir()
     (foreign / "manifest.json").write_text('{"format": "something-else"}')
     message = r"is not a gradtrace store \(manifest.json has format 'something-else'\)"
-    for refuse in (lambda: GradientStore.open(foreign), lambda: ShardWriter(foreign, make_spec(), resume=True),
-                   lambda: ShardWriter(foreign, make_spec(), overwrite=True), lambda: delete_store(foreign)):
+    for refuse in (lambda: GradientStore.open(foreign),
+                   lambda: ShardWriter(foreign, make_spec(), StoreOptions(resume=True)),
+                   lambda: ShardWriter(foreign, make_spec(), StoreOptions(overwrite=True)),
+                   lambda: delete_store(foreign)):
         with pytest.raises(StoreError, match=message):
             refuse()
     assert (foreign / "manifest.json").exists()

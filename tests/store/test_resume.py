@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientStore, ShardWriter, StoreError
 from tests.store import capture_job, collect_job
 from tests.store.common import make_rows, make_spec, status
@@ -73,7 +74,7 @@ def test_lock_of_a_dead_process_is_taken_over(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     (tmp_path / "rank-00000.lock").write_text(f'{{"pid": {dead.pid}, "host": "{socket.gethostname()}"}}')
-    with ShardWriter(tmp_path, make_spec(), resume=True) as writer:
+    with ShardWriter(tmp_path, make_spec(), StoreOptions(resume=True)) as writer:
         assert f'"pid": {os.getpid()}' in (tmp_path / "rank-00000.lock").read_text()
         writer.put(ids, rows)
     assert GradientStore.open(tmp_path).ids == ids
@@ -81,11 +82,11 @@ def test_lock_of_a_dead_process_is_taken_over(tmp_path):
 
 def test_resume_skips_stored_ids_and_continues_shard_numbering(tmp_path):
     ids, rows = make_rows(13)
-    writer = ShardWriter(tmp_path, make_spec(), shard_rows=4)
+    writer = ShardWriter(tmp_path, make_spec(), StoreOptions(shard_rows=4))
     writer.put(ids[:9], rows[:9])
     writer.close(complete=False)
     assert status(tmp_path)["status"] == "interrupted"
-    with ShardWriter(tmp_path, make_spec(), shard_rows=4, resume=True) as writer:
+    with ShardWriter(tmp_path, make_spec(), StoreOptions(shard_rows=4, resume=True)) as writer:
         assert writer.stored_ids == set(ids[:9]) and writer.rows_written == 9
         writer.put(ids, rows)
     store = GradientStore.open(tmp_path)
@@ -137,3 +138,30 @@ def test_sigkill_in_the_first_shard_loses_only_that_shard_and_resumes(tmp_path):
     assert status(killed_path)["status"] == "writing"
     assert len(GradientStore.open(killed_path, allow_incomplete=True)) == 0  # the open shard is lost, no more
     _assert_resumes_to_the_full_run(killed_path, tmp_path / "full")
+
+
+def test_resuming_takes_the_stores_own_dtype_and_an_other_one_is_refused(tmp_path):
+    """``StoreOptions(resume=True)`` without a dtype resumes an int8 store as int8 (the run need not repeat it); a
+    dtype given that differs from the store's is refused before any gradient."""
+    import gradtrace
+    from gradtrace.store import SpecMismatch
+    from tests import tiny
+
+    torch.manual_seed(0)
+    model = tiny.MLP()
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 7, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    batches = [{"x": x[i:i + 2], "y": y[i:i + 2], "id": [f"e{j}" for j in range(i, i + 2)]} for i in (0, 2, 4, 6)]
+
+    def loss(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch["x"]), batch["y"], reduction="none")
+
+    path = tmp_path / "s"
+    first = gradtrace.collect(model, batches[:2], loss, store=path, store_options=StoreOptions(dtype="int8"))
+    assert first.spec.dtype == "int8" and len(first) == 4
+    whole = gradtrace.collect(model, batches, loss, store=path, store_options=StoreOptions(resume=True))
+    assert whole.spec.dtype == "int8" and whole.ids == [f"e{j}" for j in range(8)]
+    again = gradtrace.collect(model, batches, loss, store=tmp_path / "once", store_options=StoreOptions(dtype="int8"))
+    assert torch.equal(whole.read(0, 8), again.read(0, 8))  # resumed rows equal one uninterrupted int8 run
+    with pytest.raises(SpecMismatch, match="int8"):
+        gradtrace.collect(model, batches, loss, store=path, store_options=StoreOptions(resume=True, dtype="bfloat16"))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.options import CaptureOptions, Loss, RunOptions, StoreOptions
 from gradtrace.store import GradientStore, SpecMismatch
 from tests import tiny
 
@@ -41,8 +42,8 @@ class _Counting(list):
 def half(tmp_path):
     """A store holding the first 4 of the 6 examples, collected with LoGra rank 2 from the seed-0 model."""
     path = tmp_path / "store"
-    gradtrace.collect(_model(), _batches()[:2], projection=gradtrace.LoGra(rank=2), store=path,
-                      ids=[f"ex{i}" for i in range(4)])
+    gradtrace.collect(_model(), _batches()[:2], store=path, options=CaptureOptions(projection=gradtrace.LoGra(rank=2)),
+                      run=RunOptions(ids=[f"ex{i}" for i in range(4)]))
     return path
 
 
@@ -59,16 +60,18 @@ def _files(path):
 def test_collect_resume_refuses_another_model_or_projection(half, model_seed, projection, message):
     before = _files(half)
     data = _Counting(_batches())
-    with pytest.raises(SpecMismatch, match=rf"cannot resume .*store: it was {message}.*overwrite=True; rows of"):
-        gradtrace.collect(_model(model_seed), data, projection=projection, store=half, resume=True,
-                          ids=[f"ex{i}" for i in range(NUM)])
+    with pytest.raises(SpecMismatch, match=rf"cannot resume .*store: it was {message}.*overwrite=True\); rows of"):
+        gradtrace.collect(_model(model_seed), data, store=half, options=CaptureOptions(projection=projection),
+                          store_options=StoreOptions(resume=True), run=RunOptions(ids=[f"ex{i}" for i in range(NUM)]))
     assert data.taken == 0  # refused before any gradient
     assert _files(half) == before
 
 
 def test_collect_resume_with_the_same_settings_adds_the_rest(half):
-    store = gradtrace.collect(_model(), _batches(), projection=gradtrace.LoGra(rank=2), store=half, resume=True,
-                              ids=[f"ex{i}" for i in range(NUM)])
+    store = gradtrace.collect(_model(), _batches(), store=half,
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=2)),
+                              store_options=StoreOptions(resume=True),
+                              run=RunOptions(ids=[f"ex{i}" for i in range(NUM)]))
     assert sorted(store.ids) == [f"ex{i}" for i in range(NUM)]
 
 
@@ -77,11 +80,12 @@ def test_store_writer_resume_refuses_another_loss_convention(half):
     before = _files(half)
     x, y = _batches()[2]
     model = _model()
-    writer = gradtrace.StoreWriter(half, resume=True)
+    writer = gradtrace.StoreWriter(half, StoreOptions(resume=True))
     message = r"different loss conventions \(gradients of the per-example 'sum' loss vs the 'mean' loss\)"
-    with pytest.raises(SpecMismatch, match=message), gradtrace.capture(
-            model, projection=gradtrace.LoGra(rank=2), reduction="sum", example_loss="mean", callbacks=[writer],
-            ids=["ex4", "ex5"]):
+    with pytest.raises(SpecMismatch, match=message), \
+            gradtrace.capture(model, Loss(reduction="sum", example_loss="mean"),
+                              options=CaptureOptions(projection=gradtrace.LoGra(rank=2)), ids=["ex4", "ex5"],
+                              callbacks=[writer]):
         torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     assert _files(half) == before
     assert len(GradientStore.open(half)) == 4
@@ -90,8 +94,9 @@ def test_store_writer_resume_refuses_another_loss_convention(half):
 def test_store_writer_resume_refuses_other_weights(half):
     x, y = _batches()[2]
     model = _model(seed=1)
-    writer = gradtrace.StoreWriter(half, resume=True)
-    with pytest.raises(SpecMismatch, match="collected with other model weights"), gradtrace.capture(
-            model, projection=gradtrace.LoGra(rank=2), reduction="sum", callbacks=[writer], ids=["ex4", "ex5"]):
+    writer = gradtrace.StoreWriter(half, StoreOptions(resume=True))
+    with pytest.raises(SpecMismatch, match="collected with other model weights"), \
+            gradtrace.capture(model, Loss(reduction="sum"), options=CaptureOptions(projection=gradtrace.LoGra(rank=2)),
+                              ids=["ex4", "ex5"], callbacks=[writer]):
         torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
     assert len(GradientStore.open(half)) == 4

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientStore, ShardWriter
 from tests.store.common import DIM, PARAMS, make_rows, make_spec, status, write
 
@@ -70,7 +71,7 @@ def test_read_ranges_rows_and_index_of(tmp_path):
 
 def test_put_copies_rows_and_skips_ids_already_written(tmp_path):
     ids, rows = make_rows(8)
-    writer = ShardWriter(tmp_path, make_spec(), shard_rows=3)
+    writer = ShardWriter(tmp_path, make_spec(), StoreOptions(shard_rows=3))
     buffer = rows[:4].clone()
     writer.put(ids[:4], buffer)
     buffer.fill_(7.0)  # a caller reusing its buffer must not change what is written
@@ -99,7 +100,7 @@ def test_manifest_describes_the_store(tmp_path):
 
 def test_writer_as_context_manager_and_put_validation(tmp_path):
     ids, rows = make_rows(3)
-    with ShardWriter(tmp_path, make_spec(), shard_rows=2) as writer:
+    with ShardWriter(tmp_path, make_spec(), StoreOptions(shard_rows=2)) as writer:
         with pytest.raises(ValueError, match=r"expected \[3, 14\] vectors"):
             writer.put(ids, rows[:, :5])
         with pytest.raises(ValueError, match="field 'step' has 2 values for 3 rows"):

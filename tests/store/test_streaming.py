@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gradtrace.grad.quantize import quantize
+from gradtrace.options import StoreOptions
 from gradtrace.store import GradientStore, ShardWriter
 from gradtrace.store.shards import DEFAULT_MAX_SHARD_ROWS, DEFAULT_SHARD_BYTES, row_bytes, rows_per_shard
 from tests.store.common import DIM, make_rows, make_spec, write
@@ -45,10 +46,10 @@ def test_shard_bytes_sets_the_rows_per_shard_and_the_bytes_match_a_store_by_rows
 
 def test_shard_bytes_smaller_than_one_row_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ValueError, match=r"shard_bytes=17 is smaller than one row \(18 bytes: 14 values in int8\)"):
-        ShardWriter(tmp_path / "store", make_spec("int8"), shard_bytes=INT8_ROW - 1)
+        ShardWriter(tmp_path / "store", make_spec("int8"), StoreOptions(shard_bytes=INT8_ROW - 1))
     assert not (tmp_path / "store").exists()
     with pytest.raises(ValueError, match="shard_rows or shard_bytes, not both"):
-        ShardWriter(tmp_path / "store", make_spec(), shard_rows=4, shard_bytes=4096)
+        ShardWriter(tmp_path / "store", make_spec(), StoreOptions(shard_rows=4, shard_bytes=4096))
 
 
 def test_rows_reach_the_open_shard_file_before_the_shard_is_full(tmp_path):

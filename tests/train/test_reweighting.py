@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradtrace.options.train import ReweightingOptions
 from gradtrace.train import SAMAReweighting, adam_update_jacobian
 from tests import tiny
 
@@ -28,7 +29,7 @@ def test_finite_difference_scores_equal_exact_mixed_term():
     meta = (torch.randn(5, 7), torch.randint(0, 4, (5,)))
     lr = 0.05
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    sama = SAMAReweighting(model, opt, [meta], loss_fn=per_example, alpha=1e-2)
+    sama = SAMAReweighting(model, opt, [meta], loss_fn=per_example, options=ReweightingOptions(alpha=1e-2))
     sama.loss((x, y), ids=[f"e{i}" for i in range(6)]).backward()
     v = lr * _flat_grad(model, per_example(model, meta).mean())
     exact = torch.tensor([float(_flat_grad(model, per_example(model, (x[i:i + 1], y[i:i + 1])).sum()) @ v)
@@ -88,7 +89,7 @@ def test_weights_separate_corrupted_from_clean_examples():
     meta = [(meta_x, teacher(meta_x).argmax(1))]
     model = nn.Sequential(nn.Linear(7, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    sama = SAMAReweighting(model, opt, meta, loss_fn=per_example, meta_lr=0.3)
+    sama = SAMAReweighting(model, opt, meta, loss_fn=per_example, options=ReweightingOptions(meta_lr=0.3))
     ids = [f"e{i}" for i in range(96)]
     for _epoch in range(15):
         order = torch.randperm(96)
@@ -112,12 +113,13 @@ def _train(sama, opt, x, y, ids, steps, batch=8):
         opt.zero_grad()
 
 
-def _setup(seed, optimizer=torch.optim.Adam, **kw):
+def _setup(seed, optimizer=torch.optim.Adam, groups=None, **settings):
     torch.manual_seed(seed)
     model = tiny.MLP()
     opt = optimizer(model.parameters(), lr=0.01)
     meta = [(torch.randn(6, 7), torch.randint(0, 4, (6,)))]
-    return model, opt, SAMAReweighting(model, opt, meta, loss_fn=per_example, **kw)
+    return model, opt, SAMAReweighting(model, opt, meta, loss_fn=per_example, groups=groups,
+                                       options=ReweightingOptions(**settings))
 
 
 def test_saved_state_resumes_training_exactly(tmp_path):
@@ -199,3 +201,58 @@ def test_unsupported_optimizer_and_exhausted_meta_data_are_clear():
             opt.step()
     with pytest.raises(ValueError, match="ran out"):
         opt.step()
+
+
+def test_every_setting_of_the_options_reaches_the_loop():
+    """ReweightingOptions' settings, checked against quantities computed here: ``id_key`` names the batch's ids,
+    ``normalize`` divides the weighted loss by the weights' sum, ``start_step`` / ``interval`` choose the meta
+    steps, and the first Adam step moves each logit from ``init_logit`` by ``meta_lr`` towards its score's sign."""
+    torch.manual_seed(9)
+    model = tiny.MLP()
+    lr = 0.05
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    meta = (torch.randn(5, 7), torch.randint(0, 4, (5,)))
+
+    def dict_loss(model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+
+    options = ReweightingOptions(meta_lr=0.3, alpha=1e-3, interval=2, start_step=1, init_logit=0.5, id_key="idx",
+                                 normalize=True)
+    sama = SAMAReweighting(model, opt, [{"x": meta[0], "y": meta[1]}], loss_fn=dict_loss, options=options)
+    x, y = torch.randn(6, 7), torch.randint(0, 4, (6,))
+    batch = {"x": x, "y": y, "idx": [f"e{i}" for i in range(6)]}
+    scores_at_step_1 = None
+    for step in range(5):
+        losses = per_example(model, (x, y)).detach()
+        w = torch.sigmoid(torch.tensor([float(sama.logits.get(i, torch.tensor(0.5))) for i in batch["idx"]]))
+        loss = sama.loss(batch)
+        assert torch.allclose(loss, (w * losses).sum() / w.sum(), rtol=1e-6)  # normalize: sum w l / sum w
+        if step <= 1:
+            assert torch.allclose(loss, losses.mean(), rtol=1e-6)  # every weight still sigmoid(init_logit)
+        loss.backward()
+        if step == 1:
+            v = lr * _flat_grad(model, per_example(model, meta).mean())
+            scores_at_step_1 = [float(_flat_grad(model, per_example(model, (x[i:i + 1], y[i:i + 1])).sum()) @ v)
+                                for i in range(6)]
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            assert sama.weights == {} and sama.history == []  # before start_step: weights stay at init_logit
+        if step == 1:
+            want = {f"e{i}": 0.5 + 0.3 * (1.0 if s > 0 else -1.0) for i, s in enumerate(scores_at_step_1)}
+            got = {k: float(v) for k, v in sama.logits.items()}
+            assert got == pytest.approx(want, abs=1e-3)
+    assert [h["step"] for h in sama.history] == [1, 3]  # start_step=1, then every interval=2 steps
+
+
+@pytest.mark.parametrize("settings,name", [
+    ({"alpha": 0.0}, "alpha"), ({"meta_lr": float("nan")}, "meta_lr"), ({"interval": 0}, "interval"),
+    ({"start_step": -1}, "start_step"), ({"init_logit": float("inf")}, "init_logit"), ({"interval": 1.5}, "interval"),
+])
+def test_a_bad_setting_is_refused_when_the_options_are_made(settings, name):
+    with pytest.raises(ValueError, match=rf"^{name} must be [^\n]+, got "):
+        ReweightingOptions(**settings)
+    model = tiny.MLP()
+    with pytest.raises(TypeError, match="ReweightingOptions"):
+        SAMAReweighting(model, torch.optim.SGD(model.parameters(), lr=0.1), [], loss_fn=per_example,
+                        options=settings)

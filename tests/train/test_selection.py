@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import gradtrace
+from gradtrace.options import CaptureOptions, Loss, RunOptions
+from gradtrace.options.train import SelectionOptions
 from gradtrace.train import OnlineSelection
 from tests import tiny
 
@@ -23,7 +25,11 @@ def _ids(n):
     return [f"ex{i}" for i in range(n)]
 
 
-@pytest.mark.parametrize("rule", ["negative", ("bottom", 0.25), ("threshold", 0.0)])
+RULES = {"negative": {"rule": "negative"}, "bottom": {"rule": "bottom", "fraction": 0.25},
+         "threshold": {"rule": "threshold", "threshold": 0.0}}
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
 @pytest.mark.parametrize("renormalize", [False, True])
 def test_param_grad_equals_kept_examples_gradient(rule, renormalize):
     torch.manual_seed(0)
@@ -31,7 +37,8 @@ def test_param_grad_equals_kept_examples_gradient(rule, renormalize):
     x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
     y[:3] = (y[:3] + 1) % 4  # some examples pull against the rest
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    selector = OnlineSelection(opt, target="batch", rule=rule, renormalize=renormalize, record_scores=True)
+    selector = OnlineSelection(opt, options=SelectionOptions(**RULES[rule], renormalize=renormalize,
+                                                             record_scores=True))
     with gradtrace.capture(model, callbacks=[selector]) as cap:
         cap.annotate(ids=_ids(8))
         F.cross_entropy(model(x), y).backward()
@@ -40,7 +47,7 @@ def test_param_grad_equals_kept_examples_gradient(rule, renormalize):
     keep = [i for i, ident in enumerate(_ids(8)) if ident not in record.dropped]
     assert 0 < len(keep) <= 8
     scores = record.scores
-    if rule == ("bottom", 0.25):
+    if rule == "bottom":
         assert len(record.dropped) == 2
         assert sorted(scores, key=scores.get)[:2] == sorted(record.dropped, key=scores.get)
     denominator = len(keep) if renormalize else 8
@@ -55,8 +62,8 @@ def test_selection_with_gradient_accumulation_and_fixed_target():
     x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
     target = torch.randn(sum(p.numel() for p in model.parameters()))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    selector = OnlineSelection(opt, target=target, rule="negative")
-    with gradtrace.capture(model, callbacks=[selector], loss_scale=0.5) as cap:
+    selector = OnlineSelection(opt, target=target)
+    with gradtrace.capture(model, loss=Loss(scale=0.5), callbacks=[selector]) as cap:
         for part in (slice(0, 4), slice(4, 8)):
             cap.annotate(ids=_ids(8)[part])
             (F.cross_entropy(model(x[part]), y[part]) / 2).backward()
@@ -68,7 +75,7 @@ def test_selection_with_gradient_accumulation_and_fixed_target():
     for name, param in model.named_parameters():
         assert torch.allclose(param.grad, want[name], rtol=1e-4, atol=1e-6), name
     # the drop decision is the sign of <g_e, target>
-    exact = gradtrace.collect(model, [(x, y)], ids=_ids(8))
+    exact = gradtrace.collect(model, [(x, y)], run=RunOptions(ids=_ids(8)))
     signs = exact.vectors @ target
     assert sorted(record.dropped) == sorted(i for i, s in zip(_ids(8), signs.tolist()) if s < 0)
 
@@ -78,9 +85,9 @@ def test_selection_on_a_language_model_keeps_at_least_one():
     model = tiny.gpt2()
     ids = torch.randint(1, tiny.VOCAB, (4, 6))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    selector = OnlineSelection(opt, target="batch", rule=("threshold", float("inf")))  # would drop everything
-    with pytest.warns(UserWarning, match="would drop every example"), gradtrace.capture(
-            model, reduction="token_mean", callbacks=[selector]) as cap:
+    selector = OnlineSelection(opt, options=SelectionOptions(rule="threshold", threshold=float("inf")))  # drops all
+    with pytest.warns(UserWarning, match="would drop every example"), \
+            gradtrace.capture(model, Loss(reduction="token_mean"), callbacks=[selector]) as cap:
         cap.annotate(ids=_ids(4))
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
@@ -90,28 +97,33 @@ def test_selection_on_a_language_model_keeps_at_least_one():
 def test_bad_targets_are_refused():
     model = tiny.MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with pytest.raises(ValueError, match="validation"):
+    with pytest.raises(ValueError, match="not both"):
+        OnlineSelection(opt, target=torch.randn(5), validation=[])
+    with pytest.raises(ValueError, match="pass validation="):
+        OnlineSelection(opt, loss_fn=F.cross_entropy)
+    with pytest.raises(TypeError, match="string 'validation'"):
         OnlineSelection(opt, target="validation")
-    with pytest.raises(ValueError, match="rule"):
-        OnlineSelection(opt, rule="worst")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        SelectionOptions(rule="worst")
     selector = OnlineSelection(opt, target=torch.randn(5))
     with pytest.raises(ValueError, match="entries"), gradtrace.capture(model, callbacks=[selector]):
         F.cross_entropy(model(torch.randn(2, 7)), torch.tensor([0, 1])).backward()
         opt.step()
-    with pytest.raises(ValueError, match="projection"), gradtrace.capture(
-            model, projection=gradtrace.LoGra(rank=2), callbacks=[OnlineSelection(opt)]):
+    with pytest.raises(ValueError, match="projection"), \
+            gradtrace.capture(model, options=CaptureOptions(projection=gradtrace.LoGra(rank=2)),
+                              callbacks=[OnlineSelection(opt)]):
         pass
 
 
 def test_validation_target_through_the_same_hooks():
-    """target='validation': the mean gradient of a validation batch, taken through the capture hooks in a side pass
+    """validation=: the mean gradient of a validation batch, taken through the capture hooks in a side pass
     (not stored, not counted); the drop decision is the sign of <g_e, mean validation gradient>."""
     torch.manual_seed(4)
     model = tiny.MLP()
     x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
     val = [(torch.randn(5, 7), torch.randint(0, 4, (5,)))]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    selector = OnlineSelection(opt, target="validation", validation=val, record_scores=True)
+    selector = OnlineSelection(opt, validation=val, options=SelectionOptions(record_scores=True))
     with gradtrace.capture(model, callbacks=[selector], keep_batches=True) as cap:
         cap.annotate(ids=_ids(8))
         F.cross_entropy(model(x), y).backward()
@@ -119,7 +131,7 @@ def test_validation_target_through_the_same_hooks():
         opt.step()  # nothing captured since: no selection, and the validation batches are re-iterated
     assert len(cap.batches) == 1 and cap.num_backward == 1, "the side pass is not a training batch"
     record = selector.history[-1]
-    exact = gradtrace.collect(model, [(x, y)], ids=_ids(8))
+    exact = gradtrace.collect(model, [(x, y)], run=RunOptions(ids=_ids(8)))
     val_grad = gradtrace.collect(model, val).vectors.mean(0)
     want = exact.vectors @ val_grad
     got = torch.tensor([record.scores[i] for i in _ids(8)])
@@ -137,12 +149,12 @@ def test_normalized_scores_are_cosines():
     x, y = torch.randn(8, 7), torch.randint(0, 4, (8,))
     val = [(torch.randn(5, 7), torch.randint(0, 4, (5,)))]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    selector = OnlineSelection(opt, target="validation", validation=val, normalize=True, record_scores=True)
+    selector = OnlineSelection(opt, validation=val, options=SelectionOptions(normalize=True, record_scores=True))
     with gradtrace.capture(model, callbacks=[selector]) as cap:
         cap.annotate(ids=_ids(8))
         F.cross_entropy(model(x), y).backward()
         opt.step()
-    exact = gradtrace.collect(model, [(x, y)], ids=_ids(8)).vectors
+    exact = gradtrace.collect(model, [(x, y)], run=RunOptions(ids=_ids(8))).vectors
     val_grad = gradtrace.collect(model, val).vectors.mean(0)
     want = F.cosine_similarity(exact, val_grad.unsqueeze(0), dim=1)
     got = torch.tensor([selector.history[-1].scores[i] for i in _ids(8)])
@@ -159,8 +171,8 @@ def test_start_step_and_a_validation_iterator_that_runs_out():
     val = (torch.randn(5, 7), torch.randint(0, 4, (5,)))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     for validation, fails in (([val], False), (iter([val]), True)):
-        selector = OnlineSelection(opt, target="validation", validation=validation, start_step=1,
-                                   rule=("bottom", 0.5))
+        selector = OnlineSelection(opt, validation=validation,
+                                   options=SelectionOptions(start_step=1, rule="bottom", fraction=0.5))
         with gradtrace.capture(model, callbacks=[selector]) as cap:
             cap.annotate(ids=_ids(8))
             F.cross_entropy(model(x), y).backward()
@@ -179,5 +191,60 @@ def test_start_step_and_a_validation_iterator_that_runs_out():
                     opt.step()
                     assert len(selector.history[-1].dropped) == 4
         opt.zero_grad()
-    with pytest.raises(ValueError, match="start_step"):
-        OnlineSelection(opt, start_step=-1)
+    with pytest.raises(ValueError, match="start_step must be"):
+        SelectionOptions(start_step=-1)
+
+
+def _select_once(model, x, y, options):
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    selector = OnlineSelection(opt, options=options)
+    with gradtrace.capture(model, callbacks=[selector]) as cap:
+        cap.annotate(ids=_ids(len(x)))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    model.zero_grad()
+    return selector.history[-1]
+
+
+def test_rules_of_the_options_drop_what_brute_force_scores_say():
+    """Each rule's drops against scores computed here from exact per-example gradients and the batch's mean
+    gradient: ``bottom`` the ``round(fraction * E)`` lowest, ``threshold`` those below it, and ``min_keep`` keeps
+    back the best when a rule would drop more."""
+    torch.manual_seed(7)
+    model = tiny.MLP()
+    x, y = torch.randn(10, 7), torch.randint(0, 4, (10,))
+    y[:4] = (y[:4] + 1) % 4
+    grads = gradtrace.collect(model, [(x, y)], run=RunOptions(ids=_ids(10))).vectors  # [10, P]
+    scores = dict(zip(_ids(10), (grads @ grads.mean(0)).tolist()))
+    ranked = sorted(scores, key=scores.get)
+    cut = sorted(scores.values())[6]  # a threshold between the 6th and 7th lowest scores, not 0
+    cases = [
+        (SelectionOptions(rule="bottom", fraction=0.3), ranked[:3]),
+        (SelectionOptions(rule="threshold", threshold=cut), ranked[:6]),
+        (SelectionOptions(rule="negative"), [i for i in ranked if scores[i] < 0]),
+    ]
+    for options, want in cases:
+        assert sorted(_select_once(model, x, y, options).dropped) == sorted(want), options
+    with pytest.warns(UserWarning, match="would drop every example"):
+        record = _select_once(model, x, y, SelectionOptions(rule="threshold", threshold=float("inf"), min_keep=3))
+    assert sorted(record.dropped) == sorted(ranked[:7])  # the 3 highest scores kept back
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"rule": "bottom"}, "rule='bottom' needs fraction="),
+    ({"rule": "threshold"}, "rule='threshold' needs threshold="),
+    ({"fraction": 0.5}, "fraction= applies to rule='bottom' only"),
+    ({"rule": "bottom", "fraction": 0.5, "threshold": 0.0}, "threshold= applies to rule='threshold' only"),
+    ({"rule": "bottom", "fraction": 1.5}, "^fraction must be a finite number in \\[0, 1\\], got 1.5$"),
+    ({"rule": "threshold", "threshold": float("nan")}, "^threshold must be a number, not NaN"),
+    ({"min_keep": -1}, "^min_keep must be an integer >= 0, got -1$"),
+    ({"start_step": 0.5}, "^start_step must be an integer >= 0, got 0.5$"),
+])
+def test_a_bad_selection_setting_is_refused_when_the_options_are_made(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SelectionOptions(**settings)
+
+
+def test_infinite_thresholds_are_settings_not_errors():
+    assert SelectionOptions(rule="threshold", threshold=-float("inf")).threshold == -float("inf")
+    assert SelectionOptions(rule="threshold", threshold=float("inf")).threshold == float("inf")

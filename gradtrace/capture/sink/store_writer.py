@@ -9,15 +9,17 @@ The store itself (:mod:`gradtrace.store`) is pure I/O and knows nothing of captu
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...grad.batch import GradientBatch
-from ...store.layout import DTYPES
+from ...options.base import option_object
+from ...options.store import StoreOptions
 from ...store.spec import GradientSpec, model_fingerprint
-from ...store.writer import ShardWriter, delete_store, per_row_lists
+from ...store.writer import ShardWriter, delete_store, per_row_lists, resolved_store_options
 from ..callbacks import CaptureCallback
 from .rows import RowSink, RowTransform, ShardRows
 
@@ -43,42 +45,36 @@ class ExtraFields(RowTransform):
 class StoreWriter(CaptureCallback):
     """Capture callback writing every captured example's gradient vector to a store.
 
-    ``capture(model, projection=LoGra(...), callbacks=[StoreWriter("runs/train")])``: each backward
-    pass's examples are flattened (projected ones are small), examples flagged NaN/inf are skipped and
-    recorded, ids already in the store are skipped (``resume=True``; also the repeats of later epochs),
+    ``capture(model, options=CaptureOptions(projection=LoGra(...)), callbacks=[StoreWriter("runs/train")])``:
+    each backward pass's examples are flattened (projected ones are small), examples flagged NaN/inf are skipped and
+    recorded, ids already in the store are skipped (``StoreOptions(resume=True)``; also the repeats of later epochs),
     and the rest queued for the background writer. Per-row fields ``step`` (backward pass) and anything
     ``fields(batch)`` returns are stored with each row. The spec (and the model fingerprint) is taken at
     the first backward pass.
 
     Args:
         path: store directory.
-        dtype: storage format, ``"float32"``, ``"bfloat16"`` or ``"int8"`` (per-row scale).
-        shard_rows, shard_bytes, queue_size, resume, overwrite, mixed_weights, rank, world_size: see
+        options: how the store is written (:class:`gradtrace.StoreOptions`; dtype float32 by default); see
             :class:`ShardWriter` (``resume`` refuses a store of other weights, projection or loss convention
             unless ``mixed_weights``, which admits other weights).
+        mixed_weights, rank, world_size: see :class:`ShardWriter`.
         fields: optional ``fn(batch) -> {name: per-row list}`` of extra per-row metadata.
-        config: recorded in the manifest.
     """
 
-    def __init__(self, path: str | Path, *, dtype: str = "float32", shard_rows: int | None = None,
-                 shard_bytes: int | None = None, queue_size: int = 8, resume: bool = False,
-                 overwrite: bool = False, mixed_weights: bool = False, rank: int | None = None,
-                 world_size: int | None = None, fields: FieldsFn | None = None,
-                 config: dict[str, Any] | None = None) -> None:
-        if dtype not in DTYPES:
-            raise ValueError(f"storage dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.path = Path(path)
-        self.dtype = dtype
-        if shard_rows is not None and shard_bytes is not None:
+    def __init__(self, path: str | Path, options: StoreOptions | None = None, *, mixed_weights: bool = False,
+                 rank: int | None = None, world_size: int | None = None, fields: FieldsFn | None = None) -> None:
+        options = option_object(options, StoreOptions, "options")
+        if options.shard_rows is not None and options.shard_bytes is not None:
             raise ValueError("pass shard_rows or shard_bytes, not both")
-        self.options = dict(shard_rows=shard_rows, shard_bytes=shard_bytes, queue_size=queue_size, resume=resume,
-                            overwrite=overwrite, mixed_weights=mixed_weights,
-                            rank=rank, world_size=world_size, config=config)
+        self.path = Path(path)
+        self.store_options = resolved_store_options(path, options)
+        self.dtype = self.store_options.dtype
+        self.options = dict(mixed_weights=mixed_weights, rank=rank, world_size=world_size)
         self.fields = fields
         self.model = None
         self._together = False  # several ranks write this store (set when the capture starts)
         self._shards = ShardRows(self.open)
-        self.sink = RowSink(self._shards, transform=ExtraFields(lambda: self.fields), dtype=dtype,
+        self.sink = RowSink(self._shards, transform=ExtraFields(lambda: self.fields), dtype=self.dtype,
                             fingerprint=lambda: model_fingerprint(self.model) if self.model is not None else {},
                             what=f"the store {self.path} was opened with")
 
@@ -98,12 +94,12 @@ class StoreWriter(CaptureCallback):
         if self._together:
             # the ranks write one store: same capture and store on all of them, or an error on every rank
             check_store_writers(self, capture)
-            if self.options["overwrite"]:
+            if self.store_options.overwrite:
                 # rank 0 replaces the old store now, before any rank's writer opens (and holds its lock)
                 with agreed(f"replacing the store {self.path}"):
                     if rank == 0:
                         delete_store(self.path)
-                self.options = {**self.options, "overwrite": False}
+                self.store_options = replace(self.store_options, overwrite=False)
 
     def spec_for(self, batch: GradientBatch) -> GradientSpec:
         """The spec of the store rows of ``batch`` (the model's fingerprint, this writer's dtype)."""
@@ -112,7 +108,7 @@ class StoreWriter(CaptureCallback):
     def open(self, spec: GradientSpec) -> ShardWriter:
         """Open (once) the store's writer for rows of ``spec``."""
         if self._shards.writer is None:
-            self._shards.writer = ShardWriter(self.path, spec, **self.options)
+            self._shards.writer = ShardWriter(self.path, spec, self.store_options, **self.options)
         return self._shards.writer
 
     def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:

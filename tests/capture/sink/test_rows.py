@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import gradtrace
 from gradtrace.capture.sink import MemoryRows, RowSink, RowTransform, ShardRows
 from gradtrace.grad.batch import GradientBatch
+from gradtrace.options import CaptureOptions, StoreOptions
 from gradtrace.store import GradientSpec, GradientStore, IdCollision, ShardWriter, SpecMismatch
 from tests import tiny
 from tests.store.common import status
@@ -24,7 +25,8 @@ def _batches(nan_example: int | None = 6, ids: list[str] = IDS, epochs: int = 1)
     model = tiny.MLP()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the capture warns about the NaN example
-        with gradtrace.capture(model, projection=gradtrace.LoGra(rank=3), ids=ids * epochs, keep_batches=True) as cap:
+        with gradtrace.capture(model, ids=ids * epochs, keep_batches=True,
+                               options=CaptureOptions(projection=gradtrace.LoGra(rank=3))) as cap:
             for _ in range(epochs):
                 for x, y in _mlp_batches(nan_example=nan_example):
                     F.cross_entropy(model(x), y).backward()
@@ -41,7 +43,7 @@ def _to_memory(batches, transform=None) -> tuple[MemoryRows, RowSink]:
 
 
 def _to_store(path, batches, transform=None) -> tuple[GradientStore, RowSink]:
-    sink = RowSink(ShardRows(lambda spec: ShardWriter(path, spec, rank=0, world_size=1, shard_rows=5)),
+    sink = RowSink(ShardRows(lambda spec: ShardWriter(path, spec, StoreOptions(shard_rows=5), rank=0, world_size=1)),
                    transform=transform, fingerprint=lambda: dict(FINGERPRINT))
     for batch in batches:
         sink.add(batch)
