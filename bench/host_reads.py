@@ -1,8 +1,9 @@
 """Host reads during a collection: where gradtrace's own code reads a tensor's value on the host (issue #30, item 1).
 
 On a GPU each of these stops the CPU until the device catches up: ``Tensor.item``, ``__bool__`` / ``__float__`` /
-``__int__``, ``tolist``, ``.cpu()``, ``.numpy()``, ``nonzero``, ``masked_select`` and boolean-mask indexing. A
-``TorchFunctionMode`` counts them during ``gradtrace.collect`` of one padded batch (so once-per-run work -- the
+``__int__``, ``tolist``, ``.cpu()``, ``.numpy()``, ``nonzero``, ``masked_select`` and boolean-mask indexing.
+Wrappers on ``torch.Tensor``'s methods count them (in autograd hooks too) during ``gradtrace.collect`` of one padded
+batch (so once-per-run work -- the
 model's fingerprint, the NaN check of its weights -- is counted too, and labelled), by the gradtrace line that made
 them, for GPT-2 models of 2 and 8 layers, exact and LoGra capture. Counts that grow with depth are per-layer syncs
 on the hot path. Runs on CPU (the reads are the same on any device). Usage::
@@ -13,41 +14,73 @@ on the hot path. Runs on CPU (the reads are the same on any device). Usage::
 from __future__ import annotations
 
 import collections
+import threading
 import traceback
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from gradtrace.options import CaptureOptions
 
-READS = (torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.tolist,
-         torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.nonzero, torch.nonzero, torch.Tensor.masked_select,
-         torch.masked_select)
+READ_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy", "nonzero", "masked_select")
+"""``torch.Tensor`` methods that read a tensor's value on the host (with ``torch.nonzero`` and ``torch.masked_select``,
+and ``__getitem__`` with a boolean mask)."""
 
 
-class HostReads(TorchFunctionMode):
-    """Counts host reads by ``(kind, gradtrace file:line)`` (``model`` when no gradtrace frame made them)."""
+class HostReads:
+    """Counts host reads by ``(kind, gradtrace file:line)`` (``model`` when no gradtrace frame made them) while
+    active, in every thread but the store's background writer (which only ever handles host copies): the methods
+    are wrapped on ``torch.Tensor`` itself, so reads inside autograd hooks and engine callbacks -- where a
+    ``TorchFunctionMode`` does not reach -- are counted too."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.sites: collections.Counter = collections.Counter()
+        self._saved: list[tuple[object, str, object]] = []
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        hit = func in READS
-        if func is torch.Tensor.__getitem__ and len(args) > 1:
-            items = args[1] if isinstance(args[1], tuple) else (args[1],)
-            hit = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
-        if hit:
-            frames = [f for f in traceback.extract_stack()[:-1] if "/gradtrace/" in f.filename]
-            where = f"{frames[-1].filename.split('/gradtrace/')[-1]}:{frames[-1].lineno}" if frames else "model"
-            self.sites[(func.__name__, where)] += 1
-        return func(*args, **(kwargs or {}))
+    def _note(self, kind: str) -> None:
+        if threading.current_thread().name.startswith("gradtrace-store"):
+            return
+        frames = [f for f in traceback.extract_stack()[:-2] if "/gradtrace/" in f.filename]
+        where = f"{frames[-1].filename.split('/gradtrace/')[-1]}:{frames[-1].lineno}" if frames else "model"
+        self.sites[(kind, where)] += 1
+
+    def _wrap(self, owner: object, name: str, counts=None) -> None:
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original))
+        note = self._note
+
+        def wrapped(*args, **kwargs):
+            if counts is None or counts(args):
+                note(name)
+            return original(*args, **kwargs)
+
+        setattr(owner, name, wrapped)
+
+    def __enter__(self) -> HostReads:
+        for name in READ_METHODS:
+            self._wrap(torch.Tensor, name)
+        for name in ("nonzero", "masked_select"):
+            self._wrap(torch, name)
+
+        def boolean_index(args) -> bool:
+            items = args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:2]
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+        self._wrap(torch.Tensor, "__getitem__", boolean_index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
 
 
 def count(layers: int, logra: bool) -> collections.Counter:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import gradtrace
+    from gradtrace.capture import assemble
+
+    assemble.CPU_FAST_PATH = False  # the path a device takes (on the CPU a read waits for nothing)
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=layers, n_head=2,

@@ -280,3 +280,10 @@ class TokenScales:
     @property
     def rows(self) -> Tensor | None:
         return None if self._context.packed else self._context.example_scale
+
+    @property
+    def outside(self) -> Tensor | None:
+        """``[B, T]`` bool: the padding positions of unpacked token rows (None when rows are packed or have no
+        padding mask); read without a host read."""
+        context = self._context
+        return None if context.packed or context.valid is None else ~context.valid

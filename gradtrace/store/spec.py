@@ -90,16 +90,16 @@ def model_fingerprint(model: nn.Module) -> dict[str, str]:
     by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
     for part in parts:
         by_device.setdefault(part[2].device, []).append(part)
-    host: dict[int, torch.Tensor] = {}
+    host: dict[int, Any] = {}
     for group in by_device.values():
-        values = torch.cat([t for _, _, t in group]).cpu()
+        values = torch.cat([t for _, _, t in group]).cpu().numpy()  # the one read of this device
         start = 0
         for size, order, _ in group:
             host[order] = values[start:start + size + 1]
             start += size + 1
     for order in range(len(parts)):
         values = host[order]
-        weights.update(values[:-1].numpy().tobytes())
+        weights.update(values[:-1].tobytes())
         weights.update(repr(float(values[-1])).encode())
     cls = type(inner)
     if any(base.__name__ == "FSDPModule" for base in cls.__bases__):  # FSDP2's FSDP<class>: name the model's own

@@ -1,5 +1,5 @@
-"""NaN/inf at padding positions are zeroed without a host read on a device (issue #30, item 1): the device path of
-``zero_outside`` equals the CPU path, touches no position inside an example, and reads nothing on the host."""
+"""NaN/inf at padding positions are zeroed without a host read (issue #30, item 1): ``zero_outside`` touches no
+position inside an example, reads nothing on the host, and passes the gradient wherever it zeroed nothing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from gradtrace.capture.assemble import zero_outside, zero_outside_on_device
+from gradtrace.capture import assemble
+from gradtrace.capture.assemble import zero_outside
 
 
 def _reads():
@@ -30,34 +31,37 @@ def _case():
     return x, outside
 
 
-def test_the_device_path_equals_the_cpu_path_and_changes_only_padding_that_is_not_finite():
+def test_only_padding_that_is_not_finite_is_zeroed():
     x, outside = _case()
-    cpu, device = zero_outside(x, outside), zero_outside_on_device(x, outside)
-    assert torch.equal(cpu, device) and torch.isfinite(device).all()
+    out = zero_outside(x, outside)
+    assert torch.isfinite(out).all()
     bad = torch.zeros(3, 5, dtype=torch.bool)
     bad[0, 4], bad[2, 2] = True, True
-    assert torch.equal(device[~bad], x[~bad])  # every other position, inside examples or padding, unchanged
-    assert (device[bad] == 0).all()
+    assert torch.equal(out[~bad], x[~bad])  # every other position, inside examples or padding, unchanged
+    assert (out[bad] == 0).all()
     clean = torch.randn(3, 5, 4)
-    assert zero_outside(clean, outside) is clean  # the CPU's fast path: no copy
-    assert torch.equal(zero_outside_on_device(clean, outside), clean)
+    assert torch.equal(zero_outside(clean, outside), clean)
+    inside = x.clone()
+    inside[1, 0, 0] = float("nan")  # inside an example: the example's own problem, never hidden
+    assert torch.isnan(zero_outside(inside, outside)[1, 0, 0])
 
 
-def test_the_device_path_reads_nothing_on_the_host():
+def test_the_device_path_reads_nothing_on_the_host_and_equals_the_cpu_path(monkeypatch):
     x, outside = _case()
+    cpu, clean = zero_outside(x, outside), torch.randn(3, 5, 4)
+    assert zero_outside(clean, outside) is clean  # the CPU's fast path: one read, no copy
+    monkeypatch.setattr(assemble, "CPU_FAST_PATH", False)
     with _reads() as reads:
-        zero_outside_on_device(x, outside)
-    assert sum(reads.sites.values()) == 0
-    with _reads() as reads:
-        zero_outside(torch.randn(3, 5, 4), outside)  # the CPU path reads once (nothing to wait for there)
-    assert sum(reads.sites.values()) == 1
+        device = zero_outside(x, outside)
+        assert torch.equal(zero_outside(clean, outside), clean)
+    assert sum(reads.sites.values()) == 0 and torch.equal(device, cpu)
 
 
 def test_the_gradient_passes_where_nothing_was_zeroed():
     x, outside = _case()
     leaf = x.clone().requires_grad_(True)
     upstream = torch.randn(3, 5, 4)
-    zero_outside_on_device(leaf, outside).backward(upstream)
+    zero_outside(leaf, outside).backward(upstream)
     keep = torch.ones(3, 5, 1)
     keep[0, 4], keep[2, 2] = 0, 0
     assert torch.equal(leaf.grad, upstream * keep)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ...grad.terms import Term, VectorTerm
 from ...projection.logra import Projector
+from ..assemble import zero_outside
 
 __all__ = [
     "LayerHandler",
@@ -185,7 +186,9 @@ class LayerHandler:
         raise ValueError(f"{self.name}: no tensor input found in the forward call")
 
     def forward(self, inputs: Tensor, projector: Projector | None) -> Any:
-        """Called in the forward hook; returns what :meth:`backward` needs."""
+        """Called in the forward hook; returns what :meth:`backward` needs (a tensor, or a tuple, list or dict of
+        them: the collector keeps each through the saved-tensor hooks in force, so non-reentrant checkpointing
+        recomputes it in the re-run forward, where this is called again and must return the same shapes)."""
         raise NotImplementedError  # pragma: no cover
 
     def backward(self, saved: Any, grad_output: Tensor, scale: TokenScale,
@@ -213,14 +216,17 @@ def projected_vector(projector: Projector, param: str, values: Tensor, scale: To
     Projection is linear, so when tokens are not kept (``LoGra(keep_tokens=False)``) and every token of a row
     belongs to the row's example (``scale.rows`` is given: rows not packed), the row's tokens are summed first and
     the sum projected: a ``[B, n] x [n, k]`` product instead of ``[B*T, n] x [n, k]`` (the same sum, rounded in
-    another order). A non-finite sum (NaN/inf somewhere in the row, possibly at padding that the assembly cleans per
-    token) takes the per-token path.
+    another order). A padding position holding NaN/inf is set to 0 before the sum (:func:`zero_outside`, no host
+    read), as the assembly does to the per-token terms; a NaN/inf inside an example stays and flags it.
     """
     rows = getattr(scale, "rows", None)
     if rows is not None and not projector.spec.keep_tokens:
-        total = torch.einsum("btn,b->bn", values.to(torch.float32), rows.to(device=values.device))
-        if bool(torch.isfinite(total).all()):
-            return VectorTerm(projector.project(param, "vector", total).unsqueeze(1))
+        values = values.to(torch.float32)
+        outside = getattr(scale, "outside", None)
+        if outside is not None and values.dim() == 3:
+            values = zero_outside(values, outside)
+        total = torch.einsum("btn,b->bn", values, rows.to(device=values.device))
+        return VectorTerm(projector.project(param, "vector", total).unsqueeze(1))
     return VectorTerm(scaled(projector.project(param, "vector", values), scale))
 
 
