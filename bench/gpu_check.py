@@ -1,0 +1,753 @@
+"""GPU checks of issue #30 (item 6): one script, one table, prepared to run unchanged on a CUDA machine.
+
+Each check measures one claim on the device, against a stated bound, and reports one or more rows
+``(check, value, bound, status, seconds, notes)``; ``status`` is ``pass``, ``fail``, ``skip`` (with the reason) or
+``error`` (the exception). Checks are isolated: one that fails or raises does not stop the others. The exit status
+is 1 when any row is ``fail`` or ``error``.
+
+1. capture exactness: a random-init Llama (SDPA attention, non-reentrant gradient checkpointing, training mode,
+   right-padded ragged batch, the Hugging Face token-mean loss): exact capture in float32 against a brute-force
+   loop of per-example backward passes on the same device; LoGra rows (rank 8) of the bfloat16 model against the
+   float32 rows of the same weights (cosine per row), and against the bfloat16 brute-force loop projected the way
+   the capture projects.
+2. host syncs: ``torch.cuda.set_sync_debug_mode("warn")`` warnings during one captured training step and per
+   ``gradtrace.collect`` batch, for GPT-2 models of 2 and 8 layers (CUDA only); and, on any device, the host reads
+   gradtrace's own code makes, counted by ``bench/host_reads.py``'s ``TorchFunctionMode``. A count must not grow
+   with depth.
+3. peak memory (``torch.cuda.max_memory_allocated``) of a plain training step against a captured step (LoGra
+   rank 8), bfloat16 Llama with a 128,000-token vocabulary (CUDA only).
+4. int8 store reproducibility: the same data collected twice into int8 stores on the device gives identical
+   rows and scales; a CPU collection gives the same rows within one quantisation step.
+5. CUDA against CPU: grad_dot scores (and the float32 rows) of a device collection against a CPU one.
+6. tokens/s of ``gradtrace.collect`` (LoGra rank 8) against a plain training step (forward + backward) on the
+   same model and batches, after warm-up, synchronised around the timings.
+7. DDP over 2 GPUs (NCCL): per-example rows captured under DDP on two ranks against one process (needs two CUDA
+   devices; ``--ddp-backend gloo`` runs the same launch on two CPU processes, which is how it is tested).
+
+Usage::
+
+    python bench/gpu_check.py                          # --device cuda when there is one, else cpu
+    python bench/gpu_check.py --device cuda --out docs/gpu.md
+    python bench/gpu_check.py --device cpu --quick     # the CPU-side parts (tests/test_gpu_check.py)
+    python bench/gpu_check.py --only 3,6               # some checks
+
+``--out FILE`` writes the table as markdown: between the ``<!-- gpu_check:begin -->`` and
+``<!-- gpu_check:end -->`` markers when the file has them (the rest of the page is kept), else as a page of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib.util
+import os
+import platform
+import re
+import shlex
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import gradtrace
+from gradtrace.options import CaptureOptions, Loss, RunOptions, StoreOptions
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
+STATUSES = ("pass", "fail", "skip", "error")
+FP32_RTOL = 1e-4  # max |a - b| / max |b| between two float32 computations of the same gradients (round-off only)
+BF16_COSINE = 0.999  # per-row cosine of bfloat16 LoGra rows with float32 ones (about 4.5% relative error)
+MEMORY_RATIO = 1.10
+SPEED_RATIO = 0.5  # collect's tokens/s over a training step's: a regression guard, not a measured target
+
+
+@dataclass
+class Row:
+    check: str  # "1a", "1b", ...
+    name: str
+    value: str
+    bound: str
+    status: str  # one of STATUSES
+    notes: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Context:
+    device: torch.device
+    quick: bool
+    tmp: Path
+    ddp_backend: str  # "auto", "nccl" or "gloo"
+    self_compare: bool = False  # run the device-vs-CPU comparisons (4b, 5) on a CPU device too (tests them)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def compare_cpu(self) -> bool:
+        return self.cuda or self.self_compare
+
+
+def verdict(ok: bool) -> str:
+    return "pass" if ok else "fail"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |got - ref| / max |ref|`` in float32 (0 for an all-zero reference equal to ``got``)."""
+    got, ref = got.float().cpu(), ref.float().cpu()
+    scale = float(ref.abs().max())
+    diff = float((got - ref).abs().max())
+    return diff / scale if scale > 0 else diff
+
+
+def drop(batch: Any) -> None:
+    """A capture callback that keeps nothing (as a store writer would consume the rows)."""
+
+
+# ---------------------------------------------------------------------------------------------- models and data
+def llama(vocab: int, hidden: int, layers: int, *, heads: int = 4, kv_heads: int = 2, positions: int = 2048,
+          seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=positions, tie_word_embeddings=False, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).float()
+    assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
+    return model
+
+
+def gpt2(layers: int, *, vocab: int = 128, hidden: int = 32, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab, n_positions=64, n_embd=hidden, n_layer=layers, n_head=2, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    return GPT2LMHeadModel(config).float()
+
+
+def padded_batch(lengths: list[int], vocab: int, seed: int = 1) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Rows of random tokens (``rows[i]``: ``[lengths[i]]``) and their right-padded batch with labels."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(3, vocab, (n,), generator=gen) for n in lengths]
+    width = max(lengths)
+    input_ids = torch.zeros(len(rows), width, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = row
+        attention_mask[i, :len(row)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return rows, {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def id_batches(rows: int, length: int, vocab: int, per_batch: int, seed: int = 2) -> list[dict[str, Any]]:
+    """``rows`` examples of ragged lengths (``length // 2`` to ``length``) in right-padded batches with ids."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(length // 2, length + 1, (rows,), generator=gen).tolist()
+    out = []
+    for start in range(0, rows, per_batch):
+        _, batch = padded_batch(lengths[start:start + per_batch], vocab, seed=seed + start)
+        out.append({"id": [f"ex{i}" for i in range(start, min(rows, start + per_batch))], **batch})
+    return out
+
+
+def brute_force(model, rows: list[torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``{name: [E, *shape]}``: one backward pass per unpadded example of its summed token loss."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    out: dict[str, list[torch.Tensor]] = {n: [] for n in params}
+    for row in rows:
+        model.zero_grad(set_to_none=True)
+        ids = row.unsqueeze(0).to(device)  # [1, T]
+        (model(input_ids=ids, labels=ids, use_cache=False).loss * (len(row) - 1)).backward()
+        for n, p in params.items():
+            out[n].append(torch.zeros_like(p) if p.grad is None else p.grad.detach().clone())
+    model.zero_grad(set_to_none=True)
+    return {n: torch.stack(v) for n, v in out.items()}
+
+
+def captured(model, batch: dict[str, torch.Tensor], projection: gradtrace.LoGra | None):
+    """The one ``GradientBatch`` of a training step (token-mean loss) under ``gradtrace.capture``."""
+    with gradtrace.capture(model, Loss(reduction="token_mean"),
+                           options=CaptureOptions(projection=projection)) as cap:
+        model(**batch, use_cache=False).loss.backward()
+    model.zero_grad(set_to_none=True)
+    assert len(cap.batches) == 1 and cap.report().ok, str(cap.report())
+    return cap.batches[0]
+
+
+# ---------------------------------------------------------------------------------------------- 1. exactness
+def check_exactness(ctx: Context) -> Iterator[Row]:
+    dev = ctx.device
+    vocab, hidden, layers = (256, 64, 2) if ctx.quick else (1024, 128, 4)
+    lengths = [12, 16, 7, 10] if ctx.quick else [48, 64, 17, 33, 64, 25, 40, 9]
+    setup = (f"Llama h={hidden} L={layers} V={vocab}, sdpa, non-reentrant checkpointing, batch {len(lengths)} "
+             f"ragged to {max(lengths)} tokens, on {dev}")
+
+    def prepared(dtype: torch.dtype):
+        model = llama(vocab, hidden, layers).to(dev, dtype)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return model
+
+    rows, batch = padded_batch(lengths, vocab)
+    batch = to(batch, dev)
+    model32 = prepared(torch.float32)
+    got = captured(model32, batch, None).per_example_grads()
+    ref = brute_force(model32, rows, dev)
+    errs = {n: rel_err(got[n], ref[n]) for n in ref}
+    worst = max(errs, key=errs.get)
+    yield Row("1a", "exact capture vs brute force, float32", f"{errs[worst]:.1e}",
+              f"<= {FP32_RTOL:g} (max abs err / max abs ref, worst parameter)", verdict(errs[worst] <= FP32_RTOL),
+              f"{setup}; worst: {worst}")
+
+    logra = gradtrace.LoGra(rank=8, seed=0)
+    rows32 = captured(model32, batch, logra).flat()  # [E, D]
+    model16 = prepared(torch.bfloat16)
+    model16.load_state_dict(model32.state_dict())
+    batch16 = captured(model16, batch, logra)
+    rows16 = batch16.flat()
+    cos32 = F.cosine_similarity(rows16.float(), rows32.float(), dim=1)  # [E]
+    # the bf16 loop, projected the way the capture projects (P_rows G P_cols^T per matrix, P g per vector)
+    ref16 = brute_force(model16, rows, dev)
+    projector = logra.projector
+    loop16 = torch.cat([projector.project_full(n, ref16[n], tuple(ref16[n].shape[1:])) for n in batch16.params], 1)
+    cos_loop = F.cosine_similarity(rows16.float(), loop16.float(), dim=1)
+    cos_loop32 = F.cosine_similarity(loop16.float(), rows32.float(), dim=1)
+    yield Row("1b", "bf16 LoGra rows vs float32 rows", f"min cos {float(cos32.min()):.5f}",
+              f">= {BF16_COSINE} per row", verdict(float(cos32.min()) >= BF16_COSINE),
+              f"LoGra rank 8, {rows32.shape[1]} dims; the bf16 brute-force loop is at min cos "
+              f"{float(cos_loop32.min()):.5f} from float32")
+    yield Row("1c", "bf16 LoGra rows vs bf16 brute-force loop", f"min cos {float(cos_loop.min()):.5f}",
+              f">= {BF16_COSINE} per row", verdict(float(cos_loop.min()) >= BF16_COSINE),
+              "the loop: one bf16 backward per unpadded example, projected with the capture's matrices")
+
+
+# ---------------------------------------------------------------------------------------------- 2. host syncs
+def _host_reads_module():
+    spec = importlib.util.spec_from_file_location("gpu_check_host_reads", ROOT / "bench" / "host_reads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def cuda_syncs(device: torch.device) -> Iterator[list]:
+    """Record the ``set_sync_debug_mode("warn")`` warnings of the block (a list of ``warnings.WarningMessage``)."""
+    sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield caught
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    caught[:] = [w for w in caught if "synchroniz" in str(w.message)]
+
+
+def _sync_workload(layers: int, device: torch.device):
+    """A GPT-2 of ``layers`` layers and a padded batch, and three steps to count: a plain training step, one
+    captured step (LoGra rank 4, after a warm-up step in the same capture) and a ``collect`` of ``n`` batches."""
+    model = gpt2(layers).to(device)
+    model.train()
+    _, batch = padded_batch([16, 10, 16, 5], 128)
+    batch = to(batch, device)
+    logra = gradtrace.LoGra(rank=4)
+
+    def plain() -> Callable[[], None]:
+        def step() -> None:
+            model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return step
+
+    @contextlib.contextmanager
+    def capturing() -> Iterator[Callable[[], None]]:
+        with gradtrace.capture(model, Loss(reduction="token_mean"), options=CaptureOptions(projection=logra),
+                               callbacks=[drop]):
+            plain()()  # warm-up: projection matrices, norm probes
+            yield plain()
+
+    def collect(n: int) -> None:
+        data = [{"id": [f"b{b}e{i}" for i in range(4)], **batch} for b in range(n)]
+        gradtrace.collect(model, data, options=CaptureOptions(projection=logra), run=RunOptions(device=device))
+
+    return plain(), capturing, collect
+
+
+def check_host_syncs(ctx: Context) -> Iterator[Row]:
+    dev = ctx.device
+    setup = "GPT-2 h=32 V=128, 4 padded rows of <= 16 tokens, LoGra rank 4"
+    if ctx.cuda:
+        counts = {}
+        for layers in (2, 8):
+            plain, capturing, collect = _sync_workload(layers, dev)
+            plain()
+            with cuda_syncs(dev) as caught:
+                plain()
+            base = len(caught)
+            with capturing() as step, cuda_syncs(dev) as caught:
+                step()
+            step_syncs = len(caught)
+            collect(1)  # warm-up
+            with cuda_syncs(dev) as caught:
+                collect(1)
+            one = len(caught)
+            with cuda_syncs(dev) as caught:
+                collect(3)
+            sites = sorted({f"{Path(w.filename).name}:{w.lineno}" for w in caught})
+            counts[layers] = (base, step_syncs, one, (len(caught) - one) / 2, sites)
+        (b2, s2, o2, p2, _), (b8, s8, o8, p8, sites) = counts[2], counts[8]
+        yield Row("2a", "CUDA syncs per captured training step", f"2L: {s2 - b2}, 8L: {s8 - b8}",
+                  "8L <= 2L (captured minus plain step)", verdict(s8 - b8 <= s2 - b2),
+                  f"{setup}; plain step alone: 2L {b2}, 8L {b8}; torch.cuda.set_sync_debug_mode('warn')")
+        yield Row("2b", "CUDA syncs per collect batch", f"2L: {p2:g}, 8L: {p8:g}", "8L <= 2L", verdict(p8 <= p2),
+                  f"(3 batches - 1 batch) / 2; a whole 1-batch collect: 2L {o2}, 8L {o8} (once-per-run work "
+                  f"included); 8L sites: {', '.join(sites[:6]) or 'none'}")
+    else:
+        reason = "needs CUDA (torch.cuda.set_sync_debug_mode); rows 2c and 2d count the host reads on any device"
+        yield Row("2a", "CUDA syncs per captured training step", "-", "8L <= 2L", "skip", reason)
+        yield Row("2b", "CUDA syncs per collect batch", "-", "8L <= 2L", "skip", reason)
+
+    HostReads = _host_reads_module().HostReads
+
+    def gradtrace_reads(fn: Callable[[], None]) -> int:
+        with HostReads() as reads:
+            fn()
+        return sum(n for (_, where), n in reads.sites.items() if where != "model")
+
+    from gradtrace.capture import assemble
+
+    reads = {}
+    fast_path = getattr(assemble, "CPU_FAST_PATH", None)
+    assemble.CPU_FAST_PATH = False  # the path a device takes (on the CPU a read waits for nothing), as host_reads.py
+    try:
+        for layers in (2, 8):
+            plain, capturing, collect = _sync_workload(layers, dev)
+            with capturing() as step:
+                per_step = gradtrace_reads(step)
+            one = gradtrace_reads(lambda collect=collect: collect(1))
+            two = gradtrace_reads(lambda collect=collect: collect(2))
+            reads[layers] = (per_step, two - one, one)
+    finally:
+        if fast_path is None:
+            del assemble.CPU_FAST_PATH
+        else:
+            assemble.CPU_FAST_PATH = fast_path
+    yield Row("2c", "host reads per captured step (gradtrace code)", f"2L: {reads[2][0]}, 8L: {reads[8][0]}",
+              "8L <= 2L", verdict(reads[8][0] <= reads[2][0]),
+              f"{setup}; bench/host_reads.py's TorchFunctionMode (.item, bool, tolist, .cpu, nonzero, mask indexing)"
+              f" on {dev}, the device path (assemble.CPU_FAST_PATH off)")
+    yield Row("2d", "host reads per collect batch (gradtrace code)", f"2L: {reads[2][1]:g}, 8L: {reads[8][1]:g}",
+              "8L <= 2L", verdict(reads[8][1] <= reads[2][1]),
+              f"2 batches - 1 batch; a whole 1-batch collect: 2L {reads[2][2]}, 8L {reads[8][2]}")
+
+
+# ---------------------------------------------------------------------------------------------- 3. peak memory
+def check_memory(ctx: Context) -> Iterator[Row]:
+    vocab, hidden, layers, rows, length = (32_000, 256, 2, 4, 512) if ctx.quick else (128_000, 256, 4, 8, 1024)
+    if not ctx.cuda:
+        yield Row("3", "peak memory: captured / plain step", "-", f"<= {MEMORY_RATIO}", "skip",
+                  "needs CUDA (torch.cuda.max_memory_allocated); CPU peaks: bench/capture_overhead.py, "
+                  "bench/collect_memory.py")
+        return
+    dev = ctx.device
+    model = llama(vocab, hidden, layers, heads=4, kv_heads=4).to(dev, torch.bfloat16)
+    model.train()
+    gen = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(3, vocab, (rows, length), generator=gen).to(dev)  # [B, T]
+    batch = {"input_ids": input_ids, "labels": input_ids}
+
+    def step() -> None:
+        model(**batch, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    def peak(fn: Callable[[], None]) -> tuple[float, float]:
+        fn()  # warm-up: allocator pools, projection matrices
+        gc.collect()
+        sync(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        fn()
+        sync(dev)
+        return torch.cuda.max_memory_allocated(dev) / 2**30, before / 2**30
+
+    plain, base = peak(step)
+    with gradtrace.capture(model, Loss(reduction="token_mean"),
+                           options=CaptureOptions(projection=gradtrace.LoGra(rank=8)), callbacks=[drop]):
+        capture_peak, _ = peak(step)
+    ratio = capture_peak / plain
+    yield Row("3", "peak memory: captured / plain step", f"{ratio:.3f} ({capture_peak:.2f} / {plain:.2f} GiB)",
+              f"<= {MEMORY_RATIO}", verdict(ratio <= MEMORY_RATIO),
+              f"bf16 Llama h={hidden} L={layers} V={vocab:,}, {rows} x {length} tokens, LoGra rank 8, "
+              f"{base:.2f} GiB allocated before the step (weights)")
+
+
+# ---------------------------------------------------------------------------------------------- 4. int8 stores
+def _collect_model(ctx: Context):
+    vocab, hidden, layers = (256, 64, 2) if ctx.quick else (1024, 128, 4)
+    rows, length = (16, 24) if ctx.quick else (64, 64)
+    return (lambda: llama(vocab, hidden, layers)), id_batches(rows, length, vocab, per_batch=4), \
+        f"Llama h={hidden} L={layers} V={vocab}, {rows} examples of <= {length} tokens in batches of 4, LoGra rank 8"
+
+
+def _collect(model, data: list, device: torch.device, store: Path | None, dtype: str = "float32"):
+    return gradtrace.collect(model.to(device), data, store=store,
+                             options=CaptureOptions(projection=gradtrace.LoGra(rank=8)),
+                             store_options=StoreOptions(dtype=dtype, overwrite=store is not None) if store else None,
+                             run=RunOptions(device=device))
+
+
+def _raw(store) -> tuple[torch.Tensor, torch.Tensor]:
+    """An int8 store's unscaled rows ``[N, D]`` and scales ``[N]``."""
+    scales = torch.empty(len(store))
+    return store.read(0, len(store), scales=scales), scales
+
+
+def check_int8(ctx: Context) -> Iterator[Row]:
+    make, data, setup = _collect_model(ctx)
+    dev = ctx.device
+    runs = [_raw(_collect(make(), data, dev, ctx.tmp / f"int8-{i}", "int8")) for i in range(2)]
+    (q0, s0), (q1, s1) = runs
+    same = torch.equal(q0, q1) and torch.equal(s0, s1)
+    steps = float(((q0 * s0[:, None] - q1 * s1[:, None]).abs() / s0.clamp(min=1e-30)[:, None]).max())
+    yield Row("4a", "int8 store: two device collections", "identical" if same else f"differ by {steps:.2f} steps",
+              "identical rows and scales", verdict(same), f"{setup}, on {dev}")
+    if not same and ctx.cuda:  # does torch.use_deterministic_algorithms make them identical?
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                again = [_raw(_collect(make(), data, dev, ctx.tmp / f"int8-det-{i}", "int8")) for i in range(2)]
+        finally:
+            torch.use_deterministic_algorithms(False)
+        det = torch.equal(again[0][0], again[1][0]) and torch.equal(again[0][1], again[1][1])
+        kinds = sorted({str(w.message).split(" does not have a deterministic")[0][:60] for w in caught
+                        if "deterministic" in str(w.message)})
+        yield Row("4a'", "int8 store: two collections, deterministic algorithms", "identical" if det else "differ",
+                  "identical rows and scales", verdict(det),
+                  f"torch.use_deterministic_algorithms(True, warn_only=True); ops without one: {kinds or 'none'}")
+    if not ctx.compare_cpu:
+        yield Row("4b", "int8 store: device vs CPU collection", "-", "within 1 quantisation step", "skip",
+                  "--device is the CPU: the reference would be the same computation")
+        return
+    qc, sc = _raw(_collect(make(), data, torch.device("cpu"), ctx.tmp / "int8-cpu", "int8"))
+    decoded, decoded_cpu = q0 * s0[:, None], qc * sc[:, None]  # [N, D]
+    step = torch.maximum(s0, sc)[:, None].clamp(min=1e-30)
+    worst = float(((decoded - decoded_cpu).abs() / step).max())
+    codes = int((q0 - qc).abs().max())
+    # each side is within half a step of its float32 value, and the float32 values differ by round-off only
+    yield Row("4b", "int8 store: device vs CPU collection", f"{worst:.2f} steps (codes differ by <= {codes})",
+              "<= 1.01 steps per value", verdict(worst <= 1.01),
+              f"step: the larger of the two rows' scales (max |row| / 127); scales rel. err "
+              f"{rel_err(s0, sc):.1e}")
+
+
+# ---------------------------------------------------------------------------------------------- 5. CUDA vs CPU
+def check_scores(ctx: Context) -> Iterator[Row]:
+    if not ctx.compare_cpu:
+        yield Row("5", "grad_dot scores: device vs CPU", "-", f"<= {FP32_RTOL:g}", "skip",
+                  "--device is the CPU: nothing to compare it with")
+        return
+    make, data, setup = _collect_model(ctx)
+    queries = id_batches(4, 24, make().config.vocab_size, per_batch=4, seed=9)
+    results = []
+    for where, device in (("device", ctx.device), ("cpu", torch.device("cpu"))):
+        store = _collect(make(), data, device, ctx.tmp / f"scores-{where}")
+        query_rows = _collect(make(), queries, device, None)
+        scores = gradtrace.Attributor("grad_dot", store, device=device).score(query_rows)
+        results.append((scores.matrix, store.read(0, len(store))))
+    (dev_scores, dev_rows), (cpu_scores, cpu_rows) = results
+    err = rel_err(dev_scores, cpu_scores)
+    same_top = torch.equal(dev_scores.argmax(1).cpu(), cpu_scores.argmax(1))
+    yield Row("5", "grad_dot scores: device vs CPU", f"{err:.1e}", f"<= {FP32_RTOL:g} (max abs err / max abs score)",
+              verdict(err <= FP32_RTOL),
+              f"{setup}, float32 stores, 4 queries; rows rel. err {rel_err(dev_rows, cpu_rows):.1e}; "
+              f"same top-1: {same_top}")
+
+
+# ---------------------------------------------------------------------------------------------- 6. tokens/s
+def check_throughput(ctx: Context) -> Iterator[Row]:
+    dev = ctx.device
+    if ctx.cuda:
+        vocab, hidden, layers, rows, length, dtype = (32_000, 256, 2, 4, 512, torch.bfloat16) if ctx.quick else \
+            (32_000, 512, 4, 8, 1024, torch.bfloat16)
+    else:
+        vocab, hidden, layers, rows, length, dtype = (1000, 128, 2, 4, 128, torch.float32) if ctx.quick else \
+            (2000, 128, 4, 8, 128, torch.float32)
+    steps = 3 if ctx.quick else 10
+    model = llama(vocab, hidden, layers, heads=4, kv_heads=4).to(dev, dtype)
+    gen = torch.Generator().manual_seed(4)
+    batches = []
+    for s in range(steps):
+        input_ids = torch.randint(3, vocab, (rows, length), generator=gen)  # [B, T]
+        batches.append({"id": [f"s{s}e{i}" for i in range(rows)], "input_ids": input_ids, "labels": input_ids})
+    on_device = [to({k: v for k, v in b.items() if k != "id"}, dev) for b in batches]
+    options = CaptureOptions(projection=gradtrace.LoGra(rank=8))
+
+    def train() -> None:
+        for batch in on_device:
+            model(**batch, use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+    def collect() -> None:
+        gradtrace.collect(model, batches, options=options, run=RunOptions(device=dev))
+
+    def timed(fn: Callable[[], None]) -> float:
+        sync(dev)
+        start = time.perf_counter()
+        fn()
+        sync(dev)
+        return time.perf_counter() - start
+
+    model.train()
+    train()  # warm-up
+    collect()
+    best = {"train": float("inf"), "collect": float("inf")}
+    for _ in range(2):  # alternate, best of two: machine drift hits both alike
+        model.train()
+        best["train"] = min(best["train"], timed(train))
+        best["collect"] = min(best["collect"], timed(collect))
+    tokens = steps * rows * length
+    train_rate, collect_rate = tokens / best["train"], tokens / best["collect"]
+    ratio = collect_rate / train_rate
+    yield Row("6", "tokens/s: collect / training step", f"{ratio:.2f} ({collect_rate:,.0f} / {train_rate:,.0f})",
+              f">= {SPEED_RATIO} (regression guard)", verdict(ratio >= SPEED_RATIO),
+              f"{str(dtype).removeprefix('torch.')} Llama h={hidden} L={layers} V={vocab:,}, {steps} batches of "
+              f"{rows} x {length} tokens, LoGra rank 8 in memory; training step: forward + backward, no optimizer; "
+              f"best of 2 after warm-up, on {dev}")
+
+
+# ---------------------------------------------------------------------------------------------- 7. DDP
+DDP_EXAMPLES, DDP_PER_STEP = 8, 2
+
+
+def _ddp_data(vocab: int) -> tuple[list[str], list[dict[str, torch.Tensor]]]:
+    """The 8 examples (ids, and 8 one-row batches of a right-padded batch: each keeps the common width)."""
+    _, batch = padded_batch([10, 7, 9, 4, 10, 6, 8, 5], vocab, seed=5)
+    return [f"ex{i}" for i in range(DDP_EXAMPLES)], [{k: v[i:i + 1] for k, v in batch.items()}
+                                                      for i in range(DDP_EXAMPLES)]
+
+
+def _ddp_rows(model, ids: list[str], rows: list[dict[str, torch.Tensor]], device: torch.device,
+              per_step: int) -> dict[str, torch.Tensor]:
+    """``{id: LoGra row}`` of a capture over ``rows`` in steps of ``per_step`` examples (token-mean loss)."""
+    out = {}
+    with gradtrace.capture(model, Loss(reduction="token_mean"),
+                           options=CaptureOptions(projection=gradtrace.LoGra(rank=8, seed=0)),
+                           keep_batches=True) as cap:
+        for start in range(0, len(rows), per_step):
+            batch = to({k: torch.cat([r[k] for r in rows[start:start + per_step]]) for k in rows[0]}, device)
+            cap.annotate(ids=ids[start:start + per_step])
+            model(**batch).loss.backward()
+            model.zero_grad(set_to_none=True)
+    for batch in cap.batches:
+        flat = batch.flat().cpu()
+        out.update({ident: flat[i] for i, ident in enumerate(batch.ids)})
+    return out
+
+
+def _ddp_rank(rank: int, world: int, backend: str, rendezvous: str, out: str) -> None:
+    """One rank of check 7 (``torch.multiprocessing.spawn`` target): DDP capture of its half of the examples."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.set_num_threads(1)
+    device = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        model = gpt2(2).to(device)
+        ddp = DDP(model, device_ids=[rank] if device.type == "cuda" else None)
+        ids, rows = _ddp_data(model.config.vocab_size)
+        share = slice(rank * DDP_EXAMPLES // world, (rank + 1) * DDP_EXAMPLES // world)
+        torch.save(_ddp_rows(ddp, ids[share], rows[share], device, DDP_PER_STEP), Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def check_ddp(ctx: Context) -> Iterator[Row]:
+    import torch.multiprocessing as mp
+
+    backend = ctx.ddp_backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else ""
+    if not backend:
+        yield Row("7", "DDP, 2 ranks: rows vs 1 process", "-", f"<= {FP32_RTOL:g}", "skip",
+                  f"needs 2 CUDA devices for NCCL (this machine has {torch.cuda.device_count()}); "
+                  "--ddp-backend gloo runs the same check on 2 CPU processes")
+        return
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        raise RuntimeError(f"--ddp-backend nccl needs 2 CUDA devices, found {torch.cuda.device_count()}")
+    device = torch.device("cuda:0") if backend == "nccl" else torch.device("cpu")
+    folder = Path(tempfile.mkdtemp(prefix="ddp-", dir=ctx.tmp))
+    context = mp.spawn(_ddp_rank, args=(2, backend, str(folder / "rendezvous"), str(folder)), nprocs=2,
+                       join=False)
+    deadline = time.monotonic() + 300
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for proc in context.processes:
+                proc.kill()
+            raise TimeoutError("the 2 DDP ranks did not finish within 300 s (a hang)")
+    model = gpt2(2).to(device)
+    ids, rows = _ddp_data(model.config.vocab_size)
+    reference = _ddp_rows(model, ids, rows, device, DDP_EXAMPLES)  # one process, one batch of all 8
+    ranks = {}
+    for r in range(2):
+        ranks.update(torch.load(folder / f"rank{r}.pt"))
+    assert sorted(ranks) == sorted(reference), (sorted(ranks), sorted(reference))
+    err = max(rel_err(ranks[i], reference[i]) for i in reference)
+    yield Row("7", "DDP, 2 ranks: rows vs 1 process", f"{err:.1e}", f"<= {FP32_RTOL:g} (max abs err / max abs ref)",
+              verdict(err <= FP32_RTOL),
+              f"{backend}{' on 2 CPU processes (the launch path, not NCCL)' if backend == 'gloo' else ''}: GPT-2 "
+              f"h=32 L=2, {DDP_EXAMPLES} padded examples, {DDP_PER_STEP} per rank and step, LoGra rank 8, "
+              "token-mean loss")
+
+
+CHECKS: dict[str, Callable[[Context], Iterator[Row]]] = {
+    "1": check_exactness, "2": check_host_syncs, "3": check_memory, "4": check_int8, "5": check_scores,
+    "6": check_throughput, "7": check_ddp,
+}
+
+
+# ---------------------------------------------------------------------------------------------- running, output
+def run_checks(ctx: Context, checks: dict[str, Callable[[Context], Iterator[Row]]],
+               echo: Callable[[Row], None] = lambda row: None) -> list[Row]:
+    """Every check's rows; an exception becomes an ``error`` row of its check and the next check runs."""
+    out: list[Row] = []
+    for key, check in checks.items():
+        start = time.perf_counter()
+        try:
+            for row in check(ctx):
+                row.seconds = time.perf_counter() - start
+                out.append(row)
+                echo(row)
+                start = time.perf_counter()
+        except Exception as err:  # isolation: report it and go on
+            last = traceback.extract_tb(err.__traceback__)[-1]
+            row = Row(key, check.__name__.removeprefix("check_"), "-", "-", "error",
+                      f"{type(err).__name__}: {err} ({Path(last.filename).name}:{last.lineno})".replace("\n", " "),
+                      time.perf_counter() - start)
+            out.append(row)
+            echo(row)
+        finally:
+            gc.collect()
+            if ctx.cuda:
+                torch.cuda.empty_cache()
+    return out
+
+
+def environment(ctx: Context, argv: list[str]) -> list[str]:
+    import transformers
+
+    lines = [f"command: `{shlex.join(['python', 'bench/gpu_check.py', *argv])}`",
+             f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__},"
+             f" gradtrace {gradtrace.__version__}, {platform.machine()} ({os.cpu_count()} CPUs)"]
+    if ctx.cuda:
+        names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        lines.append(f"device: {ctx.device} ({names}), CUDA {torch.version.cuda}; TF32 matmul "
+                     f"{torch.backends.cuda.matmul.allow_tf32}, cudnn {torch.backends.cudnn.allow_tf32}")
+    else:
+        lines.append("device: cpu -- not a GPU run: the CUDA-only checks are skipped")
+    return lines
+
+
+def table(rows: list[Row]) -> str:
+    head = "| check | what | value | bound | status | s | notes |\n|---|---|---|---|---|---|---|\n"
+    cells = [(r.check, r.name, r.value, r.bound, f"**{r.status}**" if r.status in ("fail", "error") else r.status,
+              f"{r.seconds:.1f}", r.notes) for r in rows]
+    return head + "\n".join("| " + " | ".join(c.replace("|", "\\|") for c in cell) + " |" for cell in cells)
+
+
+def write_markdown(path: Path, block: str) -> None:
+    """``block`` between the file's markers, each on a line of its own (the rest kept; a marker quoted in a
+    sentence is text), appended to a file without them, or a page of its own."""
+    text = path.read_text() if path.exists() else ""
+    markers = re.search(f"^{re.escape(BEGIN)}$.*?^{re.escape(END)}$", text, flags=re.M | re.S)
+    if markers is not None:
+        text = text[:markers.start()] + f"{BEGIN}\n{block}\n{END}" + text[markers.end():]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "# GPU checks (bench/gpu_check.py)\n\n") + \
+            f"{BEGIN}\n{block}\n{END}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="cuda, cuda:N or cpu (default: cuda when there is one)")
+    parser.add_argument("--out", type=Path, help="write the table as markdown here")
+    parser.add_argument("--quick", action="store_true", help="smaller shapes (the CPU test runs this)")
+    parser.add_argument("--only", help="comma-separated check numbers (default: all)")
+    parser.add_argument("--ddp-backend", choices=("auto", "nccl", "gloo"), default="auto",
+                        help="check 7: auto = NCCL when there are 2 CUDA devices, else skipped; gloo = 2 CPU processes")
+    parser.add_argument("--self-compare", action="store_true", help=argparse.SUPPRESS)  # 4b and 5 on a CPU device
+    args = parser.parse_args(argv)
+    # read when cuBLAS makes its first handle; torch.use_deterministic_algorithms needs it (check 4's second run)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+        device = torch.device("cuda", device.index if device.index is not None else 0)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = False  # the float32 bounds assume float32 products
+        torch.backends.cudnn.allow_tf32 = False
+    checks = CHECKS if not args.only else {k: CHECKS[k] for k in args.only.split(",")}
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*use_cache=True.*")
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable. is deprecated.*")
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        ctx = Context(device=device, quick=args.quick, tmp=Path(tmp), ddp_backend=args.ddp_backend,
+                      self_compare=args.self_compare)
+        header = environment(ctx, argv)
+        print("\n".join(header), flush=True)
+        print(f"{'check':<6} {'status':<6} {'value':<44} bound", flush=True)
+
+        def echo(row: Row) -> None:
+            print(f"{row.check:<6} {row.status:<6} {row.value:<44} {row.bound}  [{row.seconds:.1f} s] {row.notes}",
+                  flush=True)
+
+        rows = run_checks(ctx, checks, echo)
+    block = "\n".join(f"- {line}" for line in header) + "\n\n" + table(rows)
+    print("\n" + table(rows))
+    if args.out is not None:
+        write_markdown(args.out, block)
+        print(f"\nwritten: {args.out}")
+    bad = [r.check for r in rows if r.status in ("fail", "error")]
+    print(f"\n{len(rows)} rows: " + ", ".join(f"{sum(r.status == s for r in rows)} {s}" for s in STATUSES)
+          + (f"; failing: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
