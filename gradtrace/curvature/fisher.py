@@ -29,6 +29,7 @@ from ..loss.functions import (
     default_loss,
     lm_labels,
     regression_loss,
+    token_log_probs,
 )
 from ..loss.likelihoods import Likelihood, categorical, gaussian
 
@@ -102,7 +103,7 @@ def _label_cls(label: int) -> LossFn:
         inputs, _ = _split(batch)
         logits = _logits(model, inputs)
         target = torch.full((logits.shape[0],), label, dtype=torch.long, device=logits.device)
-        weight = torch.softmax(logits.detach().float(), -1)[:, label].sqrt()
+        weight = token_log_probs(logits, target).mul_(0.5).exp_()  # sqrt p(label), no float32 copy of the logits
         return F.cross_entropy(logits, target, reduction="none") * weight
 
     return loss

@@ -9,7 +9,9 @@ gradient -- and, with tied embeddings, the output half of the embedding's -- can
 (without labels, so the model computes no loss of its own), which runs the LM head module, and a
 forward hook computes the fields TRL reads from the logits (``loss``, ``log_probs``, ``label_mask`` and,
 without gradient, ``entropy``, ``is_top1``, ``log_sum_sq_probs``, ``mean_logits``). The values are those
-of the fused head; the logits are materialized, as capturing the LM head needs their gradient anyway.
+of the fused head; the logits are materialized, as capturing the LM head needs their gradient anyway, but
+nothing else of their size is: the fields are computed in float32 over row blocks of the logits, and the
+gradient of ``log_probs`` is written in the logits' dtype (:func:`~gradtrace.loss.token_cross_entropy`).
 Only used when a captured parameter belongs to the output embedding (full fine-tuning); with LoRA the
 frozen head stays fused.
 """
@@ -21,6 +23,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from ..loss.functions import row_chunk, token_cross_entropy
 
 __all__ = ["UnfusedLMHead", "captures_output_embedding"]
 
@@ -54,19 +58,41 @@ def _fused_settings(model: nn.Module) -> dict[str, Any]:
         return {}
 
 
+def _row_statistics(flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per row of ``[N, V]`` logits, without gradient: the entropy of ``p = softmax``, ``log sum_v p_v^2``, the mean
+    logit (float32, ``[N]`` each) and the top-1 label (``[N]``), one ``[chunk, V]`` float32 block at a time."""
+    count, width = flat.shape
+    entropy, log_sum_sq, mean = (torch.empty(count, dtype=torch.float32, device=flat.device) for _ in range(3))
+    top1 = torch.empty(count, dtype=torch.long, device=flat.device)
+    chunk = row_chunk(width)
+    with torch.no_grad():
+        for start in range(0, count, chunk):
+            rows = slice(start, start + chunk)
+            block = flat[rows].to(torch.float32, copy=True)  # [chunk, V]; a copy: changed in place below
+            mean[rows] = block.mean(-1)
+            top1[rows] = block.argmax(-1)
+            block -= torch.logsumexp(block, dim=-1, keepdim=True)  # log-softmax
+            log_sum_sq[rows] = torch.logsumexp(2 * block, dim=-1)
+            entropy[rows] = -(block.exp() * block).sum(-1)
+    return entropy, log_sum_sq, mean, top1
+
+
 def fused_outputs(logits: Tensor, labels: Tensor, num_items: Tensor | float | None, output_class: type) -> Any:
-    """TRL's fused-head fields from full logits ``[B, T, V]`` and unshifted ``labels`` ``[B, T]``."""
-    logits = logits[:, :-1].float()  # [B, T-1, V]: position t predicts labels[t + 1]
+    """TRL's fused-head fields from full logits ``[B, T, V]`` and unshifted ``labels`` ``[B, T]``.
+
+    No float32 ``[B, T, V]`` tensor is made (see the module docstring): the labels are shifted instead of the logits
+    (position ``t`` predicts ``labels[t + 1]``; the last position predicts nothing), so contiguous logits are read
+    as the ``[B * T, V]`` view they are."""
+    batch, length, vocab = logits.shape
     targets = labels[:, 1:].to(logits.device)  # [B, T-1]
     mask = targets != -100
-    log_softmax = torch.log_softmax(logits, dim=-1)
-    log_probs = log_softmax.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(~mask, 0.0)
-    with torch.no_grad():
-        probs = log_softmax.exp()
-        entropy = -(probs * log_softmax).sum(-1).masked_fill(~mask, 0.0)
-        is_top1 = (logits.argmax(-1) == targets) & mask
-        log_sum_sq = torch.logsumexp(2 * log_softmax, dim=-1).masked_fill(~mask, 0.0)
-        mean_logits = logits.mean(-1).masked_fill(~mask, 0.0)
+    shifted = torch.cat([targets, targets.new_full((batch, 1), -100)], dim=1).reshape(-1).long()  # [B * T]
+    flat = logits.reshape(-1, vocab)  # [B * T, V]
+    per_token = token_cross_entropy(flat, shifted)  # [B * T] float32, 0 where ignored
+    log_probs = (-per_token).view(batch, length)[:, :-1].masked_fill(~mask, 0.0)
+    entropy, log_sum_sq, mean_logits, top1 = (x.view(batch, length)[:, :-1] for x in _row_statistics(flat))
+    entropy, log_sum_sq, mean_logits = (x.masked_fill(~mask, 0.0) for x in (entropy, log_sum_sq, mean_logits))
+    is_top1 = (top1 == targets) & mask
     denominator = mask.sum().clamp(min=1) if num_items is None else num_items
     loss = -log_probs.sum() / denominator
     return output_class(loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq,

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..loss.functions import token_log_probs
+
 __all__ = ["CallLoss", "TrainerLoss", "loss_ratio"]
 
 
@@ -120,14 +122,16 @@ def _losses_total(output: Any, labels: Tensor | None, causal: bool) -> tuple[Ten
     logits = _field(output, "logits")
     if logits is None or labels is None or not logits.is_floating_point():
         return None
-    logits, labels = logits.detach().float(), labels.to(logits.device)
+    # the check runs while the training graph (and the logits) are alive: no float32 copy of [B, T, V] -- the
+    # log-sum-exp runs in float32 over row blocks of the logits as they are (token_log_probs)
+    logits, labels = logits.detach(), labels.to(logits.device)
     if causal and labels.dim() == 2 and logits.dim() == 3 and logits.shape[:2] == labels.shape:
-        logits, labels = logits[:, :-1], labels[:, 1:]
+        # position t predicts labels[t + 1]: shift the labels, not the logits (a slice of them would be copied)
+        labels = torch.cat([labels[:, 1:], labels.new_full((labels.shape[0], 1), -100)], dim=1)
     if labels.is_floating_point() or logits.shape[:-1] != labels.shape:
         return None
-    losses = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                               ignore_index=-100, reduction="sum")
-    return losses, (labels != -100).sum()
+    log_probs = token_log_probs(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long())  # 0: ignored
+    return -log_probs.sum(), (labels != -100).sum()
 
 
 def loss_ratio(value: Tensor, output: Any, labels: Tensor | None, call: CallLoss, causal: bool) -> float | None:

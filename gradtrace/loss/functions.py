@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["MODEL_KEYS", "LossConvention", "LossFn", "causal_lm_loss", "classification_loss", "default_loss_labels",
-           "regression_loss", "lm_labels", "token_cross_entropy"]
+           "regression_loss", "lm_labels", "row_chunk", "token_cross_entropy", "token_log_probs"]
 
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids", "token_type_ids", "inputs_embeds")
 """The keys of a tokenized batch that a language model's forward takes (the others are labels, ids, ...)."""
@@ -51,14 +51,37 @@ _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackwar
                     "TBackward0", "TransposeBackward0", "PermuteBackward0"})
 
 
+_CONSUMABLE = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
 def _overwritable(logits: Tensor) -> bool:
-    """Whether ``logits`` (float32, contiguous) come from an op whose backward does not read them."""
-    if logits.dtype != torch.float32 or not logits.is_contiguous():
+    """Whether ``logits`` (float32, bfloat16 or float16, contiguous) come from an op whose backward does not read
+    them."""
+    if logits.dtype not in _CONSUMABLE or not logits.is_contiguous():
         return False
     node = logits.grad_fn
     while node is not None and node.name() in _VIEWS:
         node = node.next_functions[0][0]
     return node is not None and node.name() in _KEEPS_NO_OUTPUT
+
+
+def row_chunk(width: int) -> int:
+    """Rows per block of a pass over ``[N, width]`` logits: about 2M entries (8 MB in float32), which stay in cache;
+    the most float32 memory such a pass holds beyond its ``[N]`` results."""
+    return max(1, (1 << 21) // max(1, width))
+
+
+def _row_logsumexp(logits: Tensor, chunk: int) -> Tensor:
+    """``[N]`` float32 log-sum-exp of each row of ``[N, V]`` logits, one ``[chunk, V]`` float32 block at a time.
+
+    The sum runs in float32 whatever the logits' dtype: in bfloat16 (8 significant bits) a sum of ``V`` exponentials
+    loses every term below ``2^-9`` of the running total, so for ``V`` = 128k the loss would be off by whole nats; in
+    float32 its relative error is at most about ``V * eps32`` (``1.5e-2`` worst case at 128k, ``~sqrt(V) * eps32``
+    typically) and the loss is accurate to that in absolute terms."""
+    lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, logits.shape[0], chunk):
+        lse[start:start + chunk] = torch.logsumexp(logits[start:start + chunk].float(), dim=1)
+    return lse
 
 
 class _TokenCrossEntropy(torch.autograd.Function):
@@ -68,18 +91,24 @@ class _TokenCrossEntropy(torch.autograd.Function):
     ``F.cross_entropy`` instead materializes ``log_softmax`` (an extra ``[N, V]`` write and read each way),
     which for a large vocabulary costs as much as the model's smaller layers. With ``consume``, backward writes
     the gradient into the logits' own memory instead of a new ``[N, V]`` buffer -- when :func:`_overwritable`
-    says no other backward step reads the logits (float32 output of a matrix product, as a language model's head
+    says no other backward step reads the logits (the output of a matrix product, as a language model's head
     makes them); otherwise it quietly uses a new buffer (same result).
+
+    Precision: the log-sum-exp, the picked logit and ``softmax - onehot`` are computed in float32 for every dtype
+    (see :func:`_row_logsumexp`; the loss ``lse - picked`` cancels two numbers of size ``~log V + max logit``, so both
+    must be float32 for the difference to be). For float32 logits every step runs in place in the output, as
+    always. For bfloat16/float16 logits the gradient is written in their dtype (autograd wants that dtype): each row
+    block is computed in one reused ``[chunk, V]`` float32 buffer and rounded once into it, the same values as a
+    float32 ``[N, V]`` gradient cast at the end, without that buffer (``N * V * 4`` bytes: 4 GiB at 8k tokens and
+    a 128k vocabulary).
     """
 
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, ignore_index: int, chunk: int, consume: bool) -> Tensor:
-        lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for start in range(0, logits.shape[0], chunk):
-            lse[start:start + chunk] = torch.logsumexp(logits[start:start + chunk].float(), dim=1)
+        lse = _row_logsumexp(logits, chunk)
         valid = targets != ignore_index
         safe = targets.clamp(min=0)
-        picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()
+        picked = logits.gather(1, safe.unsqueeze(1)).squeeze(1).float()  # exact: a bf16/fp16 value is a float32 one
         ctx.save_for_backward(logits, lse, safe, valid)
         ctx.chunk = chunk
         ctx.consume = consume and _overwritable(logits)
@@ -90,19 +119,25 @@ class _TokenCrossEntropy(torch.autograd.Function):
         logits, lse, safe, valid = ctx.saved_tensors
         weight = torch.where(valid, grad.float(), torch.zeros_like(lse))
         # consumed: the logits are read row block by row block just before the block is overwritten
-        out = logits.detach() if ctx.consume else torch.empty_like(logits, dtype=torch.float32)
+        out = logits.detach() if ctx.consume else torch.empty_like(logits)
+        in_place = out.dtype == torch.float32
+        buffer = None if in_place else torch.empty(min(ctx.chunk, logits.shape[0]), logits.shape[1],
+                                                   dtype=torch.float32, device=logits.device)
         for start in range(0, logits.shape[0], ctx.chunk):
             stop = start + ctx.chunk
-            block = out[start:stop]  # written in place: softmax * weight, minus weight at the target
+            # softmax * weight, minus weight at the target, in float32: in the output (float32) or the buffer
+            block = out[start:stop] if in_place else buffer[:out[start:stop].shape[0]]
             torch.sub(logits[start:stop], lse[start:stop, None], out=block)
             block.exp_().mul_(weight[start:stop, None])
             block.scatter_add_(1, safe[start:stop, None], -weight[start:stop, None])
+            if not in_place:
+                out[start:stop].copy_(block)  # the one rounding to the logits' dtype
         # a row that is no target gets exactly zero, even where its logits are NaN/inf (softmax * 0 is NaN there):
         # NaN at padding would otherwise flow back into the real tokens through masked attention
         silent = ~valid & ~torch.isfinite(lse)
         if bool(silent.any()):
             out[silent] = 0
-        return out.to(logits.dtype), None, None, None, None
+        return out, None, None, None, None
 
 
 def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, *,
@@ -110,15 +145,26 @@ def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -10
     """``[N]`` cross-entropy of ``[N, V]`` logits against ``[N]`` targets (0 where ``ignore_index``).
 
     Equal to ``F.cross_entropy(..., reduction="none")`` with half its memory traffic (see
-    :class:`_TokenCrossEntropy`); accumulates in float32.
+    :class:`_TokenCrossEntropy`); accumulates in float32 by row blocks, so bfloat16/float16 logits get no float32
+    ``[N, V]`` copy (their gradient is written in their dtype).
 
-    ``consume_logits=True`` lets the backward pass overwrite the logits with their gradient (float32 logits made
-    by a matrix product; others get a new buffer): one ``[N, V]`` buffer less, and its first-touch page faults.
+    ``consume_logits=True`` lets the backward pass overwrite the logits with their gradient (float32, bfloat16 or
+    float16 logits made by a matrix product; others get a new buffer): one ``[N, V]`` buffer less, and its
+    first-touch page faults.
     Only for logits nobody reads after the backward pass, in a graph differentiated once (a second backward
     through it raises autograd's in-place error).
     """
-    chunk = max(1, (1 << 21) // max(1, logits.shape[1]))
-    return _TokenCrossEntropy.apply(logits, targets, ignore_index, chunk, consume_logits)
+    return _TokenCrossEntropy.apply(logits, targets, ignore_index, row_chunk(logits.shape[1]), consume_logits)
+
+
+def token_log_probs(logits: Tensor, targets: Tensor, ignore_index: int = -100) -> Tensor:
+    """``[N]`` float32 ``log_softmax(logits)[n, targets[n]]`` of ``[N, V]`` logits (0 where ``ignore_index``), without
+    gradient: the log-sum-exp runs in float32 over row blocks (:func:`_row_logsumexp`), so the logits are never
+    copied to float32 whole -- for checks and weights read next to a live graph."""
+    with torch.no_grad():
+        lse = _row_logsumexp(logits, row_chunk(logits.shape[1]))
+        picked = logits.gather(1, targets.clamp(min=0).unsqueeze(1)).squeeze(1).float()
+        return torch.where(targets != ignore_index, picked - lse, torch.zeros_like(lse))
 
 
 def lm_labels(batch: dict[str, Tensor], ignore_index: int = -100) -> Tensor:

@@ -212,6 +212,10 @@ def stable_seed(*parts: object) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+UPCAST_BLOCK = 1 << 22
+"""Values of a bf16/fp16 input upcast to float32 at a time by :meth:`Projector.project` (16 MiB of float32)."""
+
+
 def gaussian_matrix(k: int, n: int, seed: int) -> Tensor:
     """A ``[k, n]`` float32 CPU matrix with i.i.d. ``N(0, 1/k)`` entries from ``seed``."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -243,9 +247,25 @@ class Projector:
         return mat
 
     def project(self, param: str, axis: str, x: Tensor) -> Tensor:
-        """Project the last dimension of ``x`` (``[..., n]``) to ``[..., k]`` in float32."""
+        """Project the last dimension of ``x`` (``[..., n]``) to ``[..., k]`` in float32.
+
+        The product is computed in float32 (a bf16/fp16 product would round each projected value to 8 or 11
+        significant bits; the accumulation over ``n`` terms needs float32). A bf16/fp16 ``x`` is upcast by blocks of
+        rows (:data:`UPCAST_BLOCK` values each), never whole: for an LM head's output gradient (``[tokens, V]``)
+        that is one block of float32 instead of a float32 copy of the whole ``[tokens, V]``.
+        """
         mat = self.matrix(param, axis, x.shape[-1], x.device)
-        return torch.matmul(x.to(torch.float32), mat.t())
+        if x.dtype == torch.float32:
+            return torch.matmul(x, mat.t())
+        n = x.shape[-1]
+        flat = x.reshape(-1, n)
+        rows = max(1, UPCAST_BLOCK // max(n, 1))
+        if flat.shape[0] <= rows:
+            return torch.matmul(x.to(torch.float32), mat.t())
+        out = torch.empty(flat.shape[0], mat.shape[0], dtype=torch.float32, device=x.device)
+        for start in range(0, flat.shape[0], rows):  # blocks of rows, not a loop over tokens
+            torch.matmul(flat[start:start + rows].to(torch.float32), mat.t(), out=out[start:start + rows])
+        return out.reshape(*x.shape[:-1], mat.shape[0])
 
     def project_full(self, param: str, grads: Tensor, shape: tuple[int, ...]) -> Tensor:
         """Project full gradients ``[N, *shape]`` of ``param`` the way capture does: ``[N, k]``.
