@@ -18,12 +18,30 @@ import threading
 import traceback
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from gradtrace.options import CaptureOptions
 
 READ_METHODS = ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy", "nonzero", "masked_select")
 """``torch.Tensor`` methods that read a tensor's value on the host (with ``torch.nonzero`` and ``torch.masked_select``,
 and ``__getitem__`` with a boolean mask)."""
+
+
+class _BooleanIndexing(TorchFunctionMode):
+    """Boolean-mask indexing, seen through a ``TorchFunctionMode`` (``Tensor.__getitem__`` cannot be wrapped on the
+    class: CPython would then dispatch indexing through the sequence protocol even after the wrapper is removed).
+    Such a mode is not active inside autograd hooks, so boolean indexing there goes uncounted."""
+
+    def __init__(self, note) -> None:
+        super().__init__()
+        self._note = note
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) > 1:
+            items = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items):
+                self._note("__getitem__")
+        return func(*args, **(kwargs or {}))
 
 
 class HostReads:
@@ -35,6 +53,7 @@ class HostReads:
     def __init__(self) -> None:
         self.sites: collections.Counter = collections.Counter()
         self._saved: list[tuple[object, str, object]] = []
+        self._inside = threading.local()
 
     def _note(self, kind: str) -> None:
         if threading.current_thread().name.startswith("gradtrace-store"):
@@ -45,13 +64,22 @@ class HostReads:
 
     def _wrap(self, owner: object, name: str, counts=None) -> None:
         original = getattr(owner, name)
-        self._saved.append((owner, name, original))
-        note = self._note
+        # restored by deleting the wrapper when the name was inherited (TensorBase's C slots): assigning a slot
+        # wrapper back onto torch.Tensor would change how the type dispatches indexing (a 0-d tensor would then
+        # go through the sequence protocol and fail on len())
+        self._saved.append((owner, name, original if name in vars(owner) else None))
+        note, inside = self._note, self._inside
 
         def wrapped(*args, **kwargs):
+            if getattr(inside, "active", False):  # called again through a TorchFunctionMode's dispatch: one read
+                return original(*args, **kwargs)
             if counts is None or counts(args):
                 note(name)
-            return original(*args, **kwargs)
+            inside.active = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside.active = False
 
         setattr(owner, name, wrapped)
 
@@ -61,16 +89,17 @@ class HostReads:
         for name in ("nonzero", "masked_select"):
             self._wrap(torch, name)
 
-        def boolean_index(args) -> bool:
-            items = args[1] if len(args) > 1 and isinstance(args[1], tuple) else args[1:2]
-            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
-
-        self._wrap(torch.Tensor, "__getitem__", boolean_index)
+        self._indexing = _BooleanIndexing(self._note)
+        self._indexing.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._indexing.__exit__(*exc)
         for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
         self._saved.clear()
 
 

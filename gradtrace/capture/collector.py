@@ -7,7 +7,9 @@ How it works, in one pass of a loop:
 2. A forward hook on every captured module keeps what the gradient rule needs (the layer input,
    projected right away under LoGra) and registers a hook on the module's output tensor. Output
    hooks pair each call's activations with exactly that call's output-gradient, which makes modules
-   called several times, tied weights and gradient checkpointing (re-run forwards) exact.
+   called several times, tied weights and gradient checkpointing (re-run forwards) exact. What is
+   kept passes through autograd's saved-tensor hooks (:mod:`.saved`): under non-reentrant
+   checkpointing it is recomputed by the re-run forward, not held from the first one.
 3. When the output-gradient arrives, the layer handler turns it into per-example gradient terms
    (loss scale removed).
 4. An autograd-engine callback fires when the backward pass is complete; the terms are assembled
@@ -43,6 +45,7 @@ from .coverage import CaptureReport
 from .example_ids import ExampleIds
 from .layer_selection import select_layers
 from .layers import LayerHandler
+from .saved import Kept
 from .verify import check_batch_sum
 
 __all__ = ["Capture", "CaptureCallback", "capture"]
@@ -384,12 +387,12 @@ class Capture:
                 cleaned = zero_outside(output, outside)
                 if cleaned is not output:
                     output = replacement = cleaned
-            saved = handler.forward(inputs, self.projector)
+            kept = Kept(handler.forward(inputs, self.projector))  # checkpointing: a placeholder, recomputed
             order = next(self._order)
 
             def on_grad(grad: Tensor) -> Tensor | None:
                 cleaned = zero_outside(grad, outside)
-                self._on_layer_grad(handler, context, order, saved, cleaned)
+                self._on_layer_grad(handler, context, order, kept, cleaned)
                 return cleaned if cleaned is not grad else None
 
             output.register_hook(on_grad)
@@ -419,14 +422,14 @@ class Capture:
         # final param.grad.
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
-    def _on_layer_grad(self, handler: LayerHandler, context: Any, order: int, saved: Any, grad: Tensor) -> None:
+    def _on_layer_grad(self, handler: LayerHandler, context: Any, order: int, kept: Kept, grad: Tensor) -> None:
         self._ensure_end_callback()
         if context is _AMBIGUOUS:
             raise RuntimeError(
                 f"gradtrace: {handler.name} was re-run during backward (reentrant activation checkpointing) after "
                 f"{len(self._contexts)} forward calls; its activations cannot be matched to one of them. Use "
                 "non-reentrant checkpointing (use_reentrant=False) or one forward call per backward pass.")
-        terms = handler.backward(saved, grad.detach(), context.scales, self.projector)
+        terms = handler.backward(kept.get(), grad.detach(), context.scales, self.projector)
         self._results.append(SiteResult(context, order, {handler.params[role]: t for role, t in terms.items()}))
 
     def _make_param_hook(self, name: str) -> Callable:

@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from ...grad.terms import Term, VectorTerm
+from ...grad.terms import OuterTerm, Term, VectorTerm
 from ...projection.logra import Projector
 from ..assemble import zero_outside
 
@@ -27,6 +27,7 @@ __all__ = [
     "TokenScale",
     "detached_copy",
     "find_handler",
+    "projected_outer",
     "projected_vector",
     "probe_output_scale",
     "register_layer",
@@ -228,6 +229,27 @@ def projected_vector(projector: Projector, param: str, values: Tensor, scale: To
         total = torch.einsum("btn,b->bn", values, rows.to(device=values.device))
         return VectorTerm(projector.project(param, "vector", total).unsqueeze(1))
     return VectorTerm(scaled(projector.project(param, "vector", values), scale))
+
+
+def projected_outer(projector: Projector, rows: Tensor, cols: Tensor, scale: TokenScale) -> OuterTerm:
+    """The per-example gradient ``sum_t rows_t cols_t^T`` of a matrix parameter from LoGra-projected factors
+    ``rows`` ``[B, T, k_r]`` (the per-token scale already applied) and ``cols`` ``[B, T, k_c]``.
+
+    When tokens are not kept and rows are not packed (``scale.rows`` is given), each row's tokens are summed here,
+    in the hook: the ``[B, k_r, k_c]`` sum is held as ``k_c`` pseudo-tokens (token ``j``: column ``j`` of the sum,
+    times the one-hot ``e_j``), which the assembly sums to the same matrix, instead of ``T`` tokens of both factors
+    held until the backward pass ends (``T / k_c`` times less memory). Padding positions holding NaN/inf are set
+    to 0 first (:func:`zero_outside`, no host read), as the assembly does to per-token terms.
+    """
+    k_r, k_c = rows.shape[-1], cols.shape[-1]
+    if getattr(scale, "rows", None) is None or projector.spec.keep_tokens:
+        return OuterTerm(rows=rows, cols=cols, n_rows=k_r, n_cols=k_c)
+    outside = getattr(scale, "outside", None)
+    if outside is not None:
+        rows, cols = zero_outside(rows, outside), zero_outside(cols, outside)
+    total = torch.einsum("btr,btc->brc", rows.to(torch.float32), cols.to(torch.float32))  # [B, k_r, k_c]
+    one_hot = torch.eye(k_c, device=total.device).expand(total.shape[0], k_c, k_c)
+    return OuterTerm(rows=total.transpose(1, 2), cols=one_hot, n_rows=k_r, n_cols=k_c)
 
 
 def scaled(x: Tensor, scale: TokenScale) -> Tensor:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ...grad.terms import OuterTerm, Term, VectorTerm
 from ...projection.logra import Projector
-from .base import LayerHandler, TokenScale, projected_vector, register_layer, scaled
+from .base import LayerHandler, TokenScale, projected_outer, projected_vector, register_layer, scaled
 
 
 @register_layer
@@ -76,9 +76,9 @@ class ConvHandler(LayerHandler):
         if "weight" in self.params:
             if projector is not None:
                 grads = scaled(projector.project(self.params["weight"], "rows", out_grads), scale)
+                terms["weight"] = projected_outer(projector, grads, saved, scale)
             else:
-                grads = exact
-            terms["weight"] = OuterTerm(rows=grads, cols=saved, n_rows=grads.shape[-1], n_cols=saved.shape[-1])
+                terms["weight"] = OuterTerm(rows=exact, cols=saved, n_rows=exact.shape[-1], n_cols=saved.shape[-1])
         if "bias" in self.params:
             terms["bias"] = (VectorTerm(exact) if projector is None
                              else projected_vector(projector, self.params["bias"], out_grads, scale))

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from ...grad.terms import OuterTerm, Term
 from ...projection.logra import Projector
-from .base import LayerHandler, TokenScale, register_layer, scaled, tokens_last
+from .base import LayerHandler, TokenScale, projected_outer, register_layer, scaled, tokens_last
 
 
 @register_layer
@@ -54,6 +54,6 @@ class EmbeddingHandler(LayerHandler):
         out_grads = tokens_last(self.rescale(grad_output), dim)  # [B, T, dim]
         if projector is not None:
             cols = scaled(projector.project(self.params["weight"], "cols", out_grads), scale)
-            return {"weight": OuterTerm(rows=saved, cols=cols, n_rows=saved.shape[-1], n_cols=cols.shape[-1])}
+            return {"weight": projected_outer(projector, saved, cols, scale)}
         cols = scaled(out_grads, scale)
         return {"weight": OuterTerm(rows=saved, cols=cols, n_rows=self.module.num_embeddings, n_cols=dim)}

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ...grad.terms import OuterTerm, Term, VectorTerm
 from ...projection.logra import Projector
-from .base import LayerHandler, TokenScale, projected_vector, register_layer, scaled, tokens_last
+from .base import LayerHandler, TokenScale, projected_outer, projected_vector, register_layer, scaled, tokens_last
 
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
@@ -66,19 +66,18 @@ class LinearHandler(LayerHandler):
         scale_acts = projector is None and "bias" not in self.params and self.d_in < self.d_out
         exact_grads = scaled(out_grads, scale) if projector is None and not scale_acts else None
         terms: dict[str, Term] = {}
-        if "weight" in self.params:
+        if "weight" in self.params and projector is not None:
             name = self.params["weight"]
-            if projector is not None:
-                grads = scaled(projector.project(name, "cols" if self.transposed else "rows", out_grads), scale)
-            elif scale_acts:
-                grads, saved = out_grads, scaled(saved, scale)
-            else:
-                grads = exact_grads
-            k_g, k_a = grads.shape[-1], saved.shape[-1]
+            grads = scaled(projector.project(name, "cols" if self.transposed else "rows", out_grads), scale)
+            terms["weight"] = projected_outer(projector, *((saved, grads) if self.transposed else (grads, saved)),
+                                              scale)
+        elif "weight" in self.params:
+            grads, acts = (out_grads, scaled(saved, scale)) if scale_acts else (exact_grads, saved)
+            k_g, k_a = grads.shape[-1], acts.shape[-1]
             if self.transposed:
-                terms["weight"] = OuterTerm(rows=saved, cols=grads, n_rows=k_a, n_cols=k_g)
+                terms["weight"] = OuterTerm(rows=acts, cols=grads, n_rows=k_a, n_cols=k_g)
             else:
-                terms["weight"] = OuterTerm(rows=grads, cols=saved, n_rows=k_g, n_cols=k_a)
+                terms["weight"] = OuterTerm(rows=grads, cols=acts, n_rows=k_g, n_cols=k_a)
         if "bias" in self.params:
             if projector is not None:
                 terms["bias"] = projected_vector(projector, self.params["bias"], out_grads, scale)

@@ -148,7 +148,9 @@ class NormHandler(LayerHandler):
     def forward(self, inputs: Tensor, projector: Projector | None) -> Any:
         if inputs.dim() < 2:
             raise ValueError(f"{self.name}: expected a batched input, got shape {tuple(inputs.shape)}")
-        return inputs  # normalized lazily in backward: nothing extra is held beyond autograd's copy
+        # normalized lazily in backward: nothing is held beyond the input autograd keeps (and, under non-reentrant
+        # checkpointing, recomputes: the collector keeps this through the saved-tensor hooks, capture/saved.py)
+        return inputs
 
     def backward(self, saved: Any, grad_output: Tensor, scale: TokenScale,
                  projector: Projector | None) -> dict[str, Term]:
