@@ -35,7 +35,7 @@ class KronStats:
         self.block = block
         self.rows: Tensor | None = None  # [n, n] or [n] (diagonal)
         self.cols: Tensor | None = None
-        self.tokens = 0.0
+        self.tokens: float | Tensor = 0.0  # a float64 tensor on the factors' device once a batch is added
         self.examples = 0.0
 
     @staticmethod
@@ -87,14 +87,18 @@ def block_factors(block: KronBlock, grads: dict[str, ParamGradient]) -> list[tup
 
 
 def _second_moment(factor: Tensor, width: int, live: Tensor) -> Tensor:
-    """``sum`` over live tokens of ``f f^T`` (dense ``[n, n]``) or of one-hot counts (``[n]``)."""
+    """``sum`` over live tokens of ``f f^T`` (dense ``[n, n]``) or of one-hot counts (``[n]``).
+
+    Dead tokens are multiplied by 0 rather than selected out: a boolean selection (or ``bincount``, which sizes its
+    result from the data) reads the mask on the host, once per layer per batch, which on a GPU stops the CPU."""
     if is_index(factor):
-        ids = factor[live & (factor >= 0)]
-        return torch.bincount(ids, minlength=width).to(torch.float32)
-    flat = factor.reshape(-1, factor.shape[-1])[live.reshape(-1)].to(torch.float32)
-    if flat.shape[1] > _MAX_DENSE_FACTOR:
-        raise ValueError(f"curvature would need a dense {flat.shape[1]}x{flat.shape[1]} factor; exclude this layer "
-                         "or use a LoGra projection")
+        counted = (live & (factor >= 0)).reshape(-1).to(torch.float32)
+        return torch.zeros(width, dtype=torch.float32, device=factor.device).index_add_(
+            0, factor.clamp(min=0).reshape(-1), counted)
+    if factor.shape[-1] > _MAX_DENSE_FACTOR:
+        raise ValueError(f"curvature would need a dense {factor.shape[-1]}x{factor.shape[-1]} factor; exclude this "
+                         "layer or use a LoGra projection")
+    flat = (factor.to(torch.float32) * live.unsqueeze(-1).to(torch.float32)).reshape(-1, factor.shape[-1])
     return flat.t() @ flat
 
 
@@ -124,7 +128,7 @@ class CovarianceCallback(CaptureCallback):
                 for rows, cols, live in block_factors(block, batch.params):
                     stats.rows = stats._add(stats.rows, _second_moment(rows, block.shape[0], live))
                     stats.cols = stats._add(stats.cols, _second_moment(cols, block.shape[1], live))
-                    stats.tokens += float(live.sum())
+                    stats.tokens = stats.tokens + live.sum(dtype=torch.float64)  # on its device: read once, at the end
                 stats.examples += len(batch)
             else:
                 grad = _flat_grad(batch.params[block.name])

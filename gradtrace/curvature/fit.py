@@ -173,7 +173,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | N
     for block in cov.blocks:
         stats = cov.stats[block.name]
         if isinstance(block, KronBlock):
-            tokens = stats.tokens / num_passes
+            tokens = float(stats.tokens) / num_passes
             if tokens == 0:
                 raise CurvatureError(f"fit_curvature(): no token carried gradient into {block.name} (zero curvature)")
             q_rows, e_rows = _factor_eigen(stats.rows / tokens)

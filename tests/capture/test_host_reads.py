@@ -82,8 +82,23 @@ def _loop_reads(tmp_path: Path, layers: int, logra: bool, batches: int) -> int:
     return _gradtrace_reads(reads)
 
 
+def _fit_reads(tmp_path: Path, layers: int, logra: bool, batches: int) -> int:
+    """An EK-FAC fit (two passes over the data): per-batch reads only; the token counts are read once per block at
+    the end of the fit, not per batch (the difference of two batch counts leaves them out)."""
+    from gradtrace.curvature import fit_curvature
+    from gradtrace.options import FitOptions
+
+    model = _gpt2(layers)
+    data = [{k: v for k, v in b.items() if k != "id"} for b in _batches(batches)]
+    projection = gradtrace.LoGra(rank=2) if logra else None
+    with _counter()() as reads:
+        fit_curvature(model, data, options=CaptureOptions(projection=projection), fit_options=FitOptions(kind="ekfac"))
+    at_end = sum(n for (_, where), n in reads.sites.items() if where.startswith("curvature/fit.py"))
+    return _gradtrace_reads(reads) - at_end
+
+
 @pytest.mark.parametrize("logra", [False, True], ids=["exact", "logra"])
-@pytest.mark.parametrize("run", [_collect_reads, _loop_reads], ids=["collect", "loop"])
+@pytest.mark.parametrize("run", [_collect_reads, _loop_reads, _fit_reads], ids=["collect", "loop", "fit"])
 def test_host_reads_are_a_small_constant_per_batch_whatever_the_depth(tmp_path, monkeypatch, run, logra):
     monkeypatch.setattr(assemble, "CPU_FAST_PATH", False)  # the device path, run on the CPU
     counts = {(layers, batches): run(tmp_path, layers, logra, batches) for layers in (2, 8) for batches in (1, 3)}
