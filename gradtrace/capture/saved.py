@@ -20,6 +20,7 @@ tensors themselves are kept: for a linear or norm layer a view of the input that
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch import Tensor
 __all__ = ["Kept"]
 
 # (pack, unpack) of the innermost saved-tensor hooks in force, or None: what autograd applies to a tensor it saves (a
-# private function of torch; a torch without it keeps the values as they are, checkpointing or not)
+# private function of torch; a torch without it keeps the values as they are, checkpointing or not, and says so)
 _top_hooks: Callable[[bool], tuple[Callable, Callable] | None] | None = getattr(
     torch._C._autograd, "_top_saved_tensors_default_hooks", None)
 
@@ -61,6 +62,11 @@ class Kept:
     __slots__ = ("_unpack", "_value")
 
     def __init__(self, saved: Any) -> None:
+        if _top_hooks is None:
+            warnings.warn("gradtrace: this torch has no torch._C._autograd._top_saved_tensors_default_hooks, so the "
+                          "capture keeps its layers' inputs as they are: under non-reentrant activation checkpointing "
+                          "they stay alive until backward (gradients are exact; memory is as without checkpointing)",
+                          RuntimeWarning, stacklevel=2)
         hooks = _top_hooks(False) if _top_hooks is not None else None
         if hooks is None:
             self._value, self._unpack = saved, None

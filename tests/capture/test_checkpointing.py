@@ -161,3 +161,15 @@ def test_save_on_cpu_and_retained_graph():
     assert len(cap.batches) == 2
     for batch in cap.batches:
         _close(batch.per_example_grads(), plain)
+
+
+def test_a_torch_without_the_saved_tensor_hooks_query_says_what_it_costs(monkeypatch):
+    """Without torch's (private) query of the saved-tensor hooks in force the capture keeps its layers' inputs as
+    they are: still exact, but it says that checkpointing no longer saves their memory."""
+    from gradtrace.capture import saved
+
+    monkeypatch.setattr(saved, "_top_hooks", None)
+    x = torch.randn(2, 3)
+    with pytest.warns(RuntimeWarning, match="under non-reentrant activation checkpointing they stay alive"):
+        kept = saved.Kept(x)
+    assert kept.get() is x
