@@ -31,7 +31,7 @@ from .console import console
 from .errors import CliError
 from .outputs import check_output_dir, check_output_file
 
-__all__ = ["OPTIONS", "AttributeOptions", "run"]
+__all__ = ["OPTIONS", "AttributeCommand", "run"]
 
 WHY_ENSEMBLE = ("an ensemble of the run's checkpoints: a fine-tune trained past convergence ranks its training data "
                 "no better than chance, while its earlier checkpoints keep the signal (bench/converged_sft.py: "
@@ -39,7 +39,7 @@ WHY_ENSEMBLE = ("an ensemble of the run's checkpoints: a fine-tune trained past 
 
 
 @dataclass(kw_only=True)
-class AttributeOptions:
+class AttributeCommand:
     """Options of ``gradtrace attribute``."""
 
     run_dir: Path = field(metadata=cli(
@@ -73,7 +73,7 @@ class AttributeOptions:
     progress: bool = progress_flag()
 
 
-OPTIONS = AttributeOptions
+OPTIONS = AttributeCommand
 
 
 def _invoke(name: str, module: object, args: list[object]) -> None:
@@ -88,7 +88,7 @@ def _invoke(name: str, module: object, args: list[object]) -> None:
         raise typer.Exit(code)
 
 
-def run(opts: AttributeOptions) -> None:
+def run(opts: AttributeCommand) -> None:
     """From a Trainer/TRL run to scores and an HTML report: collect a store per checkpoint, score the queries
     against their ensemble, write the report (each step is a gradtrace command, printed as it runs).
 

@@ -26,7 +26,7 @@ from .load_data import read_dataset
 from .load_model import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .outputs import check_writable, resolved_output
 
-__all__ = ["OPTIONS", "CollectOptions", "StoreGroup", "attributed_first", "check_layers", "latest_checkpoint",
+__all__ = ["OPTIONS", "CollectCommand", "StoreGroup", "attributed_first", "check_layers", "latest_checkpoint",
            "projection_label", "run", "store_layers", "trainer_step"]
 
 
@@ -41,7 +41,7 @@ class StoreGroup(Group):
 
 
 @dataclass(kw_only=True)
-class CollectOptions:
+class CollectCommand:
     """Options of ``gradtrace collect``."""
 
     model: Path | None = field(default=None, metadata=cli(
@@ -75,7 +75,7 @@ class CollectOptions:
         return self.layer_options.apply(self.projection_options.capture_options())
 
 
-OPTIONS = CollectOptions
+OPTIONS = CollectCommand
 
 
 @dataclass
@@ -87,7 +87,7 @@ class _Target:
     already: int = 0
 
 
-def run(opts: CollectOptions) -> None:
+def run(opts: CollectCommand) -> None:
     """Collect per-example gradients of a dataset into a gradient store (one per model).
 
     Each example's gradient is that of its own loss (causal LM, summed over the tokens in its loss: all of a
@@ -155,7 +155,7 @@ def run(opts: CollectOptions) -> None:
         console(stderr=True).print(phases.table())
 
 
-def _models_and_data(opts: CollectOptions) -> tuple[list[Path], Path]:
+def _models_and_data(opts: CollectCommand) -> tuple[list[Path], Path]:
     """The model directories in order (MODEL_DIR, then each --model, then the --checkpoints-of ones) and the data:
     with --model or --checkpoints-of and one argument, that argument is DATA."""
     if opts.last is not None and opts.checkpoints_of is None:
@@ -227,7 +227,7 @@ def _targets(models: list[Path], store_opts: StoreGroup) -> list[_Target]:
             for m, n in zip(models, names)]
 
 
-def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, final: CollectOptions, phases: Phases,
+def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, final: CollectCommand, phases: Phases,
                  *, progress: bool) -> Path:
     """Collect one store (``final``: the resolved options, completed with this store's model and path) and print
     what it holds; its resolved configuration is written beside it (with the base model of a PEFT adapter, which

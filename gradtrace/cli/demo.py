@@ -9,11 +9,11 @@ from pathlib import Path
 from .commands import QUIET_PROGRESS, cli, progress_flag
 from .errors import CliError
 
-__all__ = ["OPTIONS", "DemoOptions", "run"]
+__all__ = ["OPTIONS", "DemoCommand", "run"]
 
 
 @dataclass(kw_only=True)
-class DemoOptions:
+class DemoCommand:
     """Options of ``gradtrace demo``."""
 
     out: Path = field(default=Path("gradtrace-demo"), metadata=cli(
@@ -21,10 +21,10 @@ class DemoOptions:
     progress: bool = progress_flag(QUIET_PROGRESS)
 
 
-OPTIONS = DemoOptions
+OPTIONS = DemoCommand
 
 
-def run(opts: DemoOptions) -> None:
+def run(opts: DemoCommand) -> None:
     """Run a small end-to-end demo (train a tiny model, collect, score, show the top examples).
 
     Example: gradtrace demo --out ./demo

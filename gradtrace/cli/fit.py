@@ -42,7 +42,7 @@ from .load_model import (
 )
 from .outputs import check_output_dir
 
-__all__ = ["OPTIONS", "FitOptions", "run"]
+__all__ = ["OPTIONS", "FitCommand", "run"]
 
 
 @dataclass(kw_only=True)
@@ -102,7 +102,7 @@ class KernelOptions(Group):
 
 
 @dataclass(kw_only=True)
-class FitOptions:
+class FitCommand:
     """Options of ``gradtrace fit``."""
 
     store: Path = field(metadata=cli("Gradient store the curvature is for (written by gradtrace collect).",
@@ -123,10 +123,10 @@ class FitOptions:
     force: bool = field(default=False, metadata=cli("Fit even when the planned curvature exceeds the free disk."))
 
 
-OPTIONS = FitOptions
+OPTIONS = FitCommand
 
 
-def run(opts: FitOptions) -> None:
+def run(opts: FitCommand) -> None:
     """Fit the curvature of an influence method (kfac, ekfac, ggn, logra) for a gradient store.
 
     Example: gradtrace fit ./store train.jsonl --method ekfac --out ./curvature
@@ -219,7 +219,7 @@ SAVED_FIT_METHODS = ("trak", "trackstar")
 """Methods whose fit is saved as a method fit (gradtrace.methods.saved), not a curvature."""
 
 
-def _check_method_flags(opts: FitOptions) -> None:
+def _check_method_flags(opts: FitCommand) -> None:
     """Refuse flags of another method, and a DATA the method does not read."""
     cv, kv = opts.curvature_options, opts.kernel_options
     given = [flag for flag, used in (("--optimizer", kv.optimizer is not None),
@@ -253,7 +253,7 @@ def _check_method_flags(opts: FitOptions) -> None:
                            "(curvature.json missing): gradtrace fit STORE DATA --method ekfac --out DIR first")
 
 
-def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> None:
+def _fit_saved(opts: FitCommand, store: Any, device: str, phases: Phases) -> None:
     """``--method trak`` / ``trackstar``: fit from the store (and the optimizer state), save as a method fit."""
     import gradtrace
 
@@ -328,7 +328,7 @@ def _fit_saved(opts: FitOptions, store: Any, device: str, phases: Phases) -> Non
         console(stderr=True).print(phases.table())
 
 
-def _preflight(planned: Any, opts: FitOptions) -> bool:
+def _preflight(planned: Any, opts: FitCommand) -> bool:
     """Print the plan and refuse what cannot fit (gradtrace.cli.preflight); False for --dry-run (stop there)."""
     from .preflight import check_fit_plan, fit_plan_lines, print_plan
 

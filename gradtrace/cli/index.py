@@ -21,7 +21,7 @@ from .console import Phases, console, human_bytes
 from .errors import CliError
 from .outputs import check_output_dir
 
-__all__ = ["OPTIONS", "IndexOptions", "run"]
+__all__ = ["OPTIONS", "IndexCommand", "run"]
 
 
 @dataclass(kw_only=True)
@@ -50,7 +50,7 @@ class BuildOptions(Group):
 
 
 @dataclass(kw_only=True)
-class IndexOptions:
+class IndexCommand:
     """Options of ``gradtrace index``."""
 
     store: Path = field(metadata=cli("Gradient store to index (written by gradtrace collect).", argument=True,
@@ -65,10 +65,10 @@ class IndexOptions:
     progress: bool = progress_flag("Show a progress bar.")
 
 
-OPTIONS = IndexOptions
+OPTIONS = IndexCommand
 
 
-def run(opts: IndexOptions) -> None:
+def run(opts: IndexCommand) -> None:
     """Build an approximate index of a gradient store for gradtrace score --index.
 
     The index shortlists rows; gradtrace score --index INDEX --rerank R re-scores the R shortlisted rows of each
@@ -133,7 +133,7 @@ def _say_warnings(said: list[warnings.WarningMessage]) -> None:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
-def _add_norms(opts: IndexOptions) -> None:
+def _add_norms(opts: IndexCommand) -> None:
     """``--add-norms``: compute the row norms of the index saved in ``--out`` from STORE and save the index again
     with them (atomically: the FAISS data is written unchanged)."""
     from ..score.index import FaissMissing, Index, IndexMismatch

@@ -18,11 +18,11 @@ from .config import META_KEY
 from .console import console, human_bytes
 from .errors import CliError
 
-__all__ = ["OPTIONS", "InspectOptions", "describe", "run", "store_checks"]
+__all__ = ["OPTIONS", "InspectCommand", "describe", "run", "store_checks"]
 
 
 @dataclass(kw_only=True)
-class InspectOptions:
+class InspectCommand:
     """Options of ``gradtrace inspect``."""
 
     path: Path = field(metadata=cli("A gradient store, a score directory, a fitted curvature or a method fit (trak, "
@@ -34,10 +34,10 @@ class InspectOptions:
     progress: bool = progress_flag(QUIET_PROGRESS)
 
 
-OPTIONS = InspectOptions
+OPTIONS = InspectCommand
 
 
-def run(opts: InspectOptions) -> None:
+def run(opts: InspectCommand) -> None:
     """Show what a gradient store or a score directory holds (shape, dtype, projection, provenance).
 
     Example: gradtrace inspect ./store --json

@@ -21,11 +21,11 @@ from .groups import TextOptions
 from .outputs import check_output_file
 from .score import MethodName
 
-__all__ = ["OPTIONS", "ReportOptions", "run"]
+__all__ = ["OPTIONS", "ReportCommand", "run"]
 
 
 @dataclass(kw_only=True)
-class ReportOptions:
+class ReportCommand:
     """Options of ``gradtrace report``."""
 
     scores: Path = field(metadata=cli("Directory of saved scores (written by gradtrace score).", argument=True,
@@ -50,10 +50,10 @@ class ReportOptions:
         return api.ReportOptions(k=self.k, per_page=self.per_page, max_chars=self.max_chars, self_k=self.self_k)
 
 
-OPTIONS = ReportOptions
+OPTIONS = ReportCommand
 
 
-def run(opts: ReportOptions) -> None:
+def run(opts: ReportCommand) -> None:
     """Write the scores as one self-contained HTML page (works offline: no script, no external resource).
 
     Per query: its text, the top-k helpful and harmful training examples with score bars, and the score
@@ -86,7 +86,7 @@ def run(opts: ReportOptions) -> None:
                     f"written to {out} ({human_bytes(out.stat().st_size)}, {time.perf_counter() - started:.1f} s)")
 
 
-def _self_scores(scores: Any, opts: ReportOptions) -> tuple[Any, str]:
+def _self_scores(scores: Any, opts: ReportCommand) -> tuple[Any, str]:
     """Self-influence of every training example, from the store(s) and curvature the scores record."""
     import gradtrace
 

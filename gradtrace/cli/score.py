@@ -44,7 +44,7 @@ from .method_choice import MethodName, method_help
 from .outputs import check_output_dir, check_output_file
 from .score_fit import fitted_methods
 
-__all__ = ["OPTIONS", "ScoreOptions", "run"]
+__all__ = ["OPTIONS", "ScoreCommand", "run"]
 
 EXPORT_SUFFIXES = (".csv", ".json", ".parquet")
 
@@ -116,7 +116,7 @@ class CheckpointOptions(Group):
 
 
 @dataclass(kw_only=True)
-class ScoreOptions:
+class ScoreCommand:
     """Options of ``gradtrace score``."""
 
     store: Path = field(metadata=cli("Gradient store of the training examples (written by gradtrace collect).",
@@ -140,10 +140,10 @@ class ScoreOptions:
     force: bool = field(default=False, metadata=cli("Score even when the planned memory exceeds what is available."))
 
 
-OPTIONS = ScoreOptions
+OPTIONS = ScoreCommand
 
 
-def run(opts: ScoreOptions) -> None:
+def run(opts: ScoreCommand) -> None:
     """Score query examples against a gradient store and save the scores.
 
     Query gradients are taken with the store's own projection (rebuilt from its manifest).
@@ -167,7 +167,7 @@ def run(opts: ScoreOptions) -> None:
             raise CliError(str(err)) from None
 
 
-def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
+def _run(opts: ScoreCommand, device: str, rank: int, world: int) -> None:
     import gradtrace
 
     from ..distributed import agreed
@@ -308,7 +308,7 @@ def _run(opts: ScoreOptions, device: str, rank: int, world: int) -> None:
         console(stderr=True).print(phases.table())
 
 
-def _preflight(opts: ScoreOptions, stores: list[Any], device: str, phases: Phases, rank: int) -> bool:
+def _preflight(opts: ScoreCommand, stores: list[Any], device: str, phases: Phases, rank: int) -> bool:
     """Print the plan (rank 0) and refuse what cannot fit; False for --dry-run (stop there)."""
     import gradtrace
 
@@ -330,7 +330,7 @@ def _preflight(opts: ScoreOptions, stores: list[Any], device: str, phases: Phase
     return True
 
 
-def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], text_with: Path, device: str,
+def _query_gradients(opts: ScoreCommand, stores: list[Any], models: list[Path], text_with: Path, device: str,
                      phases: Phases, progress: bool, answering: int = 0
                      ) -> tuple[list[Any], int | None, list[str], dict[str, str] | None, Any]:
     """The queries' gradients at every checkpoint, each with its store's projection (in store order); the
@@ -379,7 +379,7 @@ def _query_gradients(opts: ScoreOptions, stores: list[Any], models: list[Path], 
     return query_sets, max_length, list(getattr(query_sets[0], "dropped", [])), answers, batches
 
 
-def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreOptions, first: Any, first_model: Path
+def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreCommand, first: Any, first_model: Path
                    ) -> None:
     """Queries whose gradients are NaN/inf are left out by collect(): an error naming them, unless
     ``--allow-partial`` (then every checkpoint must leave out the same ones as ``first``, the query gradients

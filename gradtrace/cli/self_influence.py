@@ -19,11 +19,11 @@ from .errors import CliError
 from .outputs import check_output_file
 from .score_fit import load_fitted
 
-__all__ = ["OPTIONS", "SelfInfluenceOptions", "run"]
+__all__ = ["OPTIONS", "SelfInfluenceCommand", "run"]
 
 
 @dataclass(kw_only=True)
-class SelfInfluenceOptions:
+class SelfInfluenceCommand:
     """Options of ``gradtrace self-influence``."""
 
     store: Path = field(metadata=cli("Gradient store of the training examples (written by gradtrace collect).",
@@ -52,10 +52,10 @@ class SelfInfluenceOptions:
     progress: bool = progress_flag(QUIET_PROGRESS)
 
 
-OPTIONS = SelfInfluenceOptions
+OPTIONS = SelfInfluenceCommand
 
 
-def run(opts: SelfInfluenceOptions) -> None:
+def run(opts: SelfInfluenceCommand) -> None:
     """Show the training examples with the highest self-influence (likely mislabeled or outliers).
 
     Example: gradtrace self-influence ./store --normalize length --top 20
@@ -104,7 +104,7 @@ def run(opts: SelfInfluenceOptions) -> None:
     _print(opts, rows[:opts.top], len(rows))
 
 
-def _texts(opts: SelfInfluenceOptions, store: Any) -> dict[str, str]:
+def _texts(opts: SelfInfluenceCommand, store: Any) -> dict[str, str]:
     """Texts by id from --data or the data the store records (empty when neither can be read)."""
     from ..common.provenance import resolve_paths
     from ..data.prepare import dataset_texts
@@ -138,7 +138,7 @@ def _write(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(plain)
 
 
-def _print(opts: SelfInfluenceOptions, rows: list[dict[str, Any]], total: int) -> None:
+def _print(opts: SelfInfluenceCommand, rows: list[dict[str, Any]], total: int) -> None:
     out = console()
     kind = "mean loss per target token" if opts.normalize == "length" else "summed loss"
     members = len(opts.member_stores) + 1

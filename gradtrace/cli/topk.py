@@ -19,11 +19,11 @@ from .console import console
 from .errors import CliError
 from .groups import TextOptions
 
-__all__ = ["OPTIONS", "TopkOptions", "run"]
+__all__ = ["OPTIONS", "TopkCommand", "run"]
 
 
 @dataclass(kw_only=True)
-class TopkOptions:
+class TopkCommand:
     """Options of ``gradtrace topk``."""
 
     scores: Path = field(metadata=cli("Directory of saved scores (written by gradtrace score).", argument=True,
@@ -40,10 +40,10 @@ class TopkOptions:
     progress: bool = progress_flag(QUIET_PROGRESS)
 
 
-OPTIONS = TopkOptions
+OPTIONS = TopkCommand
 
 
-def run(opts: TopkOptions) -> None:
+def run(opts: TopkCommand) -> None:
     """Show the top-k training examples of each query, with their texts.
 
     The texts come from the training data the store was collected from and the query file gradtrace score read
@@ -108,7 +108,7 @@ def _side_texts(texts: TextOptions, side: Literal["train", "query"], recorded: A
         return None
 
 
-def _rows(scores: Any, opts: TopkOptions) -> list[dict[str, Any]]:
+def _rows(scores: Any, opts: TopkCommand) -> list[dict[str, Any]]:
     wanted = list(opts.query)
     unknown = [q for q in wanted if q not in set(scores.query_ids)]
     if unknown:
@@ -125,7 +125,7 @@ def _snippet(text: str | None, width: int) -> str:
     return flat if len(flat) <= width else flat[:width - 1] + "…"
 
 
-def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkOptions, query_texts: dict[str, str],
+def _print_tables(scores: Any, rows: list[dict[str, Any]], opts: TopkCommand, query_texts: dict[str, str],
                   show_text: bool) -> None:
     out = console()
     which = "lowest (most harmful)" if opts.bottom else "highest (most helpful)"

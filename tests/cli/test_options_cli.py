@@ -30,7 +30,7 @@ def test_index_score_and_report_options_of_the_command_line():
     from pathlib import Path
 
     from gradtrace.cli.index import BuildOptions
-    from gradtrace.cli.report import ReportOptions as ReportCommand
+    from gradtrace.cli.report import ReportCommand
     from gradtrace.cli.score import ScoringOptions
     from gradtrace.options.index import IndexOptions, SearchOptions
     from gradtrace.options.report import ReportOptions

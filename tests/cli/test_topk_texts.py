@@ -76,11 +76,11 @@ def test_prompt_completion_queries_show_prompt_and_completion(ws, runner, store,
 def test_one_group_declares_the_text_options(runner):
     from gradtrace.cli.commands import flat_fields
     from gradtrace.cli.groups import TextOptions
-    from gradtrace.cli.report import ReportOptions
-    from gradtrace.cli.topk import TopkOptions
+    from gradtrace.cli.report import ReportCommand
+    from gradtrace.cli.topk import TopkCommand
 
     names = [f.name for f in flat_fields(TextOptions)]
-    for command in (TopkOptions, ReportOptions):
+    for command in (TopkCommand, ReportCommand):
         assert [f.name for f in flat_fields(command) if f.panel == "Texts"] == names
     for command in ("topk", "report"):
         shown = flat(invoke(runner, command, "--help").stdout)
