@@ -88,16 +88,13 @@ def _rss() -> int:
     raise RuntimeError("no VmRSS")
 
 
-def _profiled_peak(step) -> tuple[int, int, float]:
-    """``(allocator peak, resident peak, seconds)`` of ``step()`` over what existed before it, in bytes."""
+def peak_allocated(fn) -> int:
+    """Bytes the CPU allocator held at the peak of ``fn()`` over what it held when ``fn`` started
+    (``torch.profiler``, ``profile_memory=True``); 0 when ``fn`` allocated nothing."""
     from torch.profiler import ProfilerActivity, profile
 
-    rss_before = _rss()
-    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    seconds = time.perf_counter() - start
-    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        fn()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -105,11 +102,25 @@ def _profiled_peak(step) -> tuple[int, int, float]:
             events = json.load(trace)["traceEvents"]
     memory = sorted((e["ts"], e["args"]) for e in events if e.get("name") == "[memory]")
     if not memory:
-        return 0, rss_peak - rss_before, seconds
+        return 0
     # "Total Allocated" carries over from an earlier profiled region of the process (what it allocated and freed
     # outside profiling is never subtracted): count from the total before this region's first event
     start_total = memory[0][1]["Total Allocated"] - memory[0][1]["Bytes"]
-    return max(0, *(args["Total Allocated"] - start_total for _, args in memory)), rss_peak - rss_before, seconds
+    return max(0, *(args["Total Allocated"] - start_total for _, args in memory))
+
+
+def _profiled_peak(step) -> tuple[int, int, float]:
+    """``(allocator peak, resident peak, seconds)`` of ``step()`` over what existed before it, in bytes."""
+    rss_before, timing = _rss(), {}
+
+    def timed() -> None:
+        start = time.perf_counter()
+        step()
+        timing["seconds"] = time.perf_counter() - start
+
+    peak = peak_allocated(timed)
+    rss_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak, rss_peak - rss_before, timing["seconds"]
 
 
 def _steps(case: str, model):

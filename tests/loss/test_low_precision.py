@@ -9,15 +9,13 @@ beyond the outputs the region must make, at most a few ``[chunk, V]`` float32 bl
 8 MiB), where the old code allocated whole ``[N, V]`` float32 copies.
 """
 
-import json
-import os
-import tempfile
+import importlib.util
 import types
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from gradtrace.integrations.fused_head import fused_outputs
 from gradtrace.integrations.trainer_loss import CallLoss, _losses_total, loss_ratio
@@ -30,17 +28,13 @@ BLOCK = (1 << 21) * 4  # bytes of one [row_chunk(V), V] float32 block
 
 
 def _peak_allocated(fn) -> int:
-    """Bytes allocated at the peak of ``fn()``, counted from its start (CPU allocator, via torch.profiler)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as trace:
-            events = json.load(trace)["traceEvents"]
-    memory = sorted((e["ts"], e["args"]) for e in events if e.get("name") == "[memory]")
-    start = memory[0][1]["Total Allocated"] - memory[0][1]["Bytes"]  # the total carries over between regions
-    return max(args["Total Allocated"] - start for _, args in memory)
+    """Bytes allocated at the peak of ``fn()``, counted from its start: ``bench/vocab_memory.py``'s measurement
+    (one definition)."""
+    spec = importlib.util.spec_from_file_location("vocab_memory", Path(__file__).resolve().parents[2] / "bench" /
+                                                  "vocab_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.peak_allocated(fn)
 
 
 def _logits(rows: int, vocab: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
