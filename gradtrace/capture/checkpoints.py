@@ -223,7 +223,7 @@ def collect_checkpoints(checkpoints: Sequence[Any] | Mapping[str, Any], data: It
     with restored_weights(model if files else None):
         for checkpoint, target in zip(entries, targets):
             with _weights_at(checkpoint, model, run.model_dtype, run.device) as weights:
-                dtype = resolved_store_options(target, store_options).dtype if target is not None else dtype
+                dtype = resolved_store_options(target, store_options).dtype
                 kept = finished_store(target, weights, projection, dtype) if target is not None and resume else None
                 if kept is not None:
                     results.append(kept)

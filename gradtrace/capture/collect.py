@@ -164,8 +164,7 @@ def collect(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None = 
     store_options = option_object(store_options, StoreOptions, "store_options")
     run = option_object(run, RunOptions, "run")
     loss = Loss.of(loss).summed("collect()")
-    store_options = resolved_store_options(store, store_options) if store is not None else \
-        replace(store_options, dtype=store_options.store_dtype)
+    store_options = resolved_store_options(store, store_options)
     if store is None and (store_options.resume or store_options.overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
     check_finite_parameters(model)

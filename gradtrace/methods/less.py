@@ -251,8 +251,7 @@ def _run(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None, proj
     options = option_object(options, CaptureOptions, "options")
     store_options = option_object(store_options, StoreOptions, "store_options")
     shard_rows = store_options.shard_rows or (4096 if store_options.shard_bytes is None else None)
-    store_options = replace(resolved_store_options(store, store_options) if store is not None else
-                            replace(store_options, dtype=store_options.store_dtype), shard_rows=shard_rows)
+    store_options = replace(resolved_store_options(store, store_options), shard_rows=shard_rows)
     run = option_object(run, RunOptions, "run")
     loss = Loss.of(loss)
     if loss.reduction is not None or loss.scale is not None:

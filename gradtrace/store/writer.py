@@ -90,13 +90,14 @@ def _delete_store(root: Path, own_lock: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-def resolved_store_options(root: str | Path, options: StoreOptions) -> StoreOptions:
-    """``options`` with its storage dtype decided: the one given; else, when resuming an existing store, the dtype
-    it holds (a resumed run need not repeat it); else float32."""
+def resolved_store_options(root: str | Path | None, options: StoreOptions) -> StoreOptions:
+    """``options`` with its storage dtype decided: the one given; else, when resuming an existing store at ``root``,
+    the dtype it holds (a resumed run need not repeat it); else float32 (also for rows kept in memory: ``root``
+    None)."""
     if options.dtype is not None:
         return options
-    manifest = Path(root) / MANIFEST
-    if options.resume and manifest.is_file():
+    manifest = Path(root) / MANIFEST if root is not None else None
+    if options.resume and manifest is not None and manifest.is_file():
         try:
             dtype = json.loads(manifest.read_text())["spec"]["dtype"]
         except (OSError, ValueError, KeyError, TypeError):

@@ -126,8 +126,7 @@ class TrajectoryWriter(CaptureCallback):
         self.path = Path(path) if path is not None else None
         self.optimizer = optimizer
         shard_rows = store_options.shard_rows or (4096 if store_options.shard_bytes is None else None)
-        self.store_options = replace(resolved_store_options(path, store_options) if path is not None else
-                                     replace(store_options, dtype=store_options.store_dtype), shard_rows=shard_rows)
+        self.store_options = replace(resolved_store_options(path, store_options), shard_rows=shard_rows)
         self.dtype = self.store_options.dtype
         self.capture_options: Any = None  # the capture's resolved CaptureOptions, from on_capture_start
         self.config = {"trajectory": {"optimizer": type(optimizer).__name__, "start_step": start_step},
