@@ -1,16 +1,15 @@
 """``gradtrace score STORE QUERIES --out SCORES_DIR``: attribution scores of queries against a gradient store.
 
-The queries' gradients are taken with the store's own projection (rebuilt from its manifest), so the two
-sides are comparable by construction; a store and a model that do not match are refused.
+The queries' gradients are taken with the store's own projection (rebuilt from its manifest), so the two sides are
+comparable by construction; a store and a model that do not match are refused.
 
-Multi-checkpoint methods (TracIn) take one store per checkpoint, each with the model of that checkpoint
-and its learning rate, matched by position::
+Multi-checkpoint methods (TracIn) take one store per checkpoint, with its model and learning rate, by position::
 
     gradtrace score ckpt1/store queries.jsonl --method tracin --model ckpt1 --lr 3e-4 \\
         --store ckpt2/store --model ckpt2 --lr 1e-4 --out scores
 
 Any other method takes further ``--store`` s as an ensemble (one member per checkpoint or model, with
-``--member-curvature`` and ``--ensemble-weights``: :mod:`gradtrace.cli.ensemble`).
+``--member-curvature``, ``--ensemble-weights``: :mod:`gradtrace.cli.ensemble`).
 """
 
 from __future__ import annotations
@@ -477,6 +476,8 @@ def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
         index = Index.load(sc.index)
     except FaissMissing as err:
         raise CliError(str(err)) from None
+    if (sc.nprobe or sc.bottom_nprobe) and index.params.kind != "ivfpq":
+        raise CliError(f"--nprobe / --bottom-nprobe choose IVF cells; {sc.index} is a {index.params.kind} index")
     try:
         normalized = index_normalization(get_method(sc.method))
     except ValueError as err:  # a method with its own per-row transform (trackstar)

@@ -228,7 +228,8 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, options:
     Raises:
         TypeError: ``options`` is not a ``SearchOptions``.
         IndexMismatch: the index does not belong to the store or cannot serve the method or ``norm_rows``.
-        ValueError: a method no index can serve, a ``rerank`` below ``topk``, or queries with NaN/inf values.
+        ValueError: a method no index can serve, a ``rerank`` below ``topk``, ``nprobe`` for a flat index, or queries
+            with NaN/inf values.
     """
     from ..store import GradientStore
 
@@ -237,6 +238,9 @@ def score_with_index(attributor: Any, queries: Any, index: Index | str, options:
     nprobe, bottom_nprobe = options.nprobe, options.bottom_nprobe
     if isinstance(index, (str, bytes)) or hasattr(index, "__fspath__"):
         index = Index.load(index)
+    if (nprobe is not None or bottom_nprobe is not None) and index.params.kind != "ivfpq":
+        raise ValueError(f"nprobe / bottom_nprobe choose the IVF cells an IVF-PQ search visits; {index.path or 'this'} "
+                         f"is a {index.params.kind} index (exact: it searches every row): leave them unset")
     method = attributor.method
     normalized = index_normalization(method)
     store = attributor.train[0]

@@ -102,6 +102,13 @@ def test_shortlist_then_rerank_equals_exact_topk(store, queries, flat, method):
         assert approx.meta["index"]["rerank"] == rerank and approx.meta["method"] == method
 
 
+def test_nprobe_for_a_flat_index_is_refused_not_ignored(store, queries, flat):
+    attr = gradtrace.Attributor("grad_dot", store)
+    for options in (SearchOptions(topk=5, nprobe=4), SearchOptions(topk=5, bottom_nprobe=2)):
+        with pytest.raises(ValueError, match=r"is a flat index \(exact: it searches every row\): leave them unset"):
+            score_with_index(attr, queries, flat, options)
+
+
 def test_kfac_ranks_differently_from_grad_dot(store, queries):
     """The K-FAC test above is not grad_dot in disguise: the preconditioned query changes the top-k."""
     kfac = _exact("kfac", store, queries, curvature=Curvature.load(V1 / "curvature"))
