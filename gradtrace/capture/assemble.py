@@ -102,7 +102,8 @@ def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[F
                sum_contexts: bool, outside: dict[int, Tensor | None] | None = None) -> list[Term]:
     """Join one parameter's site terms into per-example terms (one per signature).
 
-    entries: ``(context, call order, per-row term)`` for every site of the parameter.
+    entries: ``(context, call order, per-row term)`` for every site of the parameter, or ``(context, call order,
+        per-row term, part)`` where a site's gradient is a sum of several terms (parts are joined apart, then summed).
     contexts: all forward calls of the step, in order (their examples are concatenated, unless
         ``sum_contexts``, in which case row ``i`` of every call is the same example).
     outside: ``{context index: [B, T] positions outside every example}`` (see :func:`outside_examples`);
@@ -110,12 +111,13 @@ def join_terms(entries: list[tuple[ForwardContext, int, Term]], contexts: list[F
     """
     outside = outside or {}
     groups: dict[tuple, dict[int, list[Term]]] = {}
-    for context, _order, term in sorted(entries, key=lambda e: (e[0].index, e[1])):
+    for context, _order, term, *part in sorted(entries, key=lambda e: (e[0].index, e[1])):
         mask = outside.get(context.index)
         if mask is not None:
             term = map_tensors(term, lambda x, mask=mask: zero_outside(x, mask))
         per_example = map_tensors(term, context.relayout)
-        groups.setdefault(_signature(per_example), {}).setdefault(context.index, []).append(per_example)
+        key = (_signature(per_example), *part)
+        groups.setdefault(key, {}).setdefault(context.index, []).append(per_example)
     joined: list[Term] = []
     for by_context in groups.values():
         per_context = {i: cat_terms(terms, dim=1) for i, terms in by_context.items()}
@@ -189,7 +191,10 @@ def _param_gradients(capture: Capture, results: list[SiteResult], contexts: list
     by_param: dict[str, list] = {}
     for r in results:
         for name, term in r.terms.items():
-            by_param.setdefault(name, []).append((r.context, r.order, term))
+            if isinstance(term, list):  # a sum of parts (an experts layer's routing slots)
+                by_param.setdefault(name, []).extend((r.context, r.order, t, part) for part, t in enumerate(term))
+            else:
+                by_param.setdefault(name, []).append((r.context, r.order, term))
     shapes = {h.params[role]: h.shapes[role] for h in capture.handlers for role in h.params}
     # padded positions are no example's: their NaN/inf must not make an example non-finite (packed rows
     # are split into documents by relayout, which drops them already)

@@ -46,6 +46,7 @@ from .example_ids import ExampleIds
 from .layer_selection import select_layers
 from .layers import LayerHandler
 from .saved import Kept
+from .token_rows import match_rows, output_tensors, row_view
 from .verify import check_batch_sum
 
 __all__ = ["Capture", "CaptureCallback", "capture"]
@@ -223,16 +224,21 @@ class Capture:
     # ------------------------------------------------------------------ public helpers
     def annotate(self, *, ids: Sequence[Any] | None = None, labels: Tensor | None = None,
                  attention_mask: Tensor | None = None, doc_ids: Tensor | None = None,
-                 num_items: float | Tensor | None = None, position_ids: Tensor | None = None) -> None:
+                 num_items: float | Tensor | None = None, position_ids: Tensor | None = None,
+                 row_examples: Tensor | None = None, example_scale: Tensor | None = None) -> None:
         """State facts about the *next* forward call that the model's arguments do not show.
 
         ids: one per example (per document for packed rows). labels: ``[B, T]`` targets (for
         ``token_mean`` / ``example_loss="mean"`` when the loop computes the loss outside the model).
         attention_mask, position_ids, doc_ids: padding and packed-document layout. num_items: the
-        loop's token-mean denominator.
+        loop's token-mean denominator. row_examples: ``[B]`` example of each row, for examples of several
+        rows (a DPO pair's chosen and rejected rows: ``torch.arange(P).repeat(2)``); their gradient terms sum, and
+        a ``"mean"`` reduction is over the examples. example_scale: ``[E]`` each example's factor, given instead of
+        the reduction's (a loss normalised per example, as GRPO's per-completion mean; see :class:`BatchInfo`).
         """
         self._pending_info = BatchInfo(ids=ids, labels=labels, attention_mask=attention_mask, doc_ids=doc_ids,
-                                       num_items=num_items, position_ids=position_ids)
+                                       num_items=num_items, position_ids=position_ids, row_examples=row_examples,
+                                       example_scale=example_scale)
 
     def reset_ids(self) -> None:
         """Forget seen content hashes (a new epoch: repeated content is the same example again)."""
@@ -323,7 +329,8 @@ class Capture:
         num_items = info.num_items if info.num_items is not None else kwargs.get("num_items_in_batch")
         merged = BatchInfo(ids=info.ids, labels=pick("labels", info.labels),
                            attention_mask=pick("attention_mask", info.attention_mask), doc_ids=info.doc_ids,
-                           num_items=num_items, position_ids=pick("position_ids", info.position_ids))
+                           num_items=num_items, position_ids=pick("position_ids", info.position_ids),
+                           row_examples=info.row_examples, example_scale=info.example_scale)
         scale = float(self.loss_scale()) if callable(self.loss_scale) else float(self.loss_scale)
         if callable(self.loss_scale):  # a fixed one was checked by CaptureOptions; gradients are divided by it
             nonzero(scale, "loss_scale (the value its callable returned)")
@@ -336,7 +343,7 @@ class Capture:
         context = self._stack.pop() if self._stack else None
         if context is None:
             return
-        for tensor in _output_tensors(output):
+        for tensor in output_tensors(output):
             if tensor.requires_grad:
                 tensor.register_hook(self._on_root_grad)
 
@@ -360,9 +367,10 @@ class Capture:
 
     def _make_layer_hook(self, handler: LayerHandler) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if not isinstance(output, Tensor) or not torch.is_grad_enabled():
+            tensor = handler.output_tensor(output)
+            if tensor is None or not torch.is_grad_enabled():
                 return None
-            if not output.requires_grad:
+            if not tensor.requires_grad:
                 if self._stack and self._stack[-1] is not None:
                     self._report.skip_runtime(handler.name, "its output does not require grad (frozen parameters "
                                               "and an input that does not require grad), so no gradient reaches it")
@@ -371,33 +379,36 @@ class Capture:
             context = self._context_for_layer(inputs)
             if context is None:
                 return None
+            matched = match_rows(context, inputs, tensor, output, self.broadcast == "expand")
+            if isinstance(matched, str):
+                self._report.skip_runtime(handler.name, matched)
+                return None
+            inputs, expanded = matched
             replacement = None
-            if isinstance(context, ForwardContext) and inputs.shape[0] != context.batch_size:
-                rows = context.batch_size
-                if inputs.shape[0] == 1 and output.dim() >= 1 and output.shape[0] == 1 and self.broadcast == "expand":
-                    inputs = inputs.expand(rows, *inputs.shape[1:])
-                    output = replacement = output.expand(rows, *output.shape[1:])
-                    self._report.note_broadcast(handler.name)
-                else:
-                    self._report.skip_runtime(handler.name, f"its input has {inputs.shape[0]} rows but the "
-                                              f"batch has {rows}; rows cannot be matched to examples")
-                    return None
+            if expanded is not None:  # a batch-shared output ([1, ...]) expanded to every row
+                tensor = output = replacement = expanded
+                self._report.note_broadcast(handler.name)
+            rows_of = row_view(context, tensor)
             outside = self._padding_of(context) if self.isolate_padding else None
-            if outside is not None:  # the saved inputs need no cleaning: build_batch drops padding's NaN from terms
-                cleaned = zero_outside(output, outside)
-                if cleaned is not output:
-                    output = replacement = cleaned
-            kept = Kept(handler.forward(inputs, self.projector))  # checkpointing: a placeholder, recomputed
+            # the saved inputs need no cleaning: build_batch drops padding's NaN from terms. An output that is one of
+            # several (a router's logits) is not replaced: the module's other outputs were computed from it
+            if outside is not None and tensor is output:
+                viewed = rows_of(output)
+                cleaned = zero_outside(viewed, outside)
+                if cleaned is not viewed:
+                    output = replacement = tensor = cleaned.view(output.shape)
+            kept = Kept(handler.keep(inputs, args, kwargs, self.projector))  # checkpointing: a placeholder
             order = next(self._order)
 
             def on_grad(grad: Tensor) -> Tensor | None:
-                cleaned = zero_outside(grad, outside)
+                rows = rows_of(grad)
+                cleaned = zero_outside(rows, outside)
                 self._on_layer_grad(handler, context, order, kept, cleaned)
-                return cleaned if cleaned is not grad else None
+                return cleaned.view(grad.shape) if cleaned is not rows else None
 
-            output.register_hook(on_grad)
+            tensor.register_hook(on_grad)
             if self.track_outputs:
-                self._outputs.append(output)
+                self._outputs.append(tensor)
             return replacement
 
         return hook
@@ -465,7 +476,7 @@ class Capture:
             return
         batch = build_batch(self, results, step, self.convention, self._ids)
         if self.verify:
-            problems = check_batch_sum(batch, param_grads, self.projector)
+            problems = check_batch_sum(batch, param_grads, self.projector, handlers=self.handlers)
             if problems:
                 raise AssertionError("gradtrace verify: per-example gradients do not sum to the batch gradient: "
                                      + "; ".join(problems))
@@ -473,12 +484,6 @@ class Capture:
             self.batches.append(batch)
         for cb in self._callbacks():
             cb.on_batch(batch, self)
-
-
-def _output_tensors(output: Any) -> list[Tensor]:
-    """The tensors of a forward call's output (a tensor, or a dict, tuple or list holding tensors)."""
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
-    return [v for v in values if isinstance(v, Tensor)]
 
 
 def capture(model: nn.Module, loss: Loss | None = None, *, options: CaptureOptions | None = None,

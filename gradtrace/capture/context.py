@@ -6,7 +6,8 @@ Hugging Face conventions: ``input_ids``, ``attention_mask``, ``position_ids``, `
 derives, without Python loops over tokens:
 
 * the *examples*: one per row, or one per document when rows are packed (``position_ids``
-  restarts, as Hugging Face detects them, or an explicit document-id tensor);
+  restarts, as Hugging Face detects them, or an explicit document-id tensor), or one per group of
+  rows (``row_examples``: a preference pair's chosen and rejected rows are one example);
 * each example's *scale*: the factor that turns the hook gradients of the loop's loss into the
   gradient of the example's own loss (see :class:`gradtrace.LossConvention`);
 * each example's *id*: a user-given id, else a content hash of its unpadded tokens.
@@ -37,6 +38,12 @@ class BatchInfo:
     attention_mask: ``[B, T]``, 1 for real tokens.
     doc_ids: ``[B, T]`` document index of each token (packed rows).
     num_items: the denominator of a ``token_mean`` loss (e.g. ``num_items_in_batch``).
+    row_examples: ``[B]`` example index of each row, for examples spanning several rows (a DPO pair: its chosen
+        and rejected rows); the rows of one example are joined along the token axis in row order, their tokens
+        (padding left out) one after another.
+    example_scale: ``[E]`` each example's factor, given instead of the one the reduction derives (a loss whose
+        normaliser differs per example, e.g. GRPO's per-completion token mean: ``rows * tokens of the completion``);
+        still divided by the loss scale, and by the example's target count under ``example_loss="mean"``.
     """
 
     ids: Sequence[Any] | None = None
@@ -45,6 +52,8 @@ class BatchInfo:
     doc_ids: Tensor | None = None
     num_items: float | Tensor | None = None
     position_ids: Tensor | None = None
+    row_examples: Tensor | None = None
+    example_scale: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,9 @@ class ForwardContext:
     Attributes:
         index: order of this call within the current step.
         batch_size: rows ``B``; seq_len: tokens ``T`` of token inputs (None for non-sequence inputs).
-        num_examples: ``E`` (``B`` unless rows are packed).
+        num_examples: ``E`` (``B`` unless rows are packed or grouped).
+        grouped: whether examples span several rows (``BatchInfo.row_examples``); they are then laid out as
+            packed documents are (``packed`` is True too), each the concatenation of its rows' tokens.
         example_scale: ``[E]`` float32 scale of each example.
         num_targets: ``[E]`` target-token counts, or None when no labels are known.
     """
@@ -96,7 +107,11 @@ class ForwardContext:
         B, T = self.batch_size, self.seq_len
         self.valid = self._valid_mask()  # [B, T] or None
         self.packed = False
+        self.grouped = False
         self.num_examples = B
+        if self.info.row_examples is not None:
+            self._group_rows(self.info.row_examples)
+            return
         starts = self._doc_starts()
         if starts is None or bool((starts.sum(1) <= 1).all()):
             return
@@ -107,10 +122,43 @@ class ForwardContext:
         example = torch.where(valid & (doc_in_row >= 0), offsets.unsqueeze(1) + doc_in_row, -1)
         positions = torch.arange(T, device=self.device).expand(B, T)
         start_pos = torch.where(starts, positions, torch.zeros_like(positions)).cummax(1).values
+        self._token_layout(example, positions - start_pos, int(per_row.sum()))
+
+    def _group_rows(self, row_examples: Tensor) -> None:
+        """Examples of several rows (``row_examples``: ``[B]`` example of each row, every index in ``[0, E)`` used):
+        an example's tokens are its rows' unpadded tokens, row after row."""
+        B, T = self.batch_size, self.seq_len
+        rows = torch.as_tensor(row_examples, device=self.device).long()
+        if T is None:
+            raise ValueError("row_examples (examples of several rows) needs token inputs ([rows, tokens] input_ids)")
+        if rows.dim() != 1 or rows.shape[0] != B:
+            raise ValueError(f"row_examples must hold one example index per row ([{B}]), got shape {tuple(rows.shape)}")
+        if self.info.doc_ids is not None:
+            raise ValueError("row_examples and doc_ids cannot be combined: an example is a group of rows or a "
+                             "document of a packed row, not both")
+        count = int(rows.max()) + 1 if B else 0
+        if B and (int(rows.min()) < 0 or bool((torch.bincount(rows, minlength=count) == 0).any())):
+            raise ValueError(f"row_examples must number the examples 0..E-1, each with a row, got {rows.tolist()}")
+        valid = self.valid if self.valid is not None else torch.ones(B, T, dtype=torch.bool, device=self.device)
+        lengths = valid.sum(1)  # [B] tokens of each row
+        # tokens of the example's earlier rows: an exclusive cumulative sum of row lengths within each example
+        order = torch.sort(rows, stable=True).indices
+        ahead = lengths[order].cumsum(0) - lengths[order]  # [B] tokens of the rows before, in example order
+        first = torch.zeros(count, dtype=ahead.dtype, device=self.device).scatter_reduce(
+            0, rows[order], ahead, reduce="amin", include_self=False)
+        offset = torch.empty_like(ahead)
+        offset[order] = ahead - first[rows[order]]
+        position = offset.unsqueeze(1) + valid.long().cumsum(1) - 1  # [B, T] position within the example
+        example = torch.where(valid, rows.unsqueeze(1).expand(B, T), -1)
+        self.grouped = True
+        self._token_layout(example, position, count)
+
+    def _token_layout(self, example: Tensor, position: Tensor, count: int) -> None:
+        """Examples given token by token: ``example`` ``[B, T]`` (-1: none), ``position`` ``[B, T]`` within it."""
         self.packed = True
-        self.num_examples = int(per_row.sum())
+        self.num_examples = count
         self.example_of_token = example  # [B, T], -1 = not part of any example
-        self.pos_in_example = positions - start_pos  # [B, T]
+        self.pos_in_example = position  # [B, T]
         keep = example >= 0
         self._flat_keep = keep.reshape(-1)
         self._flat_example = example.reshape(-1)[self._flat_keep]
@@ -196,10 +244,15 @@ class ForwardContext:
             else:
                 counts = targets.float().sum(1)
             self.num_targets = counts
-        if conv.reduction == "sum":
+        if self.info.example_scale is not None:
+            factor = torch.as_tensor(self.info.example_scale).detach().to(self.device, torch.float32)
+            if tuple(factor.shape) != (self.num_examples,):
+                raise ValueError(f"example_scale must hold one factor per example ([{self.num_examples}]), got shape "
+                                 f"{tuple(factor.shape)}")
+        elif conv.reduction == "sum":
             factor = torch.tensor(1.0)
-        elif conv.reduction == "mean":
-            factor = torch.tensor(float(self.batch_size))
+        elif conv.reduction == "mean":  # over the rows; over the examples when they span several rows
+            factor = torch.tensor(float(self.num_examples if self.grouped else self.batch_size))
         elif conv.reduction == "token_mean":
             if self.info.num_items is not None:
                 factor = torch.as_tensor(self.info.num_items, dtype=torch.float32).detach().cpu()

@@ -58,6 +58,10 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
     """Run ``data`` through ``model`` inside capture ``cap``: one per-example loss and one backward pass per
     batch, to the captured layers' outputs only (no weight gradients) unless ``run.weight_grads``.
 
+    A ``loss_fn`` with a ``capture_info(batch) -> dict`` method says what the capture cannot see in its forward call
+    (:meth:`Capture.annotate`'s keywords: e.g. ``row_examples`` for examples of several rows, as
+    :class:`gradtrace.loss.preference.DPOLoss` has); it still returns one loss per example of the batch.
+
     Returns the number of examples processed. Examples whose id is in ``skip`` are not computed. The model's
     mode and ``param.grad`` are restored afterwards. ``run.progress``: show a bar over the batches (``run.total``
     of them when the data has no ``len``; without either it shows the rate only), labelled ``what`` or, when a
@@ -111,6 +115,8 @@ def run_capture(model: nn.Module, data: Iterable[Any], loss_fn: LossFn | None, c
                     labels = default_loss_labels(batch)
                     if labels is not None:
                         info["labels"] = labels if getattr(cap, "causal_lm", True) else _shift_left(labels)
+                elif hasattr(loss_fn, "capture_info"):  # a loss whose forward call the batch does not show
+                    info.update(loss_fn.capture_info(batch))
                 if info:
                     cap.annotate(**info)
                 losses = fn(model, batch)

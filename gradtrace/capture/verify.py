@@ -27,8 +27,12 @@ def _token_norms(term, inverse: Tensor) -> Tensor:
 
 
 def check_batch_sum(batch: GradientBatch, param_grads: dict[str, Tensor], projector: Projector | None,
-                    rtol: float | None = None) -> list[str]:
-    """Compare ``sum_e g_e / scale_e`` with the batch gradient of each parameter; return the mismatches."""
+                    rtol: float | None = None, handlers: list | None = None) -> list[str]:
+    """Compare ``sum_e g_e / scale_e`` with the batch gradient of each parameter; return the mismatches.
+
+    handlers: the capture's layer handlers; one with its own ``project_full`` (an experts layer projects each
+    expert's block) projects its parameters' batch gradients, the projector the others."""
+    own = {name: h for h in handlers or () if hasattr(h, "project_full") for name in h.params.values()}
     problems = []
     inverse = torch.where(batch.scale > 0, 1.0 / batch.scale.clamp(min=1e-30), torch.zeros_like(batch.scale))
     for name, pg in batch.params.items():
@@ -38,8 +42,12 @@ def check_batch_sum(batch: GradientBatch, param_grads: dict[str, Tensor], projec
         tol = rtol if rtol is not None else (1e-3 if full.dtype == torch.float32 else 5e-2)
         contributions = pg.flat() * inverse.to(full.device).unsqueeze(1)
         total = contributions.sum(0)
-        expected = (projector.project_full(name, full[None], tuple(full.shape)) if projector is not None
-                    else full.to(torch.float32))
+        if projector is None:
+            expected = full.to(torch.float32)
+        elif name in own:
+            expected = own[name].project_full(projector, name, full[None], tuple(full.shape))
+        else:
+            expected = projector.project_full(name, full[None], tuple(full.shape))
         expected = expected.reshape(-1)
         # relative to the size of what is summed (token by token), so gradients that cancel to ~0 are
         # judged by the rounding error they can carry

@@ -9,7 +9,8 @@ gradient -- and, with tied embeddings, the output half of the embedding's -- can
 (without labels, so the model computes no loss of its own), which runs the LM head module, and a
 forward hook computes the fields TRL reads from the logits (``loss``, ``log_probs``, ``label_mask`` and,
 without gradient, ``entropy``, ``is_top1``, ``log_sum_sq_probs``, ``mean_logits``). The values are those
-of the fused head; the logits are materialized, as capturing the LM head needs their gradient anyway, but
+of the fused head (with GRPO's sampling temperature ``T``, of ``logits / T``, as TRL scores them); the logits
+are materialized, as capturing the LM head needs their gradient anyway, but
 nothing else of their size is: the fields are computed in float32 over row blocks of the logits, and the
 gradient of ``log_probs`` is written in the logits' dtype (:func:`~gradtrace.loss.token_cross_entropy`).
 Only used when a captured parameter belongs to the output embedding (full fine-tuning); with LoRA the
@@ -122,22 +123,18 @@ class UnfusedLMHead:
         if not kwargs.get("fused_lm_head"):
             self._stack.append(None)
             return None
-        settings = _fused_settings(module)
-        if float(settings.get("temperature", 1.0)) != 1.0:
-            raise NotImplementedError("gradtrace: the fused LM head divides the logits by a temperature "
-                                      f"({settings['temperature']}); capturing the LM head is only supported at "
-                                      "temperature 1 (SFT). Exclude the LM head from the capture "
-                                      "(CaptureOptions(exclude=['lm_head']))")
+        temperature = float(_fused_settings(module).get("temperature", 1.0))  # GRPO's sampling temperature
+        if not temperature > 0.0:
+            raise ValueError(f"gradtrace: the fused LM head's temperature must be positive, got {temperature}")
         kwargs = dict(kwargs)
         kwargs.pop("fused_lm_head")
         labels = kwargs.pop("labels", None)
         num_items = kwargs.pop("num_items_in_batch", None)
-        if labels is None or kwargs.pop("shift_labels", None) is not None or kwargs.get("output_router_logits"):
+        if labels is None or kwargs.pop("shift_labels", None) is not None:
             raise NotImplementedError("gradtrace: capturing the LM head through TRL's fused head needs unshifted "
-                                      "labels and no MoE router loss; exclude the LM head "
-                                      "(CaptureOptions(exclude=['lm_head']))")
+                                      "labels; exclude the LM head (CaptureOptions(exclude=['lm_head']))")
         kwargs["use_cache"] = False
-        self._stack.append((labels, num_items))
+        self._stack.append((labels, num_items, temperature))
         self.used = True
         return args, kwargs
 
@@ -147,5 +144,11 @@ class UnfusedLMHead:
             return None
         from trl.trainer.utils import FusedCausalLMOutput
 
-        labels, num_items = entry
-        return fused_outputs(output.logits, labels, num_items, FusedCausalLMOutput)
+        labels, num_items, temperature = entry
+        logits = output.logits if temperature == 1.0 else output.logits / temperature  # as the fused head scores
+        fields = fused_outputs(logits, labels, num_items, FusedCausalLMOutput)
+        aux_loss = getattr(output, "aux_loss", None)
+        if aux_loss is not None:  # MoE with router logits requested: the load-balancing loss, as the fused head adds it
+            fields.aux_loss = aux_loss
+            fields.loss = fields.loss + float(getattr(module.config, "router_aux_loss_coef", 0.0)) * aux_loss
+        return fields

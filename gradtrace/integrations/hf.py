@@ -20,6 +20,8 @@ During ``train()`` the callback
   :mod:`gradtrace.integrations.trainer_loss`) and checks it once against the value ``compute_loss`` returns;
 * carries each example's id from the training dataset to the capture (:mod:`.trainer_ids`);
 * runs TRL's fused LM head through the LM head module when its gradient is captured (:mod:`.fused_head`);
+* inside TRL's ``GRPOTrainer``, writes one row per completion: the gradient of the trainer's loss for it, scaled
+  per ``loss_type``, with ids and fields tying it to its prompt and rollout (:mod:`.trl_grpo`);
 * writes the rows with their step, epoch and learning rate, and records the checkpoints the Trainer saves
   in the store's manifest (:mod:`.trainer_store`).
 

@@ -118,8 +118,11 @@ def _with_id_column(dataset: Any, ids: str) -> Any:
     return _KeyedDataset(dataset, column)
 
 
-def prepare_ids(trainer: Any, ids: str) -> Callable[[], None]:
-    """Make the ids reach the batches of ``trainer`` (steps 1-3 above); returns the undo function."""
+def prepare_ids(trainer: Any, ids: str, *, collate: bool = True) -> Callable[[], None]:
+    """Make the ids reach the batches of ``trainer`` (steps 1-3 above); returns the undo function.
+
+    ``collate=False`` leaves the data collator alone (step 3): for trainers whose batches are the features themselves
+    (TRL's ``GRPOTrainer``: each feature keeps its ``gradtrace_id``, :mod:`.trl_grpo` takes it from there)."""
     if trainer.train_dataset is None:
         raise ValueError("gradtrace: the Trainer has no train_dataset")
     dataset, collator = trainer.train_dataset, trainer.data_collator
@@ -131,7 +134,8 @@ def prepare_ids(trainer: Any, ids: str) -> Callable[[], None]:
             trainer._signature_columns.append(ID_KEY)
             added_signature = True
     trainer.train_dataset = keyed
-    trainer.data_collator = IdCollator(collator)
+    if collate:
+        trainer.data_collator = IdCollator(collator)
 
     def undo() -> None:
         trainer.train_dataset = dataset

@@ -32,6 +32,7 @@ from .fused_head import UnfusedLMHead, captures_output_embedding
 from .trainer_ids import ID_KEY, prepare_ids
 from .trainer_loss import CallLoss, TrainerLoss, loss_ratio
 from .trainer_store import CONFIG_KEY, TrainerRows, preflight, record_checkpoints
+from .trl_grpo import GRPORollouts, is_grpo_trainer
 
 if TYPE_CHECKING:
     from .hf import GradtraceCallback
@@ -51,6 +52,7 @@ class Session:
         self.writer: StoreWriter | None = None
         self.loss: TrainerLoss | None = None
         self.unfused: UnfusedLMHead | None = None
+        self.rollouts: GRPORollouts | None = None  # TRL's GRPOTrainer: one row per completion (.trl_grpo)
         self.model: Any = None
         self.capturing = False
         self.announced = False
@@ -65,7 +67,13 @@ class Session:
         self._lr_warned = False
         self.trainer_config: dict[str, Any] = {}
         try:
-            if callback.ids is not None:
+            if is_grpo_trainer(trainer):
+                if callback.loss.reduction is not None or callback.loss.scale is not None:
+                    raise ValueError("gradtrace: the GRPOTrainer's loss is derived from its loss_type; leave "
+                                     "Loss.reduction and Loss.scale None (Loss.example_loss is honoured)")
+                self.rollouts = GRPORollouts(trainer, callback.ids)
+                self.undo.append(self.rollouts.install())
+            elif callback.ids is not None:
                 self.undo.append(prepare_ids(trainer, callback.ids))
             self._wrap_compute_loss()
         except BaseException:
@@ -82,7 +90,9 @@ class Session:
 
         @functools.wraps(original)
         def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            ids = inputs.pop(ID_KEY, None) if isinstance(inputs, MutableMapping) else None
+            ids = None
+            if isinstance(inputs, MutableMapping):  # GRPO's buffered inputs serve several iterations: not popped
+                ids = inputs.get(ID_KEY) if session.rollouts is not None else inputs.pop(ID_KEY, None)
             num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
             session.announce(inputs, ids, num_items)
             try:
@@ -119,8 +129,9 @@ class Session:
             "ids": {"source": "content-hash" if cb.ids is None else "index" if cb.ids == "index" else "column",
                     **({"column": cb.ids} if cb.ids not in (None, "index") else {})},
             "every": cb.every, "start_step": cb.start_step, "trajectory": cb.trajectory,
-            "loss": loss.describe() if self.loss is not None else {"reduction": cb.loss.reduction,
-                                                                     "loss_scale": _describe_scale(cb.loss.scale)},
+            "loss": (self.rollouts.describe(cb.loss.example_loss) if self.rollouts is not None
+                     else loss.describe() if self.loss is not None
+                     else {"reduction": cb.loss.reduction, "loss_scale": _describe_scale(cb.loss.scale)}),
             "optimizer_parameters": _optimizer_parameter_names(trainer.optimizer, model),
             "checkpoints": []}
         output_dir = os.path.abspath(args.output_dir)
@@ -132,10 +143,14 @@ class Session:
         preflight(cb.path, rank, world_size, storing.resume, storing.overwrite)
         self.writer = StoreWriter(cb.path, replace(storing, shard_rows=storing.shard_rows or 4096, config=config),
                                   mixed_weights=True)
-        self.rows = TrainerRows(self.writer, trajectory=cb.trajectory, auto_shard_rows=storing.shard_rows is None)
+        self.rows = TrainerRows(self.writer, trajectory=cb.trajectory, auto_shard_rows=storing.shard_rows is None,
+                                extra=self.rollouts.fields if self.rollouts is not None else None)
         auto = cb.loss.reduction is None
         causal_lm = cb.loss.causal_lm if cb.loss.causal_lm is not None else _is_causal_lm(model)
-        loss = replace(cb.loss, reduction=cb.loss.reduction or "token_mean", causal_lm=causal_lm,
+        if self.rollouts is not None:  # each completion's scale is given per call (example_scale)
+            self.trainer_config["check"] = "not checked (GRPO: the scales follow the trainer's loss_type)"
+        default_reduction = "sum" if self.rollouts is not None else "token_mean"
+        loss = replace(cb.loss, reduction=cb.loss.reduction or default_reduction, causal_lm=causal_lm,
                        scale=(lambda: self.call_scale) if auto else (cb.loss.scale or 1.0))
         self.capture = cb.capture = Capture(model, loss, options=cb.options, callbacks=[self.rows],
                                             keep_batches=False)
@@ -152,6 +167,11 @@ class Session:
     def announce(self, inputs: Any, ids: Any, num_items: Any) -> None:
         """``compute_loss`` was called: tell the capture about the forward call that follows."""
         if not (self.capturing and torch.is_grad_enabled() and self.model.training):
+            return
+        if self.rollouts is not None:
+            self.call_scale = self.loss.grad_scaler_scale()
+            self.capture.annotate(ids=ids, **self.rollouts.annotation(inputs))
+            self.announced = True
             return
         num = None
         labels = inputs.get("labels") if isinstance(inputs, MutableMapping) else None
@@ -196,9 +216,17 @@ class Session:
         if ratio is None:
             self.trainer_config["check"] = "not checked (the model's output has no logits or log-probabilities)"
             return
-        self.trainer_config["check"] = {"loss_ratio": ratio}
         args = self.trainer.args
         tolerance = 5e-3 if (args.bf16 or args.fp16) else 1e-3
+        self.trainer_config["check"] = {"loss_ratio": ratio}
+        aux = _weighted_aux_loss(probe["output"], self.model)
+        if aux is not None and abs(ratio - 1.0) > tolerance:
+            # a MoE load-balancing loss is part of the Trainer's loss: weighted by router_aux_loss_coef, once per
+            # micro-batch (the model's own loss) or divided by the accumulation steps (TRL's trainers)
+            expected = float(value.detach().float()) / ratio
+            steps = max(int(getattr(self.trainer, "current_gradient_accumulation_steps", 1) or 1), 1)
+            ratio = min((ratio - aux / divisor / expected for divisor in (1, steps)), key=lambda r: abs(r - 1.0))
+            self.trainer_config["check"] = {"loss_ratio": ratio, "aux_loss": aux}
         if abs(ratio - 1.0) > tolerance:
             raise ValueError(
                 f"gradtrace: the Trainer's loss is {ratio:.4g}x what GradtraceCallback derived from the Trainer's "
@@ -345,3 +373,13 @@ def _epoch_index(state: Any) -> int:
 
 def _describe_scale(scale: Any) -> Any:
     return scale if isinstance(scale, (int, float)) or scale is None else getattr(scale, "__name__", repr(scale))
+
+
+def _weighted_aux_loss(output: Any, model: Any) -> float | None:
+    """``router_aux_loss_coef * aux_loss`` of a MoE model's output (None when it has none)."""
+    aux = getattr(output, "aux_loss", None)
+    config = getattr(getattr(model, "module", model), "config", None)
+    coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    if not isinstance(aux, torch.Tensor) or aux.numel() != 1 or coef == 0.0:
+        return None
+    return coef * float(aux.detach().float())

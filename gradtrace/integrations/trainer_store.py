@@ -18,7 +18,7 @@ Trainer saves in the store's manifest (:func:`record_checkpoints`).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
@@ -173,12 +173,14 @@ class TrainerRows(RowTransform, CaptureCallback):
     writer's sink are keyed and given fields by this transform.
 
     ``position`` is updated by the Trainer callback before each captured optimizer step:
-    ``{"step", "epoch", "lr"}``.
+    ``{"step", "epoch", "lr"}``. ``extra(ids)`` gives more per-row fields of a batch's examples (GRPO rollouts).
     """
 
-    def __init__(self, writer: StoreWriter, *, trajectory: bool, auto_shard_rows: bool = False) -> None:
+    def __init__(self, writer: StoreWriter, *, trajectory: bool, auto_shard_rows: bool = False,
+                 extra: Callable[[list], dict[str, list]] | None = None) -> None:
         self.writer = writer
         self.trajectory = trajectory
+        self.extra = extra  # more per-row fields from the ids (GRPO: prompt, rollout, ...)
         self.auto_shard_rows = auto_shard_rows
         self.position: dict[str, Any] = {"step": 0, "epoch": 0, "lr": 0.0}
         self._keys = TrajectoryKeys()
@@ -195,6 +197,8 @@ class TrainerRows(RowTransform, CaptureCallback):
         if self.trajectory:
             fields["example"] = list(batch.ids)
             fields["weight"] = step_weights(batch.scale, pos["lr"])
+        if self.extra is not None:
+            fields.update(self.extra(list(batch.ids)))
         return fields
 
     def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:

@@ -53,11 +53,15 @@ def build(kind: str) -> nn.Module:
         return tiny.llama()
     if kind == "functional":
         return FunctionalHead()
+    if kind == "moe":
+        from tests.capture.test_experts import qwen3_moe
+
+        return qwen3_moe()  # fused experts and routers
     return tiny.MLP()
 
 
 def is_lm(kind: str) -> bool:
-    return kind in ("gpt2", "llama")
+    return kind in ("gpt2", "llama", "moe")
 
 
 def dataset(kind: str) -> dict[str, torch.Tensor]:
@@ -189,7 +193,7 @@ def _shard(model: nn.Module, kind: str, mesh) -> None:
     if kind == "gpt2":
         for block in model.transformer.h:
             fully_shard(block, mesh=mesh)
-    elif kind == "llama":
+    elif kind in ("llama", "moe"):
         for layer in model.model.layers:
             fully_shard(layer.input_layernorm, mesh=mesh)  # a probed HF RMSNorm that is an FSDP module itself
             fully_shard(layer, mesh=mesh)

@@ -54,7 +54,7 @@ def _assert_equal_by_id(got: dict, want: dict, logra: bool) -> None:
                                     {n: g[None] for n, g in want[ident].items()})
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "mlp"])
+@pytest.mark.parametrize("kind", ["gpt2", "mlp", "moe"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("logra", [False, True], ids=["exact", "logra"])
 def test_ddp_per_example_grads_equal_one_process(ddp_runs, kind, mode, logra):

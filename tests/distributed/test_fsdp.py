@@ -34,7 +34,7 @@ def fsdp_runs(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "mlp"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mlp", "moe"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("logra", [False, True], ids=["exact", "logra"])
 def test_fsdp2_per_example_grads_equal_one_process(fsdp_runs, kind, mode, logra):

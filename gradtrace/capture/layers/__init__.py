@@ -3,15 +3,19 @@
 from .base import LayerHandler, find_handler, register_layer, registered_handlers
 from .conv import ConvHandler
 from .embedding import EmbeddingHandler
+from .experts import ExpertsHandler
 from .linear import LinearHandler
 from .norm import NormHandler
+from .router import RouterHandler
 
 __all__ = [
     "ConvHandler",
     "EmbeddingHandler",
+    "ExpertsHandler",
     "LayerHandler",
     "LinearHandler",
     "NormHandler",
+    "RouterHandler",
     "find_handler",
     "register_layer",
     "registered_handlers",

@@ -186,6 +186,16 @@ class LayerHandler:
                 return value
         raise ValueError(f"{self.name}: no tensor input found in the forward call")
 
+    def output_tensor(self, output: Any) -> Tensor | None:
+        """The tensor of the forward call's output whose gradient the rule needs (the output itself by default; a
+        router's logits among its outputs). None: nothing to capture for this call."""
+        return output if isinstance(output, Tensor) else None
+
+    def keep(self, inputs: Tensor, args: tuple, kwargs: dict, projector: Projector | None) -> Any:
+        """What the forward hook keeps for :meth:`backward`: :meth:`forward` of the batch input by default; rules that
+        need more of the call (an experts layer's routing) override this and get its arguments."""
+        return self.forward(inputs, projector)
+
     def forward(self, inputs: Tensor, projector: Projector | None) -> Any:
         """Called in the forward hook; returns what :meth:`backward` needs (a tensor, or a tuple, list or dict of
         them: the collector keeps each through the saved-tensor hooks in force, so non-reentrant checkpointing
@@ -196,7 +206,8 @@ class LayerHandler:
                  projector: Projector | None) -> dict[str, Term]:
         """Per-row gradient terms ``{role: term with leading dims [B, T]}`` from the output gradient.
 
-        ``scale`` gives the per-token loss-scale factors; the returned terms must include them.
+        ``scale`` gives the per-token loss-scale factors; the returned terms must include them. A role may map to a
+        list of terms of the same token layout whose sum is the gradient (kept apart, not joined along tokens).
         """
         raise NotImplementedError  # pragma: no cover
 

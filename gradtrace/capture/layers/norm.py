@@ -160,8 +160,12 @@ class NormHandler(LayerHandler):
         if "weight" in self.params:
             xhat = self._xhat(saved).reshape(batch, -1, self.width)
             values = out_grads.to(torch.float32) * xhat
+            if grad_output.dim() > 3:  # [B, T, heads, n] (Qwen3's and OLMo-2's q/k norms): one position per token
+                values = values.view(batch, grad_output.shape[1], -1, self.width).sum(2)
             terms["weight"] = (projected_vector(projector, self.params["weight"], values, scale)
                                if projector is not None else VectorTerm(scaled(values, scale)))
+        if grad_output.dim() > 3:
+            out_grads = out_grads.view(batch, grad_output.shape[1], -1, self.width).sum(2)
         if "bias" in self.params:
             terms["bias"] = (projected_vector(projector, self.params["bias"], out_grads, scale)
                              if projector is not None else VectorTerm(scaled(out_grads, scale)))

@@ -1,0 +1,90 @@
+"""MoE capture cost: LoGra collection on a fused-experts model against a training pass of it (issue #31).
+
+Workload (fixed before any result was seen): a random-init Qwen3-MoE (4 layers, width 256, 4 heads of 64, 2 KV heads,
+16 experts of width 128, top-4 routing, every layer sparse, vocabulary 8,192), uniform random token ids, 64 sequences
+of 128 tokens in batches of 8, fp32 on the CPU, the default experts implementation of the pinned transformers.
+``train`` is one forward + backward with the model's own loss (parameter gradients computed, no optimizer);
+``collect`` is ``gradtrace.collect`` with ``LoGra(rank=16)`` into a store, every parameter captured (experts and
+routers included). The two take turns for ``--rounds`` rounds; the best round of each is kept. Usage::
+
+    python bench/moe_capture.py [--rounds 3] [--threads 2] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+
+import torch
+
+
+def workload() -> tuple[torch.nn.Module, list[dict]]:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=8192, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         num_experts=16, num_experts_per_tok=4, max_position_embeddings=128, router_aux_loss_coef=0.0)
+    model = Qwen3MoeForCausalLM(cfg)
+    tokens = torch.randint(0, 8192, (64, 128), generator=torch.Generator().manual_seed(1))
+    return model, [{"input_ids": tokens[i:i + 8], "id": [f"t{j}" for j in range(i, i + 8)]} for i in range(0, 64, 8)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    import transformers
+
+    import gradtrace
+    from gradtrace.options import CaptureOptions, StoreOptions
+
+    transformers.utils.logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    model, batches = workload()
+    options = CaptureOptions(projection=gradtrace.LoGra(rank=16))
+    experts = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 3)
+    total = sum(p.numel() for p in model.parameters())
+    print(f"# {platform.machine()} {args.threads} threads, torch {torch.__version__}, transformers "
+          f"{transformers.__version__}; Qwen3-MoE 4x256, 16 experts top-4 ({experts / total:.0%} of {total:,} "
+          f"parameters in experts), 64 x 128 tokens, batch 8, fp32, experts implementation "
+          f"{model.config._experts_implementation}; best of {args.rounds} alternating rounds")
+
+    def train() -> None:
+        for batch in batches:
+            model(input_ids=batch["input_ids"], labels=batch["input_ids"]).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    with tempfile.TemporaryDirectory() as root:
+        def collect() -> None:
+            gradtrace.collect(model, batches, store=f"{root}/s", options=options,
+                              store_options=StoreOptions(overwrite=True))
+
+        train()
+        collect()  # warm-up of both
+        store = gradtrace.GradientStore.open(f"{root}/s")
+        captured = {n for n, _ in store.spec.params}
+        share = sum(p.numel() for n, p in model.named_parameters() if n in captured) / total
+        best = {"train": float("inf"), "collect": float("inf")}
+        for _ in range(args.rounds):
+            for name, fn in (("train", train), ("collect", collect)):
+                start = time.perf_counter()
+                fn()
+                best[name] = min(best[name], time.perf_counter() - start)
+        print(f"captured {share:.1%} of the parameters; row width {store.spec.dim:,}")
+        ratio = best["collect"] / best["train"]
+        print(f"train {best['train']:.2f} s, collect {best['collect']:.2f} s, ratio {ratio:.3f}")
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                collect()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
