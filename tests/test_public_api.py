@@ -34,12 +34,12 @@ SURFACE: dict[str, list[str]] = {
         "unwrap"
     ],
     "gradtrace.loss": [
-        "LossConvention", "LossFn", "MODEL_KEYS", "causal_lm_loss", "classification_loss",
+        "DPO", "DPOLoss", "LossConvention", "LossFn", "MODEL_KEYS", "causal_lm_loss", "classification_loss",
         "default_loss_labels", "likelihoods", "lm_labels", "regression_loss", "token_cross_entropy"
     ],
     "gradtrace.data": [
-        "DataError", "DataSummary", "FORMATS", "Fields", "Generate", "TokenizedDataset", "display_text",
-        "load", "texts"
+        "DataError", "DataSummary", "FORMATS", "Fields", "Generate", "PreferenceDataset", "TokenizedDataset",
+        "display_text", "load", "load_preference", "texts"
     ],
     "gradtrace.grad": [
         "CostModel", "DenseTerm", "GradientBatch", "MachineProfile", "OuterTerm", "ParamGradient",

@@ -14,7 +14,8 @@ from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
 from .formats import FORMATS, Fields
 from .generate import Generate
+from .preference import PreferenceDataset, load_preference
 from .prepare import display_text, load, texts
 
-__all__ = ["DataError", "DataSummary", "FORMATS", "Fields", "Generate", "TokenizedDataset", "display_text", "load",
-           "texts"]
+__all__ = ["DataError", "DataSummary", "FORMATS", "Fields", "Generate", "PreferenceDataset", "TokenizedDataset",
+           "display_text", "load", "load_preference", "texts"]

@@ -5,8 +5,12 @@
   ``{role, content}`` messages (*conversational*); by default only the completion is in the loss.
 * ``messages``: a conversation, a list of ``{role, content}`` messages; by default only the assistant
   turns are in the loss.
+* ``preference``: ``chosen`` and ``rejected`` completions (with a ``prompt``, or holding it: TRL's implicit
+  prompt), read by :mod:`.preference` (``gradtrace.data.load_preference``): a pair is one example, attributed
+  with the DPO loss.
 
-Detection looks at the fields a record has, in TRL's order: prompt + completion, then messages, then text.
+Detection looks at the fields a record has, in TRL's order: chosen + rejected, then prompt + completion, then
+messages, then text.
 """
 
 from __future__ import annotations
@@ -17,14 +21,16 @@ from ..options.data import FORMATS, Fields
 from .errors import DataError
 
 __all__ = ["FORMATS", "Fields", "Format", "LossOn", "detect", "has_fields", "loss_targets", "missing_fields_error",
-           "validate"]
+           "preference_error", "validate"]
 
-Format = Literal["text", "prompt-completion", "messages"]
+Format = Literal["text", "prompt-completion", "messages", "preference"]
 LossOn = Literal["auto", "completion", "assistant", "all"]
 
 
 def detect(record: dict[str, Any], fields: Fields) -> Format | None:
     """The format a record's fields say it has (None: no format's fields are there)."""
+    if fields.chosen in record and fields.rejected in record:
+        return "preference"
     if fields.prompt in record and fields.completion in record:
         return "prompt-completion"
     if fields.messages in record:
@@ -37,7 +43,7 @@ def detect(record: dict[str, Any], fields: Fields) -> Format | None:
 def has_fields(record: dict[str, Any], fmt: Format, fields: Fields) -> bool:
     """Whether a record has the fields format ``fmt`` needs."""
     wanted = {"text": [fields.text], "prompt-completion": [fields.prompt, fields.completion],
-              "messages": [fields.messages]}[fmt]
+              "messages": [fields.messages], "preference": [fields.chosen, fields.rejected]}[fmt]
     return all(w in record for w in wanted)
 
 
@@ -52,10 +58,19 @@ def missing_fields_error(record: dict[str, Any], fields: Fields, where: str, fmt
             needs = f"has {present!r} but no {absent!r} field"
     else:
         wanted = {"text": [fields.text], "prompt-completion": [fields.prompt, fields.completion],
-                  "messages": [fields.messages]}[fmt]
+                  "messages": [fields.messages], "preference": [fields.chosen, fields.rejected]}[fmt]
         needs = "has no " + " / ".join(repr(w) for w in wanted if w not in record) + f" field (format {fmt})"
     return DataError(f"{where} {needs} (it has: {found}); recognised formats: {fields.recognised()}: name your fields "
-                     "with --text-field, --prompt-field/--completion-field or --messages-field, or choose --format")
+                     "with --text-field, --prompt-field/--completion-field, --messages-field or "
+                     "--chosen-field/--rejected-field, or choose --format")
+
+
+def preference_error(where: str, fields: Fields) -> DataError:
+    """The error for preference pairs read as fine-tuning examples: they are attributed with the DPO loss."""
+    return DataError(f"{where} is preference data ({fields.chosen!r} / {fields.rejected!r} pairs): a pair is attributed "
+                     "with the DPO loss it was trained with, not as plain fine-tuning text. Read it with "
+                     "gradtrace.data.load_preference (Python) or gradtrace collect --format preference --loss dpo "
+                     "--ref-model REF_DIR --beta BETA (see docs/post-training.md)")
 
 
 def loss_targets(fmt: Format, loss_on: LossOn, conversational: bool) -> str:

@@ -20,9 +20,10 @@ from .chat import check_chat_template
 from .dataset import DataSummary, TokenizedDataset
 from .errors import DataError
 from .files import warn_if_changed
-from .formats import Fields, detect, has_fields, loss_targets, missing_fields_error, validate
+from .formats import Fields, detect, has_fields, loss_targets, missing_fields_error, preference_error, validate
 from .generate import Generate, generate_chunk, prompt_of
 from .ids import ContentIds, content_hash
+from .preference import is_preference, load_preference
 from .sources import Source, open_source
 from .tokenize import TokenChunk, tokenize_chunk
 
@@ -121,10 +122,14 @@ class _State:
     def check(self, records: list[dict[str, Any]], locations: list[int], wheres: list[str]) -> None:
         """One format per source (the first record's), each record valid; ids all-or-none and unique."""
         for record, location, where in zip(records, locations, wheres):
+            if self.requested == "preference":
+                raise preference_error(f"{self.source.name} (--format preference)", self.fields)
             if self.requested == "auto":
                 fmt = detect(record, self.fields)
                 if fmt is None:
                     raise missing_fields_error(record, self.fields, where, "auto")
+                if fmt == "preference":
+                    raise preference_error(where, self.fields)
             else:
                 fmt = self.requested
                 if not has_fields(record, fmt, self.fields):  # type: ignore[arg-type]
@@ -288,6 +293,11 @@ def texts(source: Any, tokenizer: Any | None = None, *, fields: Fields | None = 
     """
     fields = option_object(fields, Fields, "fields")
     read = option_object(read_options, ReadOptions, "read_options")
+    if tokenizer is not None and not prompts and (read.format == "preference" or (
+            read.format == "auto" and is_preference(source, fields, read.split, what))):
+        pairs = load_preference(source, tokenizer, fields=fields, read_options=replace(
+            read, format="auto", truncate=True, keep_text=True), what=what)
+        return dict(zip(pairs.ids, pairs.texts or []))
     if tokenizer is not None and not prompts:
         data = load(source, tokenizer, fields=fields, read_options=replace(read, truncate=True, keep_text=True),
                     what=what)
@@ -325,7 +335,8 @@ def dataset_texts(path: Path, tokenizer: Any | None, recorded: dict[str, Any], *
     that no longer holds the bytes ``recorded`` fingerprints is read with a
     :class:`gradtrace.data.files.DataChangedWarning` naming it."""
     warn_if_changed(path, recorded, what)
-    names = {"prompt": "prompt_field", "completion": "completion_field", "messages": "messages_field"}
+    names = {"prompt": "prompt_field", "completion": "completion_field", "messages": "messages_field",
+             "chosen": "chosen_field", "rejected": "rejected_field"}
     fields = Fields(text=text_field, id=id_field, **{key: recorded[name] for key, name in names.items()
                                                      if recorded.get(name)})
     read = ReadOptions(format=recorded.get("data_format") or "auto", split=recorded.get("split"),

@@ -32,6 +32,7 @@ from .fused_head import UnfusedLMHead, captures_output_embedding
 from .trainer_ids import ID_KEY, prepare_ids
 from .trainer_loss import CallLoss, TrainerLoss, loss_ratio
 from .trainer_store import CONFIG_KEY, TrainerRows, preflight, record_checkpoints
+from .trl_dpo import DPOPairs, is_dpo_trainer
 from .trl_grpo import GRPORollouts, is_grpo_trainer
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class Session:
         self.loss: TrainerLoss | None = None
         self.unfused: UnfusedLMHead | None = None
         self.rollouts: GRPORollouts | None = None  # TRL's GRPOTrainer: one row per completion (.trl_grpo)
+        self.pairs: DPOPairs | None = None  # TRL's DPOTrainer: one row per preference pair (.trl_dpo)
         self.model: Any = None
         self.capturing = False
         self.announced = False
@@ -73,8 +75,14 @@ class Session:
                                      "Loss.reduction and Loss.scale None (Loss.example_loss is honoured)")
                 self.rollouts = GRPORollouts(trainer, callback.ids)
                 self.undo.append(self.rollouts.install())
-            elif callback.ids is not None:
-                self.undo.append(prepare_ids(trainer, callback.ids))
+            else:
+                if is_dpo_trainer(trainer):
+                    if callback.loss.reduction is not None or callback.loss.scale is not None:
+                        raise ValueError("gradtrace: the DPOTrainer's loss is each pair's DPO loss; leave "
+                                         "Loss.reduction and Loss.scale None")
+                    self.pairs = DPOPairs(trainer)
+                if callback.ids is not None:
+                    self.undo.append(prepare_ids(trainer, callback.ids))
             self._wrap_compute_loss()
         except BaseException:
             self.restore()
@@ -130,6 +138,7 @@ class Session:
                     **({"column": cb.ids} if cb.ids not in (None, "index") else {})},
             "every": cb.every, "start_step": cb.start_step, "trajectory": cb.trajectory,
             "loss": (self.rollouts.describe(cb.loss.example_loss) if self.rollouts is not None
+                     else self.pairs.describe() if self.pairs is not None
                      else loss.describe() if self.loss is not None
                      else {"reduction": cb.loss.reduction, "loss_scale": _describe_scale(cb.loss.scale)}),
             "optimizer_parameters": _optimizer_parameter_names(trainer.optimizer, model),
@@ -149,7 +158,9 @@ class Session:
         causal_lm = cb.loss.causal_lm if cb.loss.causal_lm is not None else _is_causal_lm(model)
         if self.rollouts is not None:  # each completion's scale is given per call (example_scale)
             self.trainer_config["check"] = "not checked (GRPO: the scales follow the trainer's loss_type)"
-        default_reduction = "sum" if self.rollouts is not None else "token_mean"
+        if self.pairs is not None:  # each pair's scale is given per call (example_scale)
+            self.trainer_config["check"] = "not checked (DPO: the mean over the pairs of the trainer's loss)"
+        default_reduction = "sum" if self.rollouts is not None or self.pairs is not None else "token_mean"
         loss = replace(cb.loss, reduction=cb.loss.reduction or default_reduction, causal_lm=causal_lm,
                        scale=(lambda: self.call_scale) if auto else (cb.loss.scale or 1.0))
         self.capture = cb.capture = Capture(model, loss, options=cb.options, callbacks=[self.rows],
@@ -171,6 +182,11 @@ class Session:
         if self.rollouts is not None:
             self.call_scale = self.loss.grad_scaler_scale()
             self.capture.annotate(ids=ids, **self.rollouts.annotation(inputs))
+            self.announced = True
+            return
+        if self.pairs is not None:
+            self.call_scale = self.loss.grad_scaler_scale()
+            self.capture.annotate(ids=ids, **self.pairs.annotation(inputs, num_items))
             self.announced = True
             return
         num = None

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, fields
 from ..common.checks import check_fields
 from .base import _choice
 
-FORMATS: tuple[str, ...] = ("text", "prompt-completion", "messages")
-"""The dataset formats (TRL's conventions); ``ReadOptions.format`` also takes ``"auto"``."""
+FORMATS: tuple[str, ...] = ("text", "prompt-completion", "messages", "preference")
+"""The dataset formats (TRL's conventions); ``ReadOptions.format`` also takes ``"auto"``. ``preference`` (``chosen`` /
+``rejected`` pairs) is read by :func:`gradtrace.data.load_preference`."""
 
 LOSS_ON: tuple[str, ...] = ("auto", "completion", "assistant", "all")
 """The values of ``ReadOptions.loss_on``."""
@@ -26,6 +27,8 @@ class Fields:
         text: the text of format ``text`` (and of a ``.txt`` file's lines).
         prompt, completion: the two parts of format ``prompt-completion`` (strings or message lists).
         messages: the ``{role, content}`` message list of format ``messages``.
+        chosen, rejected: the preferred and the dispreferred completion of format ``preference`` (with ``prompt``,
+            or holding the prompt themselves: TRL's implicit prompt).
         id: each example's id (optional: without it, ids are content hashes of the tokens).
     """
 
@@ -33,6 +36,8 @@ class Fields:
     prompt: str = "prompt"
     completion: str = "completion"
     messages: str = "messages"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
     id: str = "id"
 
     def __post_init__(self) -> None:
@@ -44,7 +49,7 @@ class Fields:
     def recognised(self) -> str:
         """The formats and the fields each needs, for error messages."""
         return (f"text ({self.text!r}), prompt-completion ({self.prompt!r} + {self.completion!r}), "
-                f"messages ({self.messages!r})")
+                f"messages ({self.messages!r}), preference ({self.chosen!r} + {self.rejected!r})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +57,8 @@ class ReadOptions:
     """Which records of a source are read, and how each becomes an example: its tokens and its loss mask.
 
     Attributes:
-        format: ``"auto"`` (from the fields, as TRL does), ``"text"``, ``"prompt-completion"`` or ``"messages"``.
+        format: ``"auto"`` (from the fields, as TRL does), ``"text"``, ``"prompt-completion"``, ``"messages"`` or
+            ``"preference"`` (:func:`gradtrace.data.load_preference` reads it; ``gradtrace.data.load`` refuses it).
         split: the split of a ``DatasetDict`` (needed when it has several; None for a file or a single dataset).
         loss_on: which tokens are in each example's loss: ``"auto"`` (text: all; prompt-completion: the
             completion; messages: the assistant turns), ``"completion"``, ``"assistant"`` or ``"all"``.

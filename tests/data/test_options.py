@@ -45,7 +45,8 @@ def test_the_objects_are_frozen_keyword_only_and_their_defaults_are_loads():
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(cls(), params[0].name, None)
     assert dataclasses.asdict(Fields()) == {"text": "text", "prompt": "prompt", "completion": "completion",
-                                            "messages": "messages", "id": "id"}
+                                            "messages": "messages", "chosen": "chosen", "rejected": "rejected",
+                                            "id": "id"}
     assert dataclasses.asdict(ReadOptions()) == {"format": "auto", "split": None, "loss_on": "auto",
                                                  "max_length": None, "truncate": False, "add_eos": False,
                                                  "keep_text": False}
