@@ -438,7 +438,7 @@ def _display(prompt: str | list, chosen: str | list, rejected: str | list) -> st
     def text(part: str | list) -> str:
         return part if isinstance(part, str) else "\n".join(f"{m['role']}: {m['content']}" for m in part)
 
-    return f"{text(prompt)}\n[chosen] {text(chosen)}\n[rejected] {text(rejected)}"
+    return f"{text(prompt)}\nchosen: {text(chosen)}\nrejected: {text(rejected)}"
 
 
 def _tokenize_pairs(triples: list[tuple[Any, Any, Any]], wheres: list[str], tokenizer: Any, conversational: bool
