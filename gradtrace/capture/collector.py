@@ -40,8 +40,8 @@ from ..options.base import option_object
 from ..projection.logra import Projector, check_projection_size, unmatched_ranks
 from .assemble import SiteResult, build_batch, outside_examples, zero_outside
 from .callbacks import CaptureCallback, as_callback
-from .context import BatchInfo, ContextSettings, ForwardContext
-from .coverage import CaptureReport
+from .context import BatchInfo, ContextSettings, ForwardContext, call_context
+from .coverage import CaptureReport, Coverage, coverage_of, enforce
 from .example_ids import ExampleIds
 from .layer_selection import select_layers
 from .layers import LayerHandler
@@ -109,7 +109,7 @@ class Capture:
         self.ignore_index = self.loss.ignore_index
         self.nonfinite = options.nonfinite
         self.isolate_padding = options.isolate_padding
-        self.strict = options.strict
+        self.partial = options.partial
         self.verify = options.verify
         name = type(unwrap(model)).__name__
         self.causal_lm = self.loss.causal_lm if self.loss.causal_lm is not None else \
@@ -137,20 +137,19 @@ class Capture:
         self._outputs: list[Tensor] = []
         self._side: SidePass | None = None
         self._reset_step()
+        enforce(self.coverage())  # before the loop runs: a trainable parameter no rule covers, unless partial
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> Capture:
         if self._active:
             raise RuntimeError("this capture is already active")
-        unsupported = self.selection.unsupported
+        unsupported = self.selection.unsupported  # left out with partial=True (or frozen ones with include_frozen)
         if unsupported:
             listing = "; ".join(f"{u.module} ({u.type_name}: {u.reason})" for u in unsupported[:6])
             more = f" and {len(unsupported) - 6} more" if len(unsupported) > 6 else ""
-            message = (f"gradtrace: {len(unsupported)} module(s) with trainable parameters cannot be captured "
-                       f"per example and are left out: {listing}{more}. See capture.report().")
-            if self.strict:
-                raise ValueError(message)
-            warnings.warn(message, stacklevel=2)
+            warnings.warn(f"gradtrace: {len(unsupported)} module(s) with trainable parameters cannot be captured per "
+                          f"example and are left out: {listing}{more}; coverage: {self.coverage().line()}. See "
+                          "capture.report().", stacklevel=2)
         self._install()
         self._active = True
         self._forwards_with_grad = 0
@@ -245,9 +244,20 @@ class Capture:
         self._ids.reset()
 
     def report(self) -> CaptureReport:
-        """What is captured, what is left out and why (printable)."""
+        """What is captured, what is left out and why, and the share of trainable parameters captured (printable)."""
         self._report.num_backward = self.num_backward
+        self._report.coverage = self.coverage()
         return self._report
+
+    def coverage(self) -> Coverage:
+        """The share of the trainable parameters captured per example, as known so far (:class:`Coverage`)."""
+        return coverage_of(self.model, self.selection, self._report, self.partial)
+
+    def _left_out(self, message: str, when: str) -> None:
+        """Something found left out while running: an error naming the fixes when it leaves out a trainable
+        parameter without ``partial`` (:func:`enforce`), else ``message`` as a warning."""
+        enforce(self.coverage(), when)
+        warnings.warn(message, stacklevel=3)
 
     def clear(self) -> None:
         """Drop the batches kept in memory."""
@@ -307,37 +317,11 @@ class Capture:
         self._stack.append(context)
 
     def _new_context(self, args: tuple, kwargs: dict, info: BatchInfo) -> ForwardContext:
-        input_ids = kwargs.get("input_ids")
-        if input_ids is None and args and isinstance(args[0], Tensor) and not args[0].is_floating_point():
-            input_ids = args[0]
-        embeds = kwargs.get("inputs_embeds")
-        primary = input_ids if input_ids is not None else embeds
-        if primary is None:
-            primary = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, Tensor)), None)
-        if primary is None or primary.dim() == 0:
-            raise ValueError("gradtrace: cannot find the batch in the model's forward arguments; "
-                             "pass a tensor whose first dimension is the batch")
-        seq_len = None
-        if input_ids is not None and input_ids.dim() >= 2:
-            seq_len = input_ids.shape[1]
-        elif input_ids is None and embeds is not None and embeds.dim() >= 3:
-            seq_len = embeds.shape[1]
-
-        def pick(name: str, given: Any) -> Any:
-            return given if given is not None else kwargs.get(name)
-
-        num_items = info.num_items if info.num_items is not None else kwargs.get("num_items_in_batch")
-        merged = BatchInfo(ids=info.ids, labels=pick("labels", info.labels),
-                           attention_mask=pick("attention_mask", info.attention_mask), doc_ids=info.doc_ids,
-                           num_items=num_items, position_ids=pick("position_ids", info.position_ids),
-                           row_examples=info.row_examples, example_scale=info.example_scale)
         scale = float(self.loss_scale()) if callable(self.loss_scale) else float(self.loss_scale)
         if callable(self.loss_scale):  # a fixed one was checked by CaptureOptions; gradients are divided by it
             nonzero(scale, "loss_scale (the value its callable returned)")
         settings = ContextSettings(self.convention, scale, self.causal_lm, self.ignore_index, self.packing)
-        content = input_ids if input_ids is not None else primary
-        return ForwardContext(len(self._contexts), batch_size=primary.shape[0], seq_len=seq_len,
-                              content=content, info=merged, settings=settings)
+        return call_context(len(self._contexts), args, kwargs, info, settings)
 
     def _root_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         context = self._stack.pop() if self._stack else None
@@ -371,17 +355,22 @@ class Capture:
             if tensor is None or not torch.is_grad_enabled():
                 return None
             if not tensor.requires_grad:
-                if self._stack and self._stack[-1] is not None:
-                    self._report.skip_runtime(handler.name, "its output does not require grad (frozen parameters "
-                                              "and an input that does not require grad), so no gradient reaches it")
+                trainable = any(getattr(module, role).requires_grad for role in handler.params)
+                reason = ("its output does not require grad although its parameters do (its forward, or a hook on it, "
+                          "detaches or replaces the output)" if trainable else "its output does not require grad "
+                          "(frozen parameters and an input that does not require grad)") + ", so no gradient reaches it"
+                if self._stack and self._stack[-1] is not None and self._report.skip_runtime(handler.name, reason):
+                    self._left_out(f"gradtrace: {handler.name} is left out: {reason}", " (found while running)")
                 return None
             inputs = handler.batch_input(args, kwargs).detach()
             context = self._context_for_layer(inputs)
             if context is None:
                 return None
             matched = match_rows(context, inputs, tensor, output, self.broadcast == "expand")
-            if isinstance(matched, str):
-                self._report.skip_runtime(handler.name, matched)
+            if isinstance(matched, str):  # broadcast="skip" leaves a batch-shared call out as asked
+                chosen = self.broadcast == "skip" and inputs.shape[0] == 1
+                if self._report.skip_runtime(handler.name, matched, chosen=chosen):
+                    self._left_out(f"gradtrace: {handler.name} is left out: {matched}", " (found while running)")
                 return None
             inputs, expanded = matched
             replacement = None
@@ -463,15 +452,13 @@ class Capture:
         self.num_backward += 1
         step = self.num_backward - 1
         captured = {name for r in results for name in r.terms}
-        missing = sorted(seen - captured)
+        missing = sorted(seen - captured - self._report.runtime_params())  # those are reported already
         if missing:
             self._report.note_functional(missing)
-            message = (f"gradtrace: parameter(s) {', '.join(missing[:5])} received gradients but none of their "
-                       "modules' forward hooks saw the computation (functional use, e.g. nn.MultiheadAttention or a "
-                       "fused kernel); their per-example gradients are missing from this batch")
-            if self.strict:
-                raise ValueError(message)
-            warnings.warn(message, stacklevel=2)
+            self._left_out(f"gradtrace: parameter(s) {', '.join(missing[:5])} received gradients but none of their "
+                           "modules' forward hooks saw the computation (functional use, e.g. nn.MultiheadAttention or "
+                           "a fused kernel); their per-example gradients are missing from this batch",
+                           f" (found at backward pass {step})")
         if not results:
             return
         batch = build_batch(self, results, step, self.convention, self._ids)

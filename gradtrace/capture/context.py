@@ -15,6 +15,7 @@ derives, without Python loops over tokens:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from torch import Tensor
 from ..data.ids import content_hash  # the one id rule, shared with gradtrace.data
 from ..loss.functions import LossConvention
 
-__all__ = ["BatchInfo", "ForwardContext", "content_hash"]
+__all__ = ["BatchInfo", "ForwardContext", "call_context", "content_hash"]
 
 
 @dataclass
@@ -317,6 +318,39 @@ class ForwardContext:
         if valid is None:
             return [content_hash(row) for row in tokens]
         return [content_hash(row[mask]) for row, mask in zip(tokens, valid)]
+
+
+def call_context(index: int, args: tuple, kwargs: dict, info: BatchInfo, settings: ContextSettings) -> ForwardContext:
+    """The context of the model's forward call ``index`` on ``args`` / ``kwargs``: its batch is ``input_ids`` (or an
+    integer first argument), else ``inputs_embeds``, else the first tensor; ``info``'s facts (:meth:`Capture.annotate`)
+    win over the keyword arguments' ``labels``, ``attention_mask``, ``position_ids``, ``num_items_in_batch``."""
+    input_ids = kwargs.get("input_ids")
+    if input_ids is None and args and isinstance(args[0], Tensor) and not args[0].is_floating_point():
+        input_ids = args[0]
+    embeds = kwargs.get("inputs_embeds")
+    primary = input_ids if input_ids is not None else embeds
+    if primary is None:
+        primary = next((a for a in itertools.chain(args, kwargs.values()) if isinstance(a, Tensor)), None)
+    if primary is None or primary.dim() == 0:
+        raise ValueError("gradtrace: cannot find the batch in the model's forward arguments; "
+                         "pass a tensor whose first dimension is the batch")
+    seq_len = None
+    if input_ids is not None and input_ids.dim() >= 2:
+        seq_len = input_ids.shape[1]
+    elif input_ids is None and embeds is not None and embeds.dim() >= 3:
+        seq_len = embeds.shape[1]
+
+    def pick(name: str, given: Any) -> Any:
+        return given if given is not None else kwargs.get(name)
+
+    num_items = info.num_items if info.num_items is not None else kwargs.get("num_items_in_batch")
+    merged = BatchInfo(ids=info.ids, labels=pick("labels", info.labels),
+                       attention_mask=pick("attention_mask", info.attention_mask), doc_ids=info.doc_ids,
+                       num_items=num_items, position_ids=pick("position_ids", info.position_ids),
+                       row_examples=info.row_examples, example_scale=info.example_scale)
+    content = input_ids if input_ids is not None else primary
+    return ForwardContext(index, batch_size=primary.shape[0], seq_len=seq_len, content=content, info=merged,
+                          settings=settings)
 
 
 class TokenScales:

@@ -35,7 +35,9 @@ class Selection:
     handlers: one handler per captured module (model order).
     param_order: canonical names of the captured parameters, in ``named_parameters()`` order.
     frozen: supported modules skipped because all their parameters are frozen.
-    unsupported: trainable parameters no handler can capture per example (reported, excluded).
+    unsupported: trainable parameters of the selected modules (those ``layers`` matches, less ``exclude``) that no
+        handler can capture per example (an error unless ``CaptureOptions(partial=True)``: see
+        :mod:`gradtrace.capture.coverage`).
     tied: notes about modules added because they share a captured parameter.
     """
 
@@ -180,8 +182,8 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
         handler_cls = find_handler(module)
         own = [(role, p) for role, p in module.named_parameters(recurse=False)]
         trainable = [(role, p) for role, p in own if p.requires_grad or include_frozen]
-        if handler_cls is None:
-            if own and layers is None and any(p.requires_grad for _, p in own):
+        if handler_cls is None:  # one the user left out (layers / exclude) is no loss: Coverage counts it excluded
+            if own and name in chosen and any(p.requires_grad for _, p in own):
                 selection.unsupported.append(Unsupported(
                     name, type(module).__name__, [param_names[id(p)] for _, p in own if p.requires_grad],
                     "no per-example gradient rule for this module type"))

@@ -7,7 +7,6 @@ import json
 import re
 import shlex
 import signal
-import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -25,6 +24,7 @@ from .groups import DATA_HELP, DataOptions, LayerOptions, ModelOptions, Projecti
 from .load_data import read_dataset
 from .load_model import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .outputs import check_writable, resolved_output
+from .preference import DPOOptions, pair_loss, read_pairs, wants_pairs
 
 __all__ = ["OPTIONS", "CollectCommand", "StoreGroup", "attributed_first", "check_layers", "latest_checkpoint",
            "projection_label", "run", "store_layers", "trainer_step"]
@@ -60,6 +60,7 @@ class CollectCommand:
         "With --checkpoints-of: only its last K checkpoints (default: all).", min=1, metavar="K"))
     store_options: StoreGroup
     data_options: DataOptions
+    dpo_options: DPOOptions
     projection_options: ProjectionOptions
     layer_options: LayerOptions
     model_options: ModelOptions
@@ -71,7 +72,7 @@ class CollectCommand:
 
     def capture_options(self) -> Any:
         """The Python API's :class:`gradtrace.options.CaptureOptions` of these options: the projection, the layers
-        captured and left out, and --strict."""
+        captured and left out, and --partial."""
         return self.layer_options.apply(self.projection_options.capture_options())
 
 
@@ -91,7 +92,8 @@ def run(opts: CollectCommand) -> None:
     """Collect per-example gradients of a dataset into a gradient store (one per model).
 
     Each example's gradient is that of its own loss (causal LM, summed over the tokens in its loss: all of a
-    text, the completion of a prompt-completion pair, the assistant turns of a conversation; see --loss-on).
+    text, the completion of a prompt-completion pair, the assistant turns of a conversation; see --loss-on);
+    a preference pair's is that of its DPO loss (--loss dpo, with the run's --beta and --ref-model).
     Gradients are projected with LoGra at capture time unless --projection none.
 
     Example: gradtrace collect ./model train.jsonl --out ./store --rank 16
@@ -111,7 +113,11 @@ def run(opts: CollectCommand) -> None:
         model = load_model(models[0], device, model_opts.model_dtype, model_opts.base_model)
     with phases("read data"):
         max_length = resolve_max_length(data_opts.max_length, model)
-        batches = read_dataset(data, tokenizer, data_opts, max_length, pad_id(tokenizer))
+        if wants_pairs(data, data_opts, opts.dpo_options):
+            batches = read_pairs(data, tokenizer, data_opts, opts.dpo_options, max_length, pad_id(tokenizer), device,
+                                 model_opts.model_dtype)
+        else:
+            batches = read_dataset(data, tokenizer, data_opts, max_length, pad_id(tokenizer))
     phases.note("read data", f"{batches.summary.total_tokens:,} tokens")
     console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
     capture_options = opts.capture_options()
@@ -120,8 +126,8 @@ def run(opts: CollectCommand) -> None:
     if targets[0].already:
         _check_resume(replace(store_opts, out=targets[0].out), projection, model)
     with phases("plan"):
-        planned = gradtrace.plan(model, batches, store=store_opts.out, options=replace(capture_options, strict=False),
-                                 store_options=settings, run=RunOptions(device=device))
+        planned = gradtrace.plan(model, batches, pair_loss(batches, opts.dpo_options), store=store_opts.out,
+                                 options=capture_options, store_options=settings, run=RunOptions(device=device))
     console().print(plan_lines(planned, store_opts.out, stores=len(targets)), markup=False, highlight=False,
                     soft_wrap=True)
     _check_shard_bytes(settings.shard_bytes, planned.dim, settings.store_dtype)
@@ -234,17 +240,15 @@ def _collect_one(gradtrace: Any, model: Any, batches: Any, target: _Target, fina
     ``gradtrace score`` then loads it on)."""
     settings = final.store_options.settings
     out, capture_options = target.out, final.capture_options()
-    strict = capture_options.strict  # collect() takes no strict: check_layers() and _strict_capture() enforce it
-    capture_options = replace(capture_options, strict=False)
     base = adapter_base(target.model, final.model_options.base_model)
     values = resolved(replace(final, model=target.model, store_options=replace(final.store_options, out=out),
                               model_options=replace(final.model_options, base_model=base)))
     for key in ("models", "checkpoints_of", "last"):  # each store records its own model (MODEL_DIR)
         values.pop(key)
-    with phases("gradients"), _interrupt_reported(out), _strict_capture(strict, out):
+    with phases("gradients"), _interrupt_reported(out), _coverage_reported(out):
         config = record_paths({META_KEY: provenance("collect", final.data, batches.num_examples), **values}, out)
-        store = gradtrace.collect(model, batches, store=out, options=capture_options,
-                                  store_options=replace(settings, config=config),
+        store = gradtrace.collect(model, batches, pair_loss(batches, final.dpo_options), store=out,
+                                  options=capture_options, store_options=replace(settings, config=config),
                                   run=RunOptions(device=final.model_options.device, progress=progress))
     seconds = phases.seconds["gradients"]
     phases.note("gradients", f"{batches.num_examples / max(seconds, 1e-9):,.1f} examples/s")
@@ -263,6 +267,11 @@ def _print_stored(store: Any, out: Path, already: int, resume: bool, written: Pa
     printer.print(f"  rows x dim  {len(store):,} x {info['dim']:,} ({info['dtype']}, {human_bytes(info['bytes'])})")
     printer.print(f"  projection  {projection_label(info['projection'])}")
     printer.print(f"  config      {written}")
+    from ..capture.coverage import recorded_coverage
+
+    coverage = recorded_coverage(store.manifest)
+    if coverage is not None:
+        printer.print(f"  coverage    {coverage.line()}", markup=False, highlight=False, soft_wrap=True)
     nonfinite = [i for r in store.ranks.values() for i in (r.get("skipped") or {}).get("nonfinite", [])]
     if nonfinite:
         printer.print(f"[yellow]Warning: {len(nonfinite)} examples had NaN/inf gradients and were not stored "
@@ -274,21 +283,17 @@ def _print_stored(store: Any, out: Path, already: int, resume: bool, written: Pa
 
 
 @contextmanager
-def _strict_capture(strict: bool, out: Path) -> Iterator[None]:
-    """``--strict`` while capturing: a parameter whose gradient no captured layer's hooks saw (used functionally,
-    found at the first backward pass) stops the run with one line, as the warning it is otherwise. The layers no
-    rule can capture were refused before, on the model (:func:`check_layers`)."""
-    if not strict:
+def _coverage_reported(out: Path) -> Iterator[None]:
+    """A trainable parameter found uncapturable while capturing (a call whose rows cannot be matched to examples)
+    stops the run with one line naming the --exclude / --partial that go on. The layers no rule can capture were
+    refused before, on the model (:func:`check_layers`)."""
+    from ..capture.coverage import CoverageError, uncovered_message
+
+    try:
         yield
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=r"gradtrace: parameter\(s\) .* received gradients",
-                                category=UserWarning)
-        try:
-            yield
-        except UserWarning as err:
-            raise CliError(f"--strict: {str(err).removeprefix('gradtrace: ')}; {out} is incomplete: collect again "
-                           "with --overwrite and --layers naming the modules to capture, or without --strict") from None
+    except CoverageError as err:
+        raise CliError(f"{uncovered_message(err.coverage, err.when, cli=True)}; {out} is incomplete: collect again "
+                       "with --overwrite") from None
 
 
 @contextmanager
@@ -311,11 +316,16 @@ def _interrupt_reported(out: Path) -> Iterator[None]:
 
 def store_layers(store: Any) -> list[str] | None:
     """The modules whose parameters ``store`` holds, when it was collected with ``--layers`` / ``--exclude`` (its
-    recorded capture options name patterns): what other gradients compared with it (the queries of gradtrace score,
-    a re-capture) must capture. None for a store of every supported module, which the default selection gives."""
+    recorded capture options name patterns) or ``--partial`` (its recorded coverage leaves parameters out): what other
+    gradients compared with it (the queries of gradtrace score, a re-capture) must capture. None for a store of every
+    supported module, which the default selection gives."""
+    from ..capture.coverage import recorded_coverage
+
     config = store.manifest.get("config") or {}
     recorded = (((config.get("gradtrace") or {}).get("options") or {}).get("capture")) or {}
-    if not (recorded.get("layers") or recorded.get("exclude")):
+    coverage = recorded_coverage(store.manifest)
+    if not (recorded.get("layers") or recorded.get("exclude") or recorded.get("partial")
+            or (coverage is not None and coverage.left_out)):
         return None
     from ..curvature.fit import modules_of
 
@@ -323,10 +333,11 @@ def store_layers(store: Any) -> list[str] | None:
 
 
 def check_layers(model: Any, options: Any) -> None:
-    """``--layers`` / ``--exclude`` / ``--strict`` checked on the loaded model, before the plan's warm-up: a pattern
+    """``--layers`` / ``--exclude`` / ``--partial`` checked on the loaded model, before the plan's warm-up: a pattern
     that matches no module, or a left-out module that shares a parameter with a captured one, is refused on one line
-    (as ``gradtrace.collect`` would refuse it); with ``--strict``, so is a trainable parameter that no layer rule can
-    capture per example (without it, the capture leaves it out with a warning)."""
+    (as ``gradtrace.collect`` would refuse it); without ``--partial``, so is a trainable parameter that no layer rule
+    can capture per example, naming the ``--exclude`` that leaves it out on purpose."""
+    from ..capture.coverage import CaptureReport, coverage_of, uncovered_message
     from ..capture.layer_selection import select_layers
 
     try:
@@ -343,13 +354,9 @@ def check_layers(model: Any, options: Any) -> None:
         if "is excluded but shares parameter" in message:
             message += ": leave out every module that holds the tied weight, or none of them"
         raise CliError(message) from None
-    if options.strict and selection.unsupported:
-        left = selection.unsupported
-        listing = "; ".join(f"{u.module} ({u.type_name}: {u.reason})" for u in left[:4])
-        more = f" and {len(left) - 4} more" if len(left) > 4 else ""
-        raise CliError(f"--strict: {len(left)} module(s) with trainable parameters cannot be captured per example: "
-                       f"{listing}{more}; name the modules to capture with --layers PATTERN, or drop --strict to "
-                       "collect without them (left out with a warning)")
+    coverage = coverage_of(model, selection, CaptureReport.from_selection(selection), options.partial)
+    if coverage.uncovered and not options.partial:
+        raise CliError(uncovered_message(coverage, cli=True))
 
 
 def _check_shard_bytes(shard_bytes: int | None, dim: int, dtype: str) -> None:

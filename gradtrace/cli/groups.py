@@ -19,7 +19,8 @@ LAYER_PATTERNS = ("a module name or a shell-style glob over module names, as the
                   "model.named_modules() gives them)")
 
 DATA_HELP = ("Training examples: .jsonl, .json, .parquet, .csv, .txt (one per line) or a save_to_disk directory; "
-             "formats text, prompt-completion or messages, detected from the fields (see --format).")
+             "formats text, prompt-completion, messages or preference (chosen/rejected pairs), detected from the fields "
+             "(see --format).")
 
 
 @dataclass(kw_only=True)
@@ -46,15 +47,21 @@ class DataOptions(Group):
     """How a dataset is read, tokenized and batched (see docs/data.md)."""
 
     panel = "Data"
-    data_format: Literal["auto", "text", "prompt-completion", "messages"] = field(default="auto", metadata=cli(
-        "Dataset format: text, prompt-completion (strings or message lists) or messages (chat); auto: from the "
-        "fields, as TRL does.", "--format"))
+    data_format: Literal["auto", "text", "prompt-completion", "messages", "preference"] = field(
+        default="auto", metadata=cli(
+            "Dataset format: text, prompt-completion (strings or message lists), messages (chat) or preference "
+            "(prompt/chosen/rejected pairs, TRL's preference format: one example per pair, attributed with the DPO "
+            "loss, see --loss); auto: from the fields, as TRL does.", "--format"))
     text_field: str = field(default="text", metadata=cli("Field holding each example's text (format text)."))
     prompt_field: str = field(default="prompt", metadata=cli("Field holding the prompt (format prompt-completion)."))
     completion_field: str = field(default="completion", metadata=cli(
         "Field holding the completion (format prompt-completion)."))
     messages_field: str = field(default="messages", metadata=cli(
         "Field holding the list of {role, content} messages (format messages)."))
+    chosen_field: str = field(default="chosen", metadata=cli(
+        "Field holding the preferred completion (format preference)."))
+    rejected_field: str = field(default="rejected", metadata=cli(
+        "Field holding the dispreferred completion (format preference)."))
     id_field: str = field(default="id", metadata=cli(
         "Field holding each example's id (optional; default ids are content hashes of the tokens)."))
     split: str | None = field(default=None, metadata=cli(
@@ -75,7 +82,8 @@ class DataOptions(Group):
     def record_fields(self) -> Fields:
         """The Python API's :class:`gradtrace.options.data.Fields` of --text-field ... --id-field."""
         return Fields(text=self.text_field, prompt=self.prompt_field, completion=self.completion_field,
-                      messages=self.messages_field, id=self.id_field)
+                      messages=self.messages_field, chosen=self.chosen_field, rejected=self.rejected_field,
+                      id=self.id_field)
 
     def read_options(self, max_length: int | None) -> ReadOptions:
         """The Python API's :class:`gradtrace.options.data.ReadOptions` of --format, --split, --loss-on, --truncate
@@ -118,7 +126,7 @@ class GenerateOptions(Group):
 
 @dataclass(kw_only=True)
 class LayerOptions(Group):
-    """Which layers are captured: the ``layers`` / ``exclude`` / ``strict`` of the Python API's
+    """Which layers are captured: the ``layers`` / ``exclude`` / ``partial`` of the Python API's
     :class:`gradtrace.options.CaptureOptions` (``gradtrace.collect(..., options=CaptureOptions(layers=...,
     exclude=...))``)."""
 
@@ -131,14 +139,15 @@ class LayerOptions(Group):
         "Leave out the modules this pattern matches (repeat for several; same patterns as --layers). A module that "
         "shares a parameter with a captured one (tied embeddings) cannot be left out alone.", "--exclude",
         metavar="PATTERN"))
-    strict: bool = field(default=False, metadata=cli(
-        "Stop with an error when a trainable parameter cannot be captured per example (default: it is left out "
-        "with a warning, and the store does not hold it)."))
+    partial: bool = field(default=False, metadata=cli(
+        "Collect even when some trainable parameters cannot be captured per example: they are left out with a "
+        "warning, and the store records the share captured (gradtrace inspect shows it). Default: such a parameter "
+        "stops collect with an error naming it and the --exclude to leave it out on purpose."))
 
     def apply(self, options: CaptureOptions) -> CaptureOptions:
-        """``options`` with these layers, exclusions and strictness (the API's ``None`` for no pattern)."""
+        """``options`` with these layers, exclusions and ``partial`` (the API's ``None`` for no pattern)."""
         return replace(options, layers=list(self.layers) or None, exclude=list(self.exclude) or None,
-                       strict=self.strict)
+                       partial=self.partial)
 
 
 @dataclass(kw_only=True)

@@ -68,8 +68,12 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
         info["ranks"] = {str(rank): status for rank, status in info["ranks"].items()}
         if isinstance(info.get("config"), dict):  # paths recorded relative to the store's folder (older: absolute)
             info["config"] = resolve_paths(info["config"], path)
+        from ..capture.coverage import recorded_coverage
+
+        coverage = recorded_coverage(store.manifest)  # None: a store written before coverage was recorded
         return {"kind": "gradient store", **info, "complete": store.complete, "checksums_verified": verify,
-                "checked": store_checks(info["schema_version"], verify), "param_dims": dict(store.spec.params)}
+                "checked": store_checks(info["schema_version"], verify), "param_dims": dict(store.spec.params),
+                "coverage": coverage.to_dict() if coverage is not None else None}
     if (path / "scores.json").exists():
         from ..score import Scores
 
@@ -184,7 +188,8 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
         return rows + _provenance_rows(info, config) + _config_rows(config)
     ranks = ", ".join(f"{r}: {s}" for r, s in info["ranks"].items())
     rows = [("rows", f"{info['rows']:,}"), ("dim", f"{info['dim']:,}"), ("dtype", info["dtype"]),
-            ("parameters", f"{info['params']:,}"), ("projection", projection_label(info["projection"])),
+            ("parameters", f"{info['params']:,}"), ("coverage", _coverage(info.get("coverage"))),
+            ("projection", projection_label(info["projection"])),
             ("convention", _short(info["convention"])), ("model", _model(info["model"] or {})),
             ("shards", f"{info['shards']:,}"), ("ranks", ranks),
             ("complete", "yes" if info["complete"] else "no (resume the run to finish it)"),
@@ -195,6 +200,17 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("repeated ids", f"{info['repeated_ids']:,} stored by two ranks (same content; first row used)"))
     config = info.get("config") or {}
     return rows + _provenance_rows(info, config) + _config_rows(config)
+
+
+def _coverage(recorded: dict[str, Any] | None) -> str:
+    """``97.3% of trainable parameters (N of M elements); left out: ...`` (partial captures say so)."""
+    from ..capture.coverage import Coverage
+
+    if recorded is None:
+        return "not recorded (a store written before gradtrace recorded the share of parameters captured)"
+    coverage = Coverage.from_dict(recorded)
+    partial = " (collected with --partial / partial=True)" if coverage.partial and coverage.uncovered else ""
+    return coverage.line() + partial
 
 
 def _config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:

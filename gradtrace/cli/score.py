@@ -29,6 +29,7 @@ from .ensemble import EnsembleOptions, answering_model, check_ensemble, is_ensem
 from .errors import CliError, os_error_line
 from .groups import DataOptions, GenerateOptions, ModelOptions
 from .load_data import read_dataset
+from .preference import DPOOptions, pair_loss, read_pairs, wants_pairs
 from .load_model import (
     base_model_dir,
     load_model,
@@ -130,6 +131,7 @@ class ScoreCommand:
     checkpoint_options: CheckpointOptions
     ensemble_options: EnsembleOptions
     data_options: DataOptions
+    dpo_options: DPOOptions
     generate_options: GenerateOptions
     model_options: ModelOptions
     progress: bool = progress_flag()
@@ -359,15 +361,23 @@ def _query_gradients(opts: ScoreCommand, stores: list[Any], models: list[Path], 
         if batches is None:
             with phases("read queries"):
                 max_length = resolve_max_length(data_opts.max_length, model)
-                batches = read_dataset(opts.queries, tokenizer, data_opts, max_length, pad_id(tokenizer),
-                                       what="queries", generate=opts.generate_options.settings(model))
+                if wants_pairs(opts.queries, data_opts, opts.dpo_options):  # what made it prefer this answer
+                    if opts.generate_options.generate or opts.scoring_options.tokens:
+                        raise CliError("preference-pair queries (--loss dpo) are scored whole: they take neither "
+                                       "--generate nor --tokens")
+                    batches = read_pairs(opts.queries, tokenizer, data_opts, opts.dpo_options, max_length,
+                                         pad_id(tokenizer), device, opts.model_options.model_dtype, what="queries")
+                else:
+                    batches = read_dataset(opts.queries, tokenizer, data_opts, max_length, pad_id(tokenizer),
+                                           what="queries", generate=opts.generate_options.settings(model))
             console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("query gradients"):
             try:
                 capture = CaptureOptions(projection=projection, layers=store_layers(store),
                                          keep_tokens=opts.scoring_options.tokens)
                 run = RunOptions(device=device, progress="collect queries" if progress else False)
-                queries = gradtrace.collect(model, batches, options=capture, run=run)
+                queries = gradtrace.collect(model, batches, pair_loss(batches, opts.dpo_options), options=capture,
+                                            run=run)
             except NonFiniteError as err:
                 raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None
         _check_match(store, queries, model_dir)

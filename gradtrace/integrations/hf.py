@@ -62,7 +62,7 @@ class GradtraceCallback(TrainerCallback):
             loss each gradient belongs to (``"sum"`` over the example's target tokens, or their ``"mean"``).
             ``check``: on the first captured micro-batch, check that the value ``compute_loss`` returns is the sum
             of the examples' own losses (recomputed from the model's output) scaled as derived; raise if not.
-        options: what is captured (:class:`gradtrace.CaptureOptions`: projection, layers, exclude, strict).
+        options: what is captured (:class:`gradtrace.CaptureOptions`: projection, layers, exclude, partial).
         store_options: how the store is written (:class:`gradtrace.StoreOptions`); ``shard_rows`` defaults to up
             to 4096, fewer when rows are large (at most 256 MiB of float32 per shard); ``config`` is recorded in
             the manifest with the resolved option objects (``config["gradtrace"]["options"]``).

@@ -47,7 +47,11 @@ class CaptureOptions:
             attention multiplies a padded position's values by 0, which leaves NaN) and flag a whole padded
             batch. Finite values are never changed. Off by default because it changes the loss a training
             loop sees when padding holds NaN; :func:`gradtrace.collect` turns it on.
-        strict: raise instead of warning when trainable parameters cannot be captured.
+        partial: allow a capture that leaves out trainable parameters it cannot capture per example (warned, and
+            the share captured recorded in the store). Off by default: such a parameter -- a module no rule covers,
+            a call whose rows cannot be matched to examples, a parameter used outside its module's forward -- stops
+            the capture with a :class:`gradtrace.capture.coverage.CoverageError` naming it and the fixes. Modules
+            left out with ``layers`` / ``exclude`` are never an error (they count as "excluded by you").
         verify: check after each backward pass that the per-example gradients, with the loss scale
             put back, sum to the batch gradient autograd computed (debugging; costs a little).
     """
@@ -62,7 +66,7 @@ class CaptureOptions:
     broadcast: str = "expand"
     nonfinite: str = "flag"
     isolate_padding: bool = False
-    strict: bool = False
+    partial: bool = False
     verify: bool = False
 
     def __post_init__(self) -> None:

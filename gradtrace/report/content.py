@@ -17,7 +17,6 @@ Token- and module-level attributions are read from ``Scores.meta`` when present 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from torch import Tensor
 from ..options.base import option_object
 from ..options.report import ReportOptions
 from .errors import ReportError
+from .header import coverage_warning, header_rows, units_line
 from .svg import histogram_counts, histogram_of, histogram_svg
 
 __all__ = ["ExampleRow", "Heat", "ModuleBar", "QueryView", "Rank", "Report", "SelfInfluence", "TrainingEntry",
@@ -314,48 +314,6 @@ def _rows(query_id: str, ids: list[str], columns: list[int], values: list[float]
     return rows
 
 
-def projection_label(spec: Mapping[str, Any] | None) -> str:
-    if not spec:
-        return "none (exact gradients)"
-    if spec.get("kind") == "logra":
-        return (f"LoGra rank {spec.get('rank_rows')}x{spec.get('rank_cols')} (vectors {spec.get('vector_rank')}), "
-                f"seed {spec.get('seed')}")
-    return ", ".join(f"{k} {v}" for k, v in spec.items())
-
-
-def _header(scores: Any) -> list[tuple[str, str]]:
-    meta, spec = scores.meta, scores.meta.get("spec") or {}
-    options = meta.get("options") or {}
-    method = scores.method + (" (" + ", ".join(f"{k} {v}" for k, v in options.items()) + ")" if options else "")
-    model = spec.get("model") or {}
-    fingerprint = (f"{model.get('class', '?')}, architecture {model.get('arch', '?')}, weights "
-                   f"{model.get('weights', '?')}") if model else "not recorded"
-    first = " (first member)" if scores.combination else ""
-    rows = [("method", method), ("projection", projection_label(spec.get("projection")) if spec else "not recorded"),
-            ("model" + first, fingerprint)]
-    combination = scores.combination
-    if combination:  # the fingerprint above is then the first member's; the models the command used follow
-        rows.append(("combines", combination))
-        models = (meta.get("config") or {}).get("model")
-        if isinstance(models, list) and len(models) > 1:
-            rows.append(("models", ", ".join(_distinct_names([str(m) for m in models]))))
-    return rows
-
-
-def _distinct_names(paths: list[str]) -> list[str]:
-    """Each path relative to the folder all of them share (``checkpoint-500``, ``run1/final``)."""
-    try:
-        common = os.path.commonpath(paths)
-    except ValueError:  # relative and absolute mixed, or other drives
-        return paths
-    return [os.path.relpath(p, common) if p != common else os.path.basename(p) for p in paths]
-
-
-def _units(scores: Any) -> str:
-    """What the scores are (``Scores.units``: an ensemble's are normalised ensemble scores, not the method's)."""
-    return f"{scores.units}. Compare scores within one report: their scale depends on the method."
-
-
 def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, str],
                  options: ReportOptions | None = None, *, self_scores: Tensor | Mapping[str, float] | None = None,
                  self_method: str | None = None, text_source: str = "texts", query_source: str = "queries") -> Report:
@@ -395,13 +353,13 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
     if harmful is None:
         kept += ("; the most harmful examples were not kept (scored through an index with --no-bottom / "
                  "bottom=False)")
-    return Report(title=options.title or f"GradTrace report: {scores.method}", header=_header(scores),
+    return Report(title=options.title or f"GradTrace report: {scores.method}", header=header_rows(scores),
                   sign=SIGN_CONVENTION + "; negative = it hurts the query (a step on it raises the query's loss)",
-                  units=_units(scores), num_queries=len(scores.query_ids), num_train=num_train, k=k,
+                  units=units_line(scores), num_queries=len(scores.query_ids), num_train=num_train, k=k,
                   kept_note=kept, queries=views, harmful_kept=harmful is not None,
                   pages=max(1, math.ceil(len(views) / options.per_page)), self_influence=self_view, version=__version__,
                   training=training, diagnostics=list((scores.meta.get("diagnostics") or {}).get("lines", [])),
-                  warnings=list((scores.meta.get("diagnostics") or {}).get("warnings", [])))
+                  warnings=list((scores.meta.get("diagnostics") or {}).get("warnings", [])) + coverage_warning(scores))
 
 
 def _query_views(scores: Any, helpful: Any, harmful: Any | None, texts: Mapping[str, str], queries: Mapping[str, str],

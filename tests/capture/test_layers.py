@@ -148,13 +148,13 @@ def test_custom_layernorm_is_verified_and_exact():
 def test_norm_lookalike_with_another_formula_is_reported_not_captured():
     model = NormNet(FancyNorm(8))
     with pytest.warns(UserWarning, match=r"norm \(FancyNorm"):
-        cap, batch, ref = _capture_vs_loop(model, torch.randn(4, 3, 5))
+        cap, batch, ref = _capture_vs_loop(model, torch.randn(4, 3, 5), partial=True)
     assert "matches no known formula" in _unsupported(cap)["norm"]
     assert not cap.report().ok and "FancyNorm" in str(cap.report())
     assert "norm.weight" not in batch.params
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["inp.weight", "inp.bias", "out.weight",
                                                                    "out.bias"])
-    with pytest.raises(ValueError, match="FancyNorm"), gradtrace.capture(model, options=CaptureOptions(strict=True)):
+    with pytest.raises(ValueError, match="FancyNorm"), gradtrace.capture(model):  # the default: partial=False
         pass
 
 
@@ -186,7 +186,8 @@ def test_norm_detection_leaves_module_state_alone():
 def test_batch_and_instance_norm_are_reported_and_state_untouched(norm):
     model = NormNet(norm)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.warns(UserWarning, match=type(norm).__name__), gradtrace.capture(model) as cap:
+    with pytest.warns(UserWarning, match=type(norm).__name__), \
+            gradtrace.capture(model, options=CaptureOptions(partial=True)) as cap:  # the norm is the subject
         pass
     assert "per-example rule" in _unsupported(cap)["norm"]
     after = model.state_dict()
@@ -235,7 +236,7 @@ def test_embedding_scale_grad_by_freq_is_unsupported():
     model = EmbedNet(scale_grad_by_freq=True)
     ids = torch.randint(0, 11, (3, 5))
     with pytest.warns(UserWarning, match="scale_grad_by_freq"):
-        cap, batch, ref = _embed_loop(model, ids)
+        cap, batch, ref = _embed_loop(model, ids, partial=True)
     assert "scale_grad_by_freq" in _unsupported(cap)["emb"]
     assert "emb.weight" not in batch.params
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["head.weight", "head.bias"])
@@ -293,7 +294,7 @@ class GroupedNet(nn.Module):
 def test_grouped_conv_is_reported_and_left_out(groups):
     model = GroupedNet(groups)
     with pytest.warns(UserWarning, match=rf"grouped \(Conv2d: grouped convolution \(groups={groups}\)"):
-        cap, batch, ref = _capture_vs_loop(model, torch.randn(3, 2, 5, 5))
+        cap, batch, ref = _capture_vs_loop(model, torch.randn(3, 2, 5, 5), partial=True)
     assert "groups" in _unsupported(cap)["grouped"]
     assert not {"grouped.weight", "grouped.bias"} & set(batch.params)
     assert set(batch.params) == {"conv.weight", "conv.bias", "head.weight", "head.bias"}
@@ -315,7 +316,7 @@ def test_conv_kinds_without_rule_are_reported(make):
     model = Net()
     x = torch.randn(3, 2, 4) if isinstance(model.other, nn.ConvTranspose1d) else torch.randn(3, 2, 2, 3, 4)
     with pytest.warns(UserWarning, match=type(model.other).__name__):
-        cap, batch, ref = _capture_vs_loop(model, x)
+        cap, batch, ref = _capture_vs_loop(model, x, partial=True)
     assert "other" in _unsupported(cap)
     assert set(batch.params) == {"head.weight", "head.bias"}
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=list(batch.params))
@@ -337,7 +338,7 @@ class AttnNet(nn.Module):
 def test_multihead_attention_is_reported_and_never_mis_captured():
     model = AttnNet()
     with pytest.warns(UserWarning) as record:
-        cap, batch, ref = _capture_vs_loop(model, torch.randn(4, 3, 5))
+        cap, batch, ref = _capture_vs_loop(model, torch.randn(4, 3, 5), partial=True)
     entry = [str(w.message) for w in record if "cannot be captured" in str(w.message)]
     assert entry and "attn (MultiheadAttention" in entry[0]
     report = cap.report()
@@ -354,8 +355,7 @@ def test_multihead_attention_is_reported_and_never_mis_captured():
     assert not {"attn.in_proj_weight", "attn.in_proj_bias"} & set(batch.params)
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["inp.weight", "inp.bias", "out.weight",
                                                                    "out.bias"])
-    with pytest.raises(ValueError, match="MultiheadAttention"), \
-            gradtrace.capture(model, options=CaptureOptions(strict=True)):
+    with pytest.raises(ValueError, match="MultiheadAttention"), gradtrace.capture(model):  # the default: partial=False
         pass
 
 
@@ -363,7 +363,7 @@ def test_multihead_attention_out_proj_is_reported_up_front():
     """Known before any backward pass: out_proj is applied functionally, so selecting it is an error and
     the default selection lists it as unsupported rather than as captured."""
     model = AttnNet()
-    cap = gradtrace.capture(model)
+    cap = gradtrace.capture(model, options=CaptureOptions(partial=True))
     assert "attn.out_proj" not in _kinds(cap)
     assert "attn.out_proj" in _unsupported(cap)
     with pytest.raises(ValueError, match=r"attn\.out_proj"):
@@ -385,15 +385,15 @@ class FunctionalUse(nn.Module):
 def test_functional_use_is_detected_at_runtime():
     model = FunctionalUse()
     with pytest.warns(UserWarning, match=r"lin\.bias, lin\.weight received gradients"):
-        cap, batch, ref = _capture_vs_loop(model, torch.randn(4, 5))
+        cap, batch, ref = _capture_vs_loop(model, torch.randn(4, 5), partial=True)
     assert sorted(cap.report().functional) == ["lin.bias", "lin.weight"] and not cap.report().ok
     assert list(batch.params) == ["out.weight", "out.bias"]
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["out.weight", "out.bias"])
 
 
-def test_strict_raises_on_functional_use():
+def test_functional_use_raises_without_partial():
     model = FunctionalUse()
-    with pytest.raises(ValueError, match=r"lin\.weight"), gradtrace.capture(model, options=CaptureOptions(strict=True)):
+    with pytest.raises(ValueError, match=r"lin\.weight"), gradtrace.capture(model):
         model(torch.randn(4, 5)).sum().backward()
 
 
@@ -536,7 +536,7 @@ def test_shared_parameter_with_an_unsupported_site_is_left_out():
 
     model = Tied()
     with pytest.warns(UserWarning, match="shares emb.weight with emb"):
-        cap, batch, ref = _capture_vs_loop(model, torch.randint(0, 11, (3, 4)))
+        cap, batch, ref = _capture_vs_loop(model, torch.randint(0, 11, (3, 4)), partial=True)
     assert list(batch.params) == ["head.bias"]
     assert {"emb", "head"} <= set(_unsupported(cap))
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["head.bias"])
@@ -626,7 +626,7 @@ def test_subclass_overriding_forward_is_verified(name):
         tiny.assert_grads_close(batch.per_example_grads(), ref)
         return
     with pytest.warns(UserWarning, match="overrides"):
-        cap, batch, ref = _capture_vs_loop(model, x)
+        cap, batch, ref = _capture_vs_loop(model, x, partial=True)
     assert "overrides" in _unsupported(cap)["0"]
     assert not any(n.startswith("0.") for n in batch.params)
     tiny.assert_grads_close(batch.per_example_grads(), ref, names=["3.weight", "3.bias"])

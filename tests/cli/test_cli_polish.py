@@ -1,4 +1,4 @@
-"""The command line's rough edges (issue #29, item 6): --layers/--exclude/--strict on collect, topk's recorded texts,
+"""The command line's rough edges (issue #29, item 6): --layers/--exclude/--partial on collect, topk's recorded texts,
 output not cut at 80 columns (--width), --no-progress everywhere and plain progress lines in logs, a small store's
 index, the plan's memory estimate, and a --help that imports no torch."""
 
@@ -16,6 +16,7 @@ import pytest
 import typer
 
 import gradtrace
+from gradtrace.capture.coverage import recorded_coverage
 from gradtrace.cli.main import app
 from tests.cli.conftest import error_line, flat, invoke
 
@@ -47,7 +48,7 @@ def excluded(ws, runner, tmp_path_factory):
     return root, Path(data), collected
 
 
-# -- 1. --layers / --exclude / --strict ---------------------------------------------------------------------------
+# -- 1. --layers / --exclude / --partial --------------------------------------------------------------------------
 def test_exclude_captures_what_the_api_captures_and_scores(ws, excluded):
     root, _, _ = excluded
     store = gradtrace.GradientStore.open(root / "store")
@@ -95,13 +96,28 @@ def mamba(ws, tmp_path_factory) -> Path:
     return out
 
 
-def test_strict_turns_an_uncapturable_layer_into_an_error(ws, runner, mamba, fresh):
-    line = error_line(invoke(runner, "collect", mamba, ws.train, "--out", fresh / "s", "--rank", 4, "--strict",
-                             "--no-progress", code=2))
-    assert line.startswith("Error: --strict: 2 module(s)") and "MambaMixer" in line and "--layers" in line
+def test_an_uncapturable_layer_is_an_error_naming_the_exclude_unless_partial(ws, runner, mamba, fresh):
+    line = error_line(invoke(runner, "collect", mamba, ws.train, "--out", fresh / "s", "--rank", 4, "--no-progress",
+                             code=2))
+    assert "trainable parameter(s) cannot be captured per example" in line and "MambaMixer" in line, line
+    fix = re.search(r"leave them out on purpose with ((?:--exclude \S+ ?)+)", line)
+    assert fix and "--partial" in line and "% of the trainable parameters" in line, line
     assert not (fresh / "s" / "manifest.json").exists()
-    # naming capturable modules only: strict has nothing to refuse
-    invoke(runner, "collect", mamba, ws.train, "--out", fresh / "ok", "--rank", 4, "--strict", "--layers", "*_proj",
+    # the --exclude the error names collects, the store recording the share (below 100%: left out by the user)
+    excludes = [word.rstrip(",") for word in fix.group(1).split()]
+    invoke(runner, "collect", mamba, ws.train, "--out", fresh / "ex", "--rank", 4, *excludes, "--no-progress")
+    coverage = recorded_coverage(gradtrace.GradientStore.open(fresh / "ex").manifest)
+    assert coverage.share < 1 and {e.reason for e in coverage.left_out} == {"excluded"} and not coverage.partial
+    # --partial collects without them, and inspect shows the share
+    out = invoke(runner, "collect", mamba, ws.train, "--out", fresh / "p", "--rank", 4, "--partial", "--no-progress")
+    partial = recorded_coverage(gradtrace.GradientStore.open(fresh / "p").manifest)
+    assert partial.partial and partial.share == coverage.share and {e.reason for e in partial.left_out} == \
+        {"unsupported"}
+    assert f"coverage {partial.line()}" in " ".join(out.output.split())
+    shown = " ".join(invoke(runner, "inspect", fresh / "p").output.split())
+    assert f"coverage {partial.line()} (collected with --partial / partial=True)" in shown
+    # naming capturable modules only: nothing to refuse
+    invoke(runner, "collect", mamba, ws.train, "--out", fresh / "ok", "--rank", 4, "--layers", "*_proj",
            "--no-progress")
     stored = [name for name, _ in gradtrace.GradientStore.open(fresh / "ok").spec.params]
     assert stored and all(name.split(".")[-2].endswith("_proj") for name in stored)

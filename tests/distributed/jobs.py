@@ -260,9 +260,15 @@ def fsdp_functional(rank: int, world: int) -> dict[str, Any]:
     x = torch.randn(2, 7, generator=torch.Generator().manual_seed(rank))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with gradtrace.capture(model) as cap:
+        with gradtrace.capture(model, options=CaptureOptions(partial=True)) as cap:  # allowed: reported
             model(x).sum().backward()
     messages = [str(w.message) for w in caught if "gradtrace" in str(w.message)]
+    try:  # the default: an error at that backward pass, on every rank
+        with gradtrace.capture(model):
+            model(x).sum().backward()
+        error = None
+    except ValueError as err:
+        error = str(err)
 
     fsdp1 = FullyShardedDataParallel(build("mlp"), device_id=torch.device("cpu"), use_orig_params=True)
     try:
@@ -270,7 +276,7 @@ def fsdp_functional(rank: int, world: int) -> dict[str, Any]:
         refused = None
     except ValueError as err:
         refused = str(err)
-    return {"warnings": messages, "functional": list(cap.report().functional), "fsdp1": refused}
+    return {"warnings": messages, "functional": list(cap.report().functional), "fsdp1": refused, "error": error}
 
 
 # ---------------------------------------------------------------------------------------------- sharded scoring

@@ -73,4 +73,5 @@ def test_fsdp2_functional_use_is_reported_and_fsdp1_refused():
     for result in run_ranks(jobs.fsdp_functional, timeout=60):
         assert sorted(result["functional"]) == ["head.bias", "head.weight"]
         assert any("functional use" in w for w in result["warnings"])
+        assert "head.weight, head.bias in head" in result["error"] and "exclude=['head']" in result["error"]
         assert "FSDP1" in result["fsdp1"] and "fully_shard" in result["fsdp1"]

@@ -295,6 +295,38 @@ def test_model_it_cannot_capture_fails_at_train_begin(tmp_path):
     assert not trainer.model._forward_pre_hooks and "compute_loss" not in vars(trainer)
 
 
+def test_uncapturable_trainable_layer_fails_at_train_begin_unless_partial(tmp_path):
+    """Coverage is never silent: a trainable layer no rule captures stops train() before the first step, naming the
+    fix; with CaptureOptions(partial=True) training runs and the store records the share captured."""
+
+    class Grouped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(8, 4)
+            self.grouped = torch.nn.Conv1d(4, 4, 1, groups=2)
+
+        def forward(self, x, labels=None):
+            out = self.grouped(self.inp(x).transpose(1, 2)).mean(dim=(1, 2))
+            return {"loss": ((out - labels) ** 2).mean()}
+
+    rows = [{"x": torch.randn(3, 8), "labels": 0.5} for _ in range(4)]
+    recorder = WeightRecorder()
+    trainer = Trainer(model=Grouped(), args=training_args(str(tmp_path / "out")), train_dataset=rows,
+                      callbacks=[recorder, GradtraceCallback(tmp_path / "store")])
+    with pytest.raises(ValueError, match=r"grouped\.weight, grouped\.bias in grouped .*exclude=\['grouped'\]"):
+        trainer.train()
+    assert recorder.states == {}  # before the first step
+    assert not trainer.model._forward_pre_hooks
+    model = Grouped()
+    callback = GradtraceCallback(tmp_path / "partial", options=CaptureOptions(partial=True))
+    trainer = Trainer(model=model, args=training_args(str(tmp_path / "out2"), max_steps=1), train_dataset=rows,
+                      callbacks=[callback])
+    with pytest.warns(UserWarning, match="grouped"):
+        trainer.train()
+    coverage = callback.result().manifest["config"]["gradtrace"]["coverage"]
+    assert coverage["share"] == 36 / 48 and coverage["partial"] and coverage["left_out_by_reason"] == {"unsupported": 2}
+
+
 def test_store_another_run_is_writing_fails_at_train_begin(tmp_path):
     import json
     import socket

@@ -422,3 +422,32 @@ def test_report_options_set_what_the_report_shows():
     assert default.pages == 1 and default.self_influence is None
     html = render_report(scores, texts, queries, options=options, self_scores=self_values, self_method="grad_dot")
     assert "<title>My report</title>" in html
+
+
+def test_header_shows_the_training_store_coverage_and_warns_below_100_percent(tmp_path):
+    """The share of trainable parameters the training store captured: read from the store the scores record
+    (``meta["config"]["store"]``, as gradtrace score writes it), a warning when it is below 100%, nothing when the
+    store records none."""
+    import json
+
+    from gradtrace.capture.coverage import Coverage, LeftOut
+
+    scores, texts, queries = synthetic(num_queries=3)
+    assert "coverage" not in " ".join(parse(render_report(scores, texts, queries)).text.split())
+    partial = Coverage(captured=7040, trainable=7360, captured_params=6, trainable_params=10, partial=True,
+                       left_out=[LeftOut("mixer.D", "mixer", "unsupported", "MambaMixer: no rule", 320)])
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "manifest.json").write_text(json.dumps({"config": {"gradtrace": {"coverage": partial.to_dict()}}}))
+    scores.meta["config"] = {**(scores.meta.get("config") or {}), "store": str(store)}
+    html = render_report(scores, texts, queries)
+    text = " ".join(parse(html).text.split())
+    line = "95.6% of trainable parameters (7,040 of 7,360 elements); left out: mixer (unsupported)"
+    assert f"coverage {line}" in text
+    assert (f'<p class="warning"><b>Warning:</b> the training gradients cover only {line}: the scores ignore what '
+            "the left-out parameters contribute</p>") in html
+    full = Coverage(captured=10, trainable=10, captured_params=2, trainable_params=2)
+    scores.meta["coverage"] = full.to_dict()  # recorded with the scores: it wins over the store's
+    html = render_report(scores, texts, queries)
+    assert "coverage 100.0% of trainable parameters (10 of 10 elements)" in " ".join(parse(html).text.split())
+    assert "the training gradients cover only" not in html

@@ -45,7 +45,9 @@ def test_gpt2_training_steps_with_logra_store(tmp_path):
     assert manifest["spec"]["model"] == before  # taken at the first backward pass, before any update
     assert manifest["spec"]["model"]["class"] == "GPT2LMHeadModel"
     assert manifest["spec"]["params"] == [[n, d] for n, d in cap.batches[0].dims.items()]
-    assert manifest["config"] == {"task": "tiny"}
+    # the user's config as given, and the capture's coverage (the whole model: GPT-2's tied weight counted once)
+    assert manifest["config"] == {"task": "tiny", "gradtrace": {"coverage": cap.coverage().to_dict()}}
+    assert manifest["config"]["gradtrace"]["coverage"]["share"] == 1.0
     assert opened.spec.dim == want.shape[1]
     after = model_fingerprint(model)
     assert after["arch"] == before["arch"] and after["weights"] != before["weights"]

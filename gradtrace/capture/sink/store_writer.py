@@ -21,6 +21,7 @@ from ...options.store import StoreOptions
 from ...store.spec import GradientSpec, model_fingerprint
 from ...store.writer import ShardWriter, delete_store, per_row_lists, resolved_store_options
 from ..callbacks import CaptureCallback
+from ..coverage import record_coverage
 from .rows import RowSink, RowTransform, ShardRows
 
 __all__ = ["ExtraFields", "StoreWriter"]
@@ -72,6 +73,7 @@ class StoreWriter(CaptureCallback):
         self.options = dict(mixed_weights=mixed_weights, rank=rank, world_size=world_size)
         self.fields = fields
         self.model = None
+        self._coverage: Callable[[], Any] | None = None  # the capture's coverage(), recorded in the manifest
         self._together = False  # several ranks write this store (set when the capture starts)
         self._shards = ShardRows(self.open)
         self.sink = RowSink(self._shards, transform=ExtraFields(lambda: self.fields), dtype=self.dtype,
@@ -89,6 +91,7 @@ class StoreWriter(CaptureCallback):
         from ...distributed.agree import agreed, check_store_writers
 
         self.model = capture.model
+        self._coverage = getattr(capture, "coverage", None)
         rank, world = rank_and_world()
         self._together = world > 1 and self.options["world_size"] in (None, world)
         if self._together:
@@ -108,7 +111,10 @@ class StoreWriter(CaptureCallback):
     def open(self, spec: GradientSpec) -> ShardWriter:
         """Open (once) the store's writer for rows of ``spec``."""
         if self._shards.writer is None:
-            self._shards.writer = ShardWriter(self.path, spec, self.store_options, **self.options)
+            options = self.store_options
+            if self._coverage is not None:  # the share of trainable parameters captured, as of the first rows
+                options = replace(options, config=record_coverage(options.config, self._coverage()))
+            self._shards.writer = ShardWriter(self.path, spec, options, **self.options)
         return self._shards.writer
 
     def on_batch(self, batch: GradientBatch, capture: Any = None) -> None:
