@@ -49,10 +49,18 @@ from ..store.writer import resolved_store_options
 from .base import Method, MissingStage, register_method
 from .similarity import _normalize
 
-__all__ = ["AdamState", "Less", "adam_states", "less_aggregate", "less_features", "less_query_features"]
+__all__ = ["AdamState", "Less", "NoAdamState", "adam_states", "less_aggregate", "less_features", "less_query_features"]
 
 SCHEME = "gradtrace/less/v1"
 SKETCH_KEY = "less"  # the key the sketch matrix is generated under (``sketch.matrix(dim, SKETCH_KEY)``)
+
+
+class NoAdamState(ValueError):
+    """A captured parameter's optimizer state is not Adam's (another optimizer's, or none: never stepped)."""
+
+    def __init__(self, message: str, sgd: bool = False) -> None:
+        super().__init__(message)
+        self.sgd = sgd  # the state is SGD's (``momentum_buffer``, or an SGD group without momentum)
 
 
 @dataclass
@@ -165,9 +173,11 @@ def adam_states(model: nn.Module, optimizer_state: torch.optim.Optimizer | dict[
         state, group = entries[name]
         missing = [k for k in ("exp_avg", "exp_avg_sq", "step") if k not in state]
         if missing:
-            hint = ("the optimizer has not stepped on it yet" if not state else
+            sgd = "momentum_buffer" in state or ("nesterov" in group and "betas" not in group)
+            hint = ("SGD's state, not an Adam state: SGD keeps no second moment" if sgd else
+                    "the optimizer has not stepped on it yet" if not state else
                     f"its state has {sorted(state)}: not an Adam state")
-            raise ValueError(f"parameter {name!r} has no Adam state ({', '.join(missing)} missing: {hint})")
+            raise NoAdamState(f"parameter {name!r} has no Adam state ({', '.join(missing)} missing: {hint})", sgd=sgd)
         if tuple(state["exp_avg"].shape) != tuple(params[name].shape):
             raise ValueError(f"the optimizer state matched to {name!r} (by {how}) has shape "
                              f"{tuple(state['exp_avg'].shape)}, the parameter {tuple(params[name].shape)}: pass the "

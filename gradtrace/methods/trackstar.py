@@ -28,6 +28,11 @@ per-module autocorrelation, which scales with the largest parameter instead of `
 :class:`~gradtrace.methods.Method` whose query transform is used as ``R^-1``. A method's curvature is the one of
 the raw gradients (as fitted for that method); only ``"autocorrelation"`` is the curvature of the normalised ones.
 Positive = helpful; scores are cosines in ``[-1, 1]``.
+
+**Without Adam** (``second_moment="none"``): ``v_hat = 1`` and no ``eps`` (``n = g``), the normaliser an SGD run
+implies (SGD's update applies the raw gradient); no optimizer is read. It is never chosen for you: at the default
+``second_moment="adam"`` an optimizer state without Adam's second moment (SGD's ``momentum_buffer``, or none) is an
+error naming this option.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from ..curvature.curvature import CurvatureError
 from ..projection.logra import LoGra
 from ..store.spec import GradientSpec, SpecMismatch
 from .base import Method, MissingStage, get_method, register_method
-from .less import AdamState, adam_states
+from .less import AdamState, NoAdamState, adam_states
 
 __all__ = ["TrackStar", "bias_corrected", "load_optimizer_state", "optimizer_parameter_names",
            "recorded_parameter_names", "second_moment_denominator"]
@@ -183,6 +188,9 @@ def _load_preconditioner(saved: dict[str, Any], directory: Path, damping: float 
                       damping_mode=saved.get("damping_mode") if damping_mode is None else damping_mode)
 
 
+SECOND_MOMENTS = ("adam", "none")
+"""``second_moment=``: Adam's ``v_hat`` from the optimizer state, or 1 (no normalisation, as SGD's update)."""
+
 STRUCTURES = ("joint", "parameter")
 """``structure=`` of the autocorrelation: one ``D x D`` matrix, or one block per captured parameter."""
 
@@ -203,6 +211,8 @@ class TrackStar(Method):
         per parameter).
     structure: of ``"autocorrelation"``: ``"joint"`` (one ``D x D`` matrix) or ``"parameter"`` (one block per
         captured parameter).
+    second_moment: ``"adam"`` (Adam's ``v_hat``, read in :meth:`fit`) or ``"none"`` (``n = g``: no Adam
+        normalisation, the normaliser of an SGD run; fit needs no optimizer).
     """
 
     name = "trackstar"
@@ -212,8 +222,13 @@ class TrackStar(Method):
 
     def __init__(self, eps: float | None = None, precondition: str | Method | None = None, damping: float = 0.1,
                  precondition_options: dict[str, Any] | None = None, max_dim: int = 32768,
-                 structure: str = "joint") -> None:
+                 structure: str = "joint", second_moment: str = "adam") -> None:
         at_least(damping, "trackstar damping", 0)
+        if second_moment not in SECOND_MOMENTS:
+            raise ValueError(f"trackstar: second_moment must be one of {', '.join(SECOND_MOMENTS)}, got "
+                             f"{second_moment!r}")
+        if second_moment == "none" and eps is not None:
+            raise ValueError("trackstar: eps is added to Adam's sqrt(v_hat); second_moment='none' has no v_hat")
         count(max_dim, "trackstar max_dim")
         if eps is not None:  # Adam's: added to sqrt(v_hat), which may be 0 (torch.optim.Adam takes eps >= 0 too)
             at_least(eps, "trackstar eps", 0)
@@ -223,6 +238,7 @@ class TrackStar(Method):
             raise ValueError(f"trackstar: structure={structure!r} is the autocorrelation's; it applies with "
                              "precondition='autocorrelation' only")
         self.eps, self.damping, self.max_dim, self.structure = eps, damping, max_dim, structure
+        self.second_moment = second_moment
         self.precondition = precondition
         self.precondition_options = dict(precondition_options or {})
         self.curvature: Method | None = precondition if isinstance(precondition, Method) else None
@@ -237,19 +253,16 @@ class TrackStar(Method):
         ``state_dict()`` or a checkpoint directory / ``optimizer.pt``; ``param_names``: the names of its parameters
         in order, default the ones the store records, :func:`recorded_parameter_names`, else those a
         ``GradtraceCallback`` saved beside that ``optimizer.pt``), then fit the curvature of
-        ``precondition`` (``options`` go to that method's fit)."""
-        if optimizer is None:
-            raise MissingStage(f"trackstar needs Adam's second moment (exp_avg_sq): {RECORD_HINT}")
-        if model is None:
-            raise MissingStage("trackstar: attr.fit(model, optimizer=...) needs the model, to match the optimizer's "
-                               "parameters to the stored ones")
-        spec = attributor.spec
-        param_names = optimizer_parameter_names(param_names, attributor.train[0], optimizer)
-        states = adam_states(model, load_optimizer_state(optimizer), [n for n, _ in spec.params],
-                             param_names=param_names)
-        eps = self.eps if self.eps is not None else next(iter(states.values())).eps
-        self.denominator = second_moment_denominator(spec, states, eps).to(attributor.device)
-        self.spec = spec
+        ``precondition`` (``options`` go to that method's fit). With ``second_moment="none"`` no optimizer is read
+        (an ``optimizer=`` given is refused, so that an Adam state is never ignored)."""
+        if self.second_moment == "none":
+            if optimizer is not None:
+                raise ValueError("trackstar: second_moment='none' reads no optimizer state; drop optimizer= or use "
+                                 "second_moment='adam' (its default) to normalise by Adam's second moment")
+            self.denominator = torch.ones(attributor.spec.dim, device=attributor.device)
+        else:
+            self._fit_second_moment(attributor, model, optimizer, param_names)
+        self.spec = attributor.spec
         if self.precondition == "autocorrelation":
             self._fit_autocorrelation(attributor)
         elif isinstance(self.precondition, str):
@@ -258,6 +271,27 @@ class TrackStar(Method):
         elif self.precondition is not None and not isinstance(self.precondition, Method):
             raise ValueError(f"trackstar: precondition must be None, 'autocorrelation', a method name or a fitted "
                              f"method, got {self.precondition!r}")
+
+    def _fit_second_moment(self, attributor: Any, model: Any, optimizer: Any, param_names: Any) -> None:
+        """``denominator = sqrt(v_hat) + eps`` from the Adam state; any other state is refused, naming
+        ``second_moment="none"``."""
+        if optimizer is None:
+            raise MissingStage(f"trackstar needs Adam's second moment (exp_avg_sq): {RECORD_HINT}")
+        if model is None:
+            raise MissingStage("trackstar: attr.fit(model, optimizer=...) needs the model, to match the optimizer's "
+                               "parameters to the stored ones")
+        spec = attributor.spec
+        param_names = optimizer_parameter_names(param_names, attributor.train[0], optimizer)
+        try:
+            states = adam_states(model, load_optimizer_state(optimizer), [n for n, _ in spec.params],
+                                 param_names=param_names)
+        except NoAdamState as err:
+            why = ("SGD's update applies the raw gradient, so the normaliser an SGD run implies is 1" if err.sgd else
+                   "to score without Adam's normalisation")
+            raise NoAdamState(f"trackstar: {err}; {why}: pass second_moment='none' (n = g, no optimizer needed)",
+                              sgd=err.sgd) from None
+        eps = self.eps if self.eps is not None else next(iter(states.values())).eps
+        self.denominator = second_moment_denominator(spec, states, eps).to(attributor.device)
 
     def _bounds(self) -> list[tuple[int, int]]:
         """``(start, stop)`` of each autocorrelation block in a row: the whole row, or each parameter's slice."""
@@ -294,6 +328,10 @@ class TrackStar(Method):
         self.values = torch.cat(values)
 
     def check_ready(self) -> None:
+        if self._unfitted_cosine():
+            return
+        if self.denominator is None and self.second_moment == "none":
+            raise MissingStage("trackstar: fit its preconditioner first (attr.fit(...))")
         if self.denominator is None:
             raise MissingStage(f"trackstar needs Adam's second moment: {RECORD_HINT}")
         if self.curvature is not None:
@@ -301,6 +339,8 @@ class TrackStar(Method):
 
     def bind(self, spec: GradientSpec) -> None:
         self.check_ready()
+        if self._unfitted_cosine():
+            return
         if spec.params != self.spec.params or spec.projection != self.spec.projection:
             raise SpecMismatch("trackstar: the second moment was laid out for other gradients (parameters or "
                                "projection differ); fit it on these")
@@ -325,7 +365,13 @@ class TrackStar(Method):
             return self.curvature.prepare_queries(normalized, checkpoint)
         return None
 
+    def _unfitted_cosine(self) -> bool:
+        """``second_moment="none"`` without a preconditioner, not fitted: nothing to fit, plain cosines of ``g``."""
+        return self.denominator is None and self.second_moment == "none" and self.precondition is None
+
     def _normalized(self, rows: Tensor) -> Tensor:
+        if self._unfitted_cosine():
+            return rows.to(torch.float32)
         return rows.to(torch.float32) / self.denominator.to(rows.device)
 
     def _metric_norm(self, normalized: Tensor, inverse: Tensor) -> Tensor:
@@ -361,6 +407,7 @@ class TrackStar(Method):
             tensors["values"] = self.values
             tensors.update(zip(_vector_keys(self.structure, len(self.vectors)), self.vectors))
         fields = {"eps": self.eps, "damping": self.damping, "max_dim": self.max_dim, "structure": self.structure,
+                  "second_moment": self.second_moment,
                   "spec": self.spec.to_dict(),
                   "precondition": self.precondition if isinstance(self.precondition, str) else None,
                   "preconditioner": None}
@@ -379,6 +426,7 @@ class TrackStar(Method):
             precondition, saved_curvature = fields["precondition"], fields["preconditioner"]
             eps, saved_damping, max_dim = fields["eps"], float(fields["damping"]), int(fields["max_dim"])
             structure = fields.get("structure", "joint")  # fits saved before structure= are joint
+            second_moment = fields.get("second_moment", "adam")  # and before second_moment=, Adam's
         except (KeyError, TypeError, ValueError) as err:
             raise FitError(f"{path / 'fit.json'} is malformed ({err!r}); fit again") from None
         if precondition is None and saved_curvature is None and (damping is not None or damping_mode is not None):
@@ -394,7 +442,7 @@ class TrackStar(Method):
             raise FitError(f"{path / 'fit.json'} records structure={structure!r}, which this fit cannot have; fit "
                            "again")
         method = cls(eps=eps, precondition=curvature if curvature is not None else precondition,
-                     damping=own_damping, max_dim=max_dim, structure=structure)
+                     damping=own_damping, max_dim=max_dim, structure=structure, second_moment=second_moment)
         used = {"denominator"}
         method.denominator = check_tensor(tensors, "denominator", (spec.dim,), torch.float32, path)
         if precondition == "autocorrelation":
@@ -419,6 +467,8 @@ class TrackStar(Method):
                    "precondition_options": self.precondition_options}
         if self.structure != "joint":
             options["structure"] = self.structure
+        if self.second_moment != "adam":
+            options["second_moment"] = self.second_moment
         return options
 
 

@@ -183,6 +183,15 @@ class Arnoldi(_WholeModel):
     ``e_rank`` up to ``e_rank / lambda`` times more than the exact inverse) or ``"zero"`` (dropped: the query
     projected onto the top eigenspace, Schioppa et al.'s definition); docs/quality.md measures all three;
     max_bytes: refuse when the Krylov basis and eigenvectors would take more memory than this.
+
+    **Is the rank enough?** Fitting checks the spectrum it computed against the damping: when the smallest kept
+    eigenvalue ``e_rank`` exceeds ``lambda``, directions whose curvature dominates the damping are left in the
+    complement, where one scale (``1 / (lambda + m)``, ``1 / lambda`` or 0) replaces their ``1 / (e + lambda)``, and
+    a ``RuntimeWarning`` says so, naming ``rank=`` (the rule: keep eigenvalues down to ``lambda``, i.e. a rank
+    covering every eigenvalue above the damping), ``damping=`` and ``cg``. ``options()`` reports
+    ``smallest_kept_over_lambda`` (``e_rank / lambda``) and ``discarded_trace_share`` (``1 - sum_k e_k /
+    trace(G)``, the trace from ``diag(G)``). The trace share is reported, not tested: small discarded shares of the
+    trace still leave eigenvalues far above ``lambda`` in the complement (docs/methods.md measures both).
     """
 
     name = "arnoldi"
@@ -201,6 +210,8 @@ class Arnoldi(_WholeModel):
         self.eigenvalues: Tensor | None = None
         self.eigenvectors: Tensor | None = None
         self.tail_mean: float | None = None  # the complement's mean eigenvalue
+        self.discarded_share: float | None = None  # 1 - sum_k e_k / trace(G)
+        self.kept_over_lambda: float | None = None  # e_rank / lambda
 
     def _steps(self, dim: int) -> int:
         return self.iterations if self.iterations is not None else min(dim, 2 * self.rank)
@@ -227,8 +238,20 @@ class Arnoldi(_WholeModel):
         self.eigenvalues, self.eigenvectors = arnoldi(op.matmul, op.dim, self.rank, self._steps(op.dim),
                                                       seed=self.seed, dtype=op.dtype, device=op.device)
         rest = op.dim - self.rank
-        tail = float(self.diagonal.sum()) - float(self.eigenvalues.sum())
+        trace = float(self.diagonal.sum())
+        tail = trace - float(self.eigenvalues.sum())
         self.tail_mean = max(tail, 0.0) / rest if rest > 0 else 0.0
+        self.discarded_share = max(tail, 0.0) / trace if trace > 0 else 0.0
+        lam, smallest = self.lam, float(self.eigenvalues[-1])
+        self.kept_over_lambda = smallest / lam if lam > 0 else float("inf")
+        if rest > 0 and smallest > lam:
+            warnings.warn(
+                f"arnoldi: rank {self.rank} stops at eigenvalue {smallest:.3g} = {self.kept_over_lambda:.3g} x "
+                f"lambda ({lam:.3g}), so directions whose curvature exceeds the damping are left in the complement "
+                f"(complement={self.complement!r}: one scale for all of them; {self.discarded_share:.1%} of "
+                "trace(G) discarded) and the scores can be far from the exact influence; raise rank= (iterations >= "
+                "rank) until the smallest kept eigenvalue is at most lambda, raise damping=, or use cg (exact to its "
+                "tolerance)", RuntimeWarning, stacklevel=4)
 
     def _solve(self, queries: Tensor) -> Tensor:
         lam = self.lam
@@ -242,7 +265,8 @@ class Arnoldi(_WholeModel):
         steps = None if self.spec is None else self._steps(self.spec.dim)
         top = None if self.eigenvalues is None else [float(v) for v in self.eigenvalues[:3]]
         return {**super().options(), "rank": self.rank, "iterations": steps, "complement": self.complement,
-                "top_eigenvalues": top, "complement_mean_eigenvalue": self.tail_mean}
+                "top_eigenvalues": top, "complement_mean_eigenvalue": self.tail_mean,
+                "smallest_kept_over_lambda": self.kept_over_lambda, "discarded_trace_share": self.discarded_share}
 
 
 @register_method
