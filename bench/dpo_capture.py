@@ -91,7 +91,8 @@ def main() -> None:
                 fn()
                 best[name] = min(best[name], time.perf_counter() - start)
         print(f"{len(store)} rows (one per pair) of width {store.spec.dim:,}")
-        print(f"train {best['train']:.2f} s, collect {best['collect']:.2f} s, ratio {best['collect'] / best['train']:.3f}")
+        ratio = best["collect"] / best["train"]
+        print(f"train {best['train']:.2f} s, collect {best['collect']:.2f} s, ratio {ratio:.3f}")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,9 @@ from .config import META_KEY, provenance, write_resolved
 from .console import Phases, console, human_bytes
 from .errors import CliError
 from .groups import DATA_HELP, DataOptions, LayerOptions, ModelOptions, ProjectionOptions
-from .load_data import read_dataset
 from .load_model import load_model, load_tokenizer, pad_id, resolve_device, resolve_max_length
 from .outputs import check_writable, resolved_output
-from .preference import DPOOptions, pair_loss, read_pairs, wants_pairs
+from .preference import DPOOptions, pair_loss, read_examples
 
 __all__ = ["OPTIONS", "CollectCommand", "StoreGroup", "attributed_first", "check_layers", "latest_checkpoint",
            "projection_label", "run", "store_layers", "trainer_step"]
@@ -113,11 +112,8 @@ def run(opts: CollectCommand) -> None:
         model = load_model(models[0], device, model_opts.model_dtype, model_opts.base_model)
     with phases("read data"):
         max_length = resolve_max_length(data_opts.max_length, model)
-        if wants_pairs(data, data_opts, opts.dpo_options):
-            batches = read_pairs(data, tokenizer, data_opts, opts.dpo_options, max_length, pad_id(tokenizer), device,
-                                 model_opts.model_dtype)
-        else:
-            batches = read_dataset(data, tokenizer, data_opts, max_length, pad_id(tokenizer))
+        batches = read_examples(data, tokenizer, data_opts, opts.dpo_options, max_length, pad_id(tokenizer), device,
+                                model_opts.model_dtype)
     phases.note("read data", f"{batches.summary.total_tokens:,} tokens")
     console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
     capture_options = opts.capture_options()

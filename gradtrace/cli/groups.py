@@ -19,8 +19,8 @@ LAYER_PATTERNS = ("a module name or a shell-style glob over module names, as the
                   "model.named_modules() gives them)")
 
 DATA_HELP = ("Training examples: .jsonl, .json, .parquet, .csv, .txt (one per line) or a save_to_disk directory; "
-             "formats text, prompt-completion, messages or preference (chosen/rejected pairs), detected from the fields "
-             "(see --format).")
+             "formats text, prompt-completion, messages or preference (chosen/rejected pairs), detected from the "
+             "fields (see --format).")
 
 
 @dataclass(kw_only=True)

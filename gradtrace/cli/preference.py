@@ -12,7 +12,7 @@ from .commands import Group, cli
 from .errors import CliError
 from .groups import DataOptions
 
-__all__ = ["DPOOptions", "pair_loss", "read_pairs", "wants_pairs"]
+__all__ = ["DPOOptions", "pair_loss", "read_examples", "read_pairs", "wants_pairs"]
 
 
 @dataclass(kw_only=True)
@@ -106,3 +106,18 @@ def pair_loss(batches: Any, dpo: DPOOptions) -> Any:
     from ..loss import DPOLoss
 
     return DPOLoss(dpo.settings()) if isinstance(batches, PreferenceDataset) else None
+
+
+def read_examples(path: Path, tokenizer: Any, data: DataOptions, dpo: DPOOptions, max_length: int | None, pad_id: int,
+                  device: str, dtype: str, *, what: str = "data", generate: Any = None, tokens: bool = False) -> Any:
+    """A command's examples: preference pairs (:func:`read_pairs`, when :func:`wants_pairs`), else
+    :func:`gradtrace.cli.load_data.read_dataset` of ``path`` (``generate``: answer its prompts with the model).
+    Pairs are scored whole: ``generate`` or ``tokens`` (``--generate``, ``--tokens``) with them is an error."""
+    from .load_data import read_dataset
+
+    if wants_pairs(path, data, dpo):  # what made the model prefer this answer
+        if generate is not None or tokens:
+            raise CliError("preference pairs (--loss dpo) are attributed whole: they take neither --generate nor "
+                           "--tokens")
+        return read_pairs(path, tokenizer, data, dpo, max_length, pad_id, device, dtype, what=what)
+    return read_dataset(path, tokenizer, data, max_length, pad_id, what=what, generate=generate)

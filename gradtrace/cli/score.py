@@ -20,7 +20,6 @@ from typing import Any, Literal
 
 from ..common.model_dir import adapter_base
 from ..common.paths import why_missing
-from ..options import CaptureOptions, RunOptions
 from ..options.index import SearchOptions
 from .commands import Group, api_field, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
@@ -28,21 +27,17 @@ from .console import Phases, console
 from .ensemble import EnsembleOptions, answering_model, check_ensemble, is_ensemble, score_ensemble
 from .errors import CliError, os_error_line
 from .groups import DataOptions, GenerateOptions, ModelOptions
-from .load_data import read_dataset
-from .preference import DPOOptions, pair_loss, read_pairs, wants_pairs
 from .load_model import (
     base_model_dir,
-    load_model,
-    load_tokenizer,
-    pad_id,
     recorded_model,
     resolve_device,
-    resolve_max_length,
     tokenizer_dir,
 )
 from .method_choice import MethodName, method_help
 from .outputs import check_output_dir, check_output_file
+from .preference import DPOOptions
 from .score_fit import fitted_methods
+from .score_queries import query_gradients
 
 __all__ = ["OPTIONS", "ScoreCommand", "run"]
 
@@ -213,7 +208,7 @@ def _run(opts: ScoreCommand, device: str, rank: int, world: int) -> None:
         text_with = tokenizer_dir(model_opts.tokenizer, stores[0], models[0])  # --tokenizer, recorded, or the model's
         if not _preflight(opts, stores, device, phases, rank):  # gradtrace.cli.preflight
             return
-        query_sets, max_length, dropped, answers, query_data = _query_gradients(opts, stores, models, text_with,
+        query_sets, max_length, dropped, answers, query_data = query_gradients(opts, stores, models, text_with,
                                                                        device, phases, opts.progress and rank == 0,
                                                                        answering)
     with phases("score"):
@@ -331,79 +326,6 @@ def _preflight(opts: ScoreCommand, stores: list[Any], device: str, phases: Phase
     return True
 
 
-def _query_gradients(opts: ScoreCommand, stores: list[Any], models: list[Path], text_with: Path, device: str,
-                     phases: Phases, progress: bool, answering: int = 0
-                     ) -> tuple[list[Any], int | None, list[str], dict[str, str] | None, Any]:
-    """The queries' gradients at every checkpoint, each with its store's projection (in store order); the
-    resolved ``--max-length``; the ids of the queries left out for NaN/inf gradients (an error unless
-    ``--allow-partial``); with --generate, the answer of model ``answering`` (loaded first) to each query by id;
-    the tokenized queries. The queries are tokenized (and answered) once, with the tokenizer in ``text_with``;
-    with --tokens their gradients keep their token-level factors."""
-    import gradtrace
-
-    from ..capture.collect import NonFiniteError
-    from ..projection import LoGra, projection_from_dict
-    from .collect import store_layers
-
-    data_opts = opts.data_options
-    projections = [projection_from_dict(s.spec.projection, expect=LoGra, what=f"the gradients of store {s.root}")
-                   for s in stores]
-    base_model = opts.model_options.base_model
-    with phases("read queries"):
-        tokenizer = load_tokenizer(text_with, base_model_dir(base_model, stores[0], models[0]))
-    query_sets: list[Any] = [None] * len(stores)
-    max_length, batches = None, None
-    for c in [answering, *(c for c in range(len(stores)) if c != answering)]:  # the answering model first
-        store, model_dir, projection = stores[c], models[c], projections[c]
-        with phases("load model"):
-            model = load_model(model_dir, device, opts.model_options.model_dtype,
-                               base_model_dir(base_model, store, model_dir))
-        if batches is None:
-            with phases("read queries"):
-                max_length = resolve_max_length(data_opts.max_length, model)
-                if wants_pairs(opts.queries, data_opts, opts.dpo_options):  # what made it prefer this answer
-                    if opts.generate_options.generate or opts.scoring_options.tokens:
-                        raise CliError("preference-pair queries (--loss dpo) are scored whole: they take neither "
-                                       "--generate nor --tokens")
-                    batches = read_pairs(opts.queries, tokenizer, data_opts, opts.dpo_options, max_length,
-                                         pad_id(tokenizer), device, opts.model_options.model_dtype, what="queries")
-                else:
-                    batches = read_dataset(opts.queries, tokenizer, data_opts, max_length, pad_id(tokenizer),
-                                           what="queries", generate=opts.generate_options.settings(model))
-            console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
-        with phases("query gradients"):
-            try:
-                capture = CaptureOptions(projection=projection, layers=store_layers(store),
-                                         keep_tokens=opts.scoring_options.tokens)
-                run = RunOptions(device=device, progress="collect queries" if progress else False)
-                queries = gradtrace.collect(model, batches, pair_loss(batches, opts.dpo_options), options=capture,
-                                            run=run)
-            except NonFiniteError as err:
-                raise CliError(f"queries {opts.queries} with model {model_dir}: {err}") from None
-        _check_match(store, queries, model_dir)
-        _check_dropped(queries, batches.num_examples, model_dir, opts, query_sets[answering], models[answering])
-        query_sets[c] = queries
-        del model
-    answers = dict(zip(batches.ids, batches.answers)) if batches.answers is not None else None
-    return query_sets, max_length, list(getattr(query_sets[0], "dropped", [])), answers, batches
-
-
-def _check_dropped(queries: Any, total: int, model_dir: Path, opts: ScoreCommand, first: Any, first_model: Path
-                   ) -> None:
-    """Queries whose gradients are NaN/inf are left out by collect(): an error naming them, unless
-    ``--allow-partial`` (then every checkpoint must leave out the same ones as ``first``, the query gradients
-    taken first, with ``first_model``; None for those)."""
-    dropped = list(getattr(queries, "dropped", []))
-    if dropped and not opts.scoring_options.allow_partial:
-        listing = ", ".join(dropped[:5]) + (" ..." if len(dropped) > 5 else "")
-        raise CliError(f"{len(dropped)} of {total} queries of {opts.queries} have NaN/inf gradients with model "
-                       f"{model_dir} and cannot be scored: {listing}. Fix them, or pass --allow-partial to score the "
-                       f"other {total - len(dropped)}")
-    if first is not None and list(queries.ids) != list(first.ids):
-        raise CliError(f"with model {model_dir} other queries have NaN/inf gradients ({', '.join(dropped[:5])}) than "
-                       f"with {first_model}; the checkpoints cannot be scored on the same queries")
-
-
 def _check_out(sc: ScoringOptions) -> None:
     check_output_dir(sc.out, "--out", stem="scores", what="scores", overwrite=sc.overwrite)
     if sc.export is not None:
@@ -438,23 +360,6 @@ def _models(given: list[Path], stores: list[Any]) -> list[Path]:
             raise CliError(f"{len(given)} --model for {len(stores)} stores: give one --model per store, in order")
         return list(given)
     return [recorded_model(store) for store in stores]
-
-
-def _check_match(store: Any, queries: Any, model_dir: Path) -> None:
-    """Refuse query gradients that cannot be compared with the store; warn about weights other than the store's
-    (those of a checkpoint a Trainer run saved inside the captured step range, or of its final model, are its)."""
-    from ..integrations.trainer_store import trained_weights
-    from ..store.spec import SpecMismatch
-
-    try:
-        store.spec.check_compatible(queries.spec, f"store {store.root} vs the queries' gradients from {model_dir}")
-    except SpecMismatch as err:
-        raise CliError(str(err)) from None
-    weights = queries.spec.model.get("weights")
-    if weights != store.spec.model.get("weights") and weights not in trained_weights(store):
-        console(stderr=True).print(
-            f"[yellow]Warning: the weights of {model_dir} differ from those of the model that collected "
-            f"{store.root}; the scores compare gradients taken at different weights.[/yellow]")
 
 
 # -- --index: shortlist from an approximate index, exact re-scoring (gradtrace.score.shortlist) -----------------

@@ -67,8 +67,8 @@ def missing_fields_error(record: dict[str, Any], fields: Fields, where: str, fmt
 
 def preference_error(where: str, fields: Fields) -> DataError:
     """The error for preference pairs read as fine-tuning examples: they are attributed with the DPO loss."""
-    return DataError(f"{where} is preference data ({fields.chosen!r} / {fields.rejected!r} pairs): a pair is attributed "
-                     "with the DPO loss it was trained with, not as plain fine-tuning text. Read it with "
+    return DataError(f"{where} is preference data ({fields.chosen!r} / {fields.rejected!r} pairs): a pair is "
+                     "attributed with the DPO loss it was trained with, not as plain fine-tuning text. Read it with "
                      "gradtrace.data.load_preference (Python) or gradtrace collect --format preference --loss dpo "
                      "--ref-model REF_DIR --beta BETA (see docs/post-training.md)")
 

@@ -137,7 +137,7 @@ class PreferenceDataset:
         which nothing predicts)."""
         total = np.zeros(len(self.ids), dtype=np.int64)
         for side in SIDES:
-            flat, loss, lengths = self.tokens[side]
+            _, loss, lengths = self.tokens[side]
             targets = loss.copy()
             targets[self.offsets[side][:-1][lengths > 0]] = False
             cumulative = np.concatenate([[0], np.cumsum(targets, dtype=np.int64)])
@@ -318,8 +318,8 @@ class _Reader:
             raise DataError(f"{where}: id {ident!r} must be a string or an integer")
         key = str(ident)
         if key in self.seen:
-            raise DataError(f"{self.name}: id {key!r} appears on {self.unit}s {self.seen[key]} and {location}; ids must "
-                            "be unique")
+            raise DataError(f"{self.name}: id {key!r} appears on {self.unit}s {self.seen[key]} and {location}; ids "
+                            "must be unique")
         self.seen[key] = location
         return key
 
@@ -332,8 +332,8 @@ class _Reader:
             self.has_reference = has
         elif self.has_reference != has:
             raise DataError(f"{where} {'has' if has else 'has no'} reference log-probabilities "
-                            f"({', '.join(REFERENCE_KEYS)}) but {self.first_where} {'has none' if has else 'has them'}; "
-                            "give them for every pair or for none")
+                            f"({', '.join(REFERENCE_KEYS)}) but {self.first_where} "
+                            f"{'has none' if has else 'has them'}; give them for every pair or for none")
         if not has:
             return None
         values = np.asarray([record[key] for key in REFERENCE_KEYS], dtype=np.float32)
@@ -345,7 +345,7 @@ class _Reader:
         f = self.fields
         triples, user_ids = [], []
         for record, location, where in zip(records, locations, wheres):
-            conversational, implicit = self._kind(record, where)
+            _, implicit = self._kind(record, where)
             user_ids.append(self._identity(record, location, where))
             ref = self._reference(record, where)
             if ref is not None:

@@ -23,5 +23,5 @@ from .functions import (
 )
 from .preference import DPO, DPOLoss
 
-__all__ = ["DPO", "DPOLoss", "MODEL_KEYS", "LossConvention", "LossFn", "causal_lm_loss", "classification_loss", "default_loss_labels",
-           "likelihoods", "lm_labels", "regression_loss", "token_cross_entropy"]
+__all__ = ["DPO", "DPOLoss", "MODEL_KEYS", "LossConvention", "LossFn", "causal_lm_loss", "classification_loss",
+           "default_loss_labels", "likelihoods", "lm_labels", "regression_loss", "token_cross_entropy"]

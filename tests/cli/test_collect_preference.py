@@ -109,4 +109,4 @@ def test_score_preference_pair_queries_match_the_python_api(ws, runner, fresh):
     torch.testing.assert_close(scores.matrix.double(), exact, rtol=1e-4, atol=1e-6 * float(exact.abs().max()))
     result = invoke(runner, "score", out, queries, "--out", fresh / "s2", "--topk", 2, "--tokens", "--ref-model",
                     ws.model, "--no-progress", code=2)
-    assert "scored whole" in " ".join(result.output.split())
+    assert "attributed whole" in " ".join(result.output.split())
