@@ -46,7 +46,7 @@ from .example_ids import ExampleIds
 from .layer_selection import select_layers
 from .layers import LayerHandler
 from .saved import Kept
-from .token_rows import match_rows, output_tensors, row_view
+from .token_rows import batch_shared, match_rows, output_tensors, row_view
 from .verify import check_batch_sum
 
 __all__ = ["Capture", "CaptureCallback", "capture"]
@@ -100,7 +100,10 @@ class Capture:
         self.convention = LossConvention(self.loss.reduction, self.loss.example_loss)
         self.loss_scale = self.loss.scale
         self.projection = projection
-        self.projector = Projector(projection) if projection is not None else None
+        if projection is None and options.grad_dtype != "float32":
+            raise ValueError(f"grad_dtype={options.grad_dtype!r} sets the dtype of LoGra's projection products; "
+                             "without a projection every product is already float32 (give projection=LoGra(...))")
+        self.projector = Projector(projection, options.grad_dtype) if projection is not None else None
         self.callbacks = list(callbacks)
         self.keep_batches = (not self.callbacks) if keep_batches is None else keep_batches
         self.packing = options.packing
@@ -368,7 +371,7 @@ class Capture:
                 return None
             matched = match_rows(context, inputs, tensor, output, self.broadcast == "expand")
             if isinstance(matched, str):  # broadcast="skip" leaves a batch-shared call out as asked
-                chosen = self.broadcast == "skip" and inputs.shape[0] == 1
+                chosen = self.broadcast == "skip" and batch_shared(context, inputs, tensor)
                 if self._report.skip_runtime(handler.name, matched, chosen=chosen):
                     self._left_out(f"gradtrace: {handler.name} is left out: {matched}", " (found while running)")
                 return None

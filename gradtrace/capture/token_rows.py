@@ -30,7 +30,7 @@ from torch import Tensor
 
 from .context import ForwardContext
 
-__all__ = ["SharedRows", "flat_tokens", "match_rows", "output_tensors", "row_view", "shared_rows"]
+__all__ = ["SharedRows", "batch_shared", "flat_tokens", "match_rows", "output_tensors", "row_view", "shared_rows"]
 
 
 def flat_tokens(context: Any, inputs: Tensor, output: Tensor) -> int | None:
@@ -75,6 +75,12 @@ def match_rows(context: Any, inputs: Tensor, output: Tensor, whole: Any,
     if output is whole and expand and _positions_only(context, inputs, output):
         return inputs.unsqueeze(0).expand(rows, *inputs.shape), shared_rows(output, rows)
     return f"its input has {inputs.shape[0]} rows but the batch has {rows}; rows cannot be matched to examples"
+
+
+def batch_shared(context: ForwardContext, inputs: Tensor, output: Tensor) -> bool:
+    """Whether a call is computed once for the whole batch: a ``[1, ...]`` input, or the call's ``T`` positions
+    without a batch dim (what ``broadcast="skip"`` leaves out on purpose)."""
+    return inputs.shape[0] == 1 or _positions_only(context, inputs, output)
 
 
 def _positions_only(context: ForwardContext, inputs: Tensor, output: Tensor) -> bool:

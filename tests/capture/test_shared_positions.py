@@ -179,10 +179,12 @@ def test_a_use_the_expansion_would_change_is_refused_naming_the_option():
     with pytest.raises(RuntimeError, match=r"'matmul'.*broadcast='skip'"), gradtrace.capture(model):
         model(input_ids=batch["input_ids"])
     with pytest.warns(UserWarning, match="pos is left out"), \
-            gradtrace.capture(model, options=CaptureOptions(broadcast="skip", partial=True)) as cap:
+            gradtrace.capture(model, options=CaptureOptions(broadcast="skip")) as cap:
         out = model(input_ids=batch["input_ids"])
         tiny.lm_example_loss(out.logits, batch["labels"]).mean().backward()
     assert "pos.weight" not in cap.batches[0].params
+    left = {e.name: e.reason for e in cap.coverage().left_out}  # broadcast="skip" is the user's choice, not an error
+    assert left["pos.weight"] == "excluded" and set(left.values()) == {"excluded"}
 
 
 def test_outside_a_capture_the_guard_passes_through():
