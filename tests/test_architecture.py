@@ -29,7 +29,8 @@ LAYERS: list[set[str]] = [
     {"methods"},  # attribution methods: preconditioning and scoring math
     {"report"},  # HTML report of any Scores-like object
     {"score"},  # blocked scoring engine, Scores, ensembles, pairs, index, sharded scoring
-    {"train", "integrations", "eval", "demo", "plan"},  # applications; plan: pre-flight of collect, fit, score
+    {"train", "integrations", "eval", "demo", "plan", "replay"},  # applications; plan: pre-flight of collect,
+    # fit, score; replay: recorded runs and their metagradients
     {"cli", ""},  # entry points: the command line and the package facade gradtrace/__init__.py
 ]
 

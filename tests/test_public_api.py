@@ -100,8 +100,13 @@ SURFACE: dict[str, list[str]] = {
     ],
     "gradtrace.options": [
         "RECORD_KEY", "BatchOptions", "CaptureOptions", "Fields", "FitOptions", "IndexOptions", "LDSOptions",
-        "Loss", "ReadOptions", "ReportOptions", "ReweightingOptions", "RunOptions", "SearchOptions",
+        "Loss", "MetagradOptions", "ReadOptions", "ReportOptions", "ReweightingOptions", "RunOptions", "SearchOptions",
         "SelectionOptions", "StoreOptions", "record", "with_record"
+    ],
+    "gradtrace.replay": [
+        "MetaGradients", "OptimState", "RecordedRun", "Reduction", "ReplayError", "ReplayResult", "RunRecorder",
+        "SmoothnessReport", "clip_grad_norm", "load_run", "metagradients", "metasmoothness", "optimizer_step",
+        "replay"
     ],
 }
 """Each stage package's ``__all__`` (the top level ``gradtrace`` first). Adding or removing a public name is a

@@ -14,7 +14,8 @@
   ``score_with_index``);
 * :class:`ReportOptions` -- what a report shows (``build_report``, ``render_report``, ``Scores.to_html``);
 * :class:`SelectionOptions`, :class:`ReweightingOptions` -- online data selection and SAMA reweighting;
-* :class:`LDSOptions` -- how LDS ground truth is made (``build_lds_ground_truth``).
+* :class:`LDSOptions` -- how LDS ground truth is made (``build_lds_ground_truth``);
+* :class:`MetagradOptions` -- how metagradients replay a recorded run (``gradtrace.replay.metagradients``).
 
 An entry point takes its inputs (model, data, loss, paths) and these objects; no setting is also a keyword, so a
 setting is given one way only. Objects are frozen and checked when made (:func:`gradtrace.common.checks.check_fields`:
@@ -36,11 +37,12 @@ from .eval import LDSOptions
 from .fit import FitOptions
 from .index import IndexOptions, SearchOptions
 from .loss import Loss
+from .replay import MetagradOptions
 from .report import ReportOptions
 from .run import RunOptions
 from .store import StoreOptions
 from .train import ReweightingOptions, SelectionOptions
 
 __all__ = ["RECORD_KEY", "BatchOptions", "CaptureOptions", "Fields", "FitOptions", "IndexOptions", "LDSOptions", "Loss",
-           "ReadOptions", "ReportOptions", "ReweightingOptions", "RunOptions", "SearchOptions", "SelectionOptions",
-           "StoreOptions", "record", "with_record"]
+           "MetagradOptions", "ReadOptions", "ReportOptions", "ReweightingOptions", "RunOptions", "SearchOptions",
+           "SelectionOptions", "StoreOptions", "record", "with_record"]

@@ -1,0 +1,202 @@
+"""Metagradients: the exact derivative of a query's final loss with respect to every training example's weight.
+
+The recorded run is a function of the per-example data weights ``w`` (1 in the run itself):
+``s_{t+1} = step_t(s_t, w_{B_t})``, ``s = (theta, optimizer buffers)``, each step's loss weighted as the loop
+reduced it (:class:`gradtrace.replay.Reduction`). For a query loss ``L_q(theta_T)`` reverse mode gives
+(REPLAY, Engstrom et al. 2025)::
+
+    lambda_T = (dL_q/dtheta_T, 0)
+    for t = T-1 .. 0:   dL_q/dw_{B_t} += lambda_{t+1} . d step_t / d w ;   lambda_t = lambda_{t+1} . d step_t / d s_t
+
+Each vector-Jacobian product differentiates the gradient ``g_t`` itself (``create_graph=True``: a
+Hessian-vector product through the loss) and the optimizer update (momentum, Adam's moments, clipping). The
+states ``s_t`` are recomputed segment by segment from checkpoints every ``k`` steps (``k = ceil(sqrt(T))`` by
+default: ``T/k + k`` states in memory, one extra forward replay). An example seen at several steps sums its
+contributions. Scores follow the library's sign: ``score[q, i] = -dL_q/dw_i`` (> 0: up-weighting ``i`` lowers
+the query loss, the example helps).
+
+Queries are handled together: the cotangents carry a leading query axis and each reverse step is one batched
+vector-Jacobian product (``torch.autograd.grad(..., is_grads_batched=True)``, a vmap over the backward pass);
+``query_batch`` bounds how many go at once (1: one plain reverse pass per query).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..options.base import option_object
+from ..options.replay import MetagradOptions
+from .checkpoints import CheckpointStore, default_interval
+from .optim import OptimState
+from .replay import check_final
+from .run import RecordedRun, load_run
+from .spec import ReplayError
+from .step import BatchFn, LossFn, StepFunction
+
+__all__ = ["MetaGradients", "metagradients"]
+
+QueryLossFn = Callable[[Callable[..., Any], Any], Tensor]
+Key = tuple[str, ...]
+
+
+@dataclass
+class MetaGradients:
+    """Scores of every training example for every query (``scores[q, i] = -dL_q / dw_i``)."""
+
+    scores: Tensor  # [Q, N]
+    ids: list[Any]  # the N training ids, the columns of scores
+    query_losses: Tensor  # [Q]: L_q(theta_T)
+    replay_difference: float | None  # the replay's relative difference to the recorded final weights
+    checkpoint_every: int
+
+
+def _query_cotangents(steps: StepFunction, params: dict[str, Tensor], queries: Sequence[Any],
+                      query_loss_fn: QueryLossFn) -> tuple[dict[Key, Tensor], Tensor]:
+    """``dL_q/dtheta_T`` of each query, stacked ``[Q, ...]`` per parameter, and the losses ``[Q]``."""
+    leaves = {name: p.detach().requires_grad_(True) for name, p in params.items()}
+    forward, names = steps.forward(leaves), list(leaves)
+    grads: dict[str, list[Tensor]] = {name: [] for name in names}
+    losses = []
+    for index, query in enumerate(queries):
+        loss = query_loss_fn(forward, query)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ReplayError(f"query_loss_fn must return a scalar loss; query {index} gave "
+                              f"{tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__}")
+        got = torch.autograd.grad(loss.reshape(()), [leaves[n] for n in names], allow_unused=True)
+        for name, g in zip(names, got):
+            grads[name].append(torch.zeros_like(leaves[name]) if g is None else g)
+        losses.append(loss.detach().reshape(()))
+    return {("param", n): torch.stack(grads[n]) for n in names}, torch.stack(losses)
+
+
+def _reverse_step(steps: StepFunction, t: int, state: OptimState, cotangent: dict[Key, Tensor],
+                  batched: bool) -> tuple[dict[Key, Tensor], list[Tensor | None]]:
+    """Pull the cotangent of ``s_{t+1}`` back through step ``t``: the cotangent of ``s_t`` and ``dL/dw`` per
+    micro-batch (``[Q, B_m]``, None where the weights do not reach the outputs)."""
+    leaves = state.replace({key: t_.detach().requires_grad_(True) for key, t_ in state.tensors()})
+    inputs = leaves.tensors()
+    weights = [torch.ones(len(ids), dtype=inputs[0][1].dtype, device=inputs[0][1].device, requires_grad=True)
+               for ids in steps.run.steps[t].micro_batches]
+    new = steps.step(t, leaves, weights, create_graph=True)
+    by_id = {id(tensor): key for key, tensor in inputs}
+    passed: dict[Key, Tensor] = {}
+    outputs, grad_outputs = [], []
+    for key, tensor in new.tensors():
+        cot = cotangent.get(key)
+        if cot is None:
+            continue
+        if id(tensor) in by_id:  # untouched by the step (no gradient reached it): the identity
+            passed[by_id[id(tensor)]] = cot
+        elif tensor.requires_grad:
+            outputs.append(tensor)
+            grad_outputs.append(cot if batched else cot[0])
+    sources = [tensor for _, tensor in inputs] + weights
+    grads = (torch.autograd.grad(outputs, sources, grad_outputs, allow_unused=True, is_grads_batched=batched)
+             if outputs else [None] * len(sources))
+    if not batched:
+        grads = [None if g is None else g.unsqueeze(0) for g in grads]
+    previous: dict[Key, Tensor] = {}
+    for (key, _), g in zip(inputs, grads[: len(inputs)]):
+        total = passed.get(key)
+        if g is not None:
+            total = g if total is None else total + g
+        if total is not None:
+            previous[key] = total.detach()
+    return previous, [None if g is None else g.detach() for g in grads[len(inputs):]]
+
+
+def _columns(run: RecordedRun, train_ids: Sequence[Any] | None) -> tuple[list[Any], dict[Any, int]]:
+    ids = list(train_ids) if train_ids is not None else run.example_ids()
+    position = {ident: i for i, ident in enumerate(ids)}
+    if len(position) != len(ids):
+        raise ReplayError("train_ids holds duplicate ids")
+    missing = [i for i in run.example_ids() if i not in position]
+    if missing:
+        raise ReplayError(f"{len(missing)} example id(s) of the run are not in train_ids, e.g. {missing[:5]}")
+    return ids, position
+
+
+def metagradients(run: RecordedRun | str | Path, model: torch.nn.Module, loss_fn: LossFn, batches: BatchFn,
+                  queries: Sequence[Any], query_loss_fn: QueryLossFn, *, train_ids: Sequence[Any] | None = None,
+                  options: MetagradOptions | None = None) -> MetaGradients:
+    """Differentiate each query's final loss through every step of a recorded run w.r.t. the example weights.
+
+    Args:
+        run: a recorded run or its directory.
+        model: a model with the recorded parameters (run functionally; its own values are not used).
+        loss_fn: the training loss, ``loss_fn(forward, batch) -> losses [B]`` (or ``(losses, counts)``).
+        batches: ``batches(ids) -> batch``.
+        queries: the query objects, each passed to ``query_loss_fn``.
+        query_loss_fn: ``query_loss_fn(forward, query) -> scalar`` at the final weights.
+        train_ids: the columns of the scores (default: the run's ids in order of first appearance); must hold
+            every id of the run.
+        options: :class:`gradtrace.options.MetagradOptions` -- checkpoint spacing (default ``ceil(sqrt(T))``; the
+            result does not depend on it), queries per reverse pass (default all, one vmapped pass), bytes of
+            checkpoints kept in memory (the rest go to ``run_dir/metagrad_checkpoints_*/``, removed at the end), the
+            replay check's bound (see :func:`gradtrace.replay.replay`).
+
+    Returns:
+        :class:`MetaGradients`: ``scores [Q, N] = -dL_q/dw_i`` and the query losses.
+
+    Raises:
+        ReplayError: a model that does not match, missing ids, a replay that does not reproduce the run, bad
+            ``checkpoint_every`` / ``query_batch``.
+    """
+    options = option_object(options, MetagradOptions, "options")
+    checkpoint_every, query_batch = options.checkpoint_every, options.query_batch
+    memory_limit, tolerance = options.memory_limit, options.tolerance
+    run = run if isinstance(run, RecordedRun) else load_run(run)
+    steps = StepFunction(run, model, loss_fn, batches)
+    total = len(run.steps)
+    every = checkpoint_every if checkpoint_every is not None else default_interval(total)
+    if every < 1:
+        raise ReplayError(f"checkpoint_every={every}: expected an int >= 1")
+    if query_batch is not None and query_batch < 1:
+        raise ReplayError(f"query_batch={query_batch}: expected an int >= 1")
+    ids, position = _columns(run, train_ids)
+    store = CheckpointStore(run.run_dir, memory_limit)
+    try:
+        state = steps.initial_state()
+        for t in range(total):
+            if t % every == 0:
+                store.put(t, state)
+            state = steps.step(t, state)
+        difference = check_final(run, state, tolerance)[0] if run.final is not None else None
+        cotangents, query_losses = _query_cotangents(steps, state.params, queries, query_loss_fn)
+        count = len(queries)
+        chunk = query_batch or max(count, 1)
+        dtype = query_losses.dtype
+        dw = torch.zeros(count, len(ids), dtype=dtype, device=steps.device)
+        for start in range(0, count, chunk):
+            part = {key: c[start:start + chunk] for key, c in cotangents.items()}
+            dw[start:start + chunk] = _reverse(steps, store, every, part, chunk > 1, position, len(ids))
+    finally:
+        store.close()
+    return MetaGradients(-dw, ids, query_losses, difference, every)
+
+
+def _reverse(steps: StepFunction, store: CheckpointStore, every: int, cotangent: dict[Key, Tensor],
+             batched: bool, position: dict[Any, int], width: int) -> Tensor:
+    """One reverse pass over the whole run for a block of queries: ``dL_q/dw`` as ``[Q_block, N]``."""
+    count = next(iter(cotangent.values())).shape[0]
+    dtype, device = next(iter(cotangent.values())).dtype, steps.device
+    dw = torch.zeros(count, width, dtype=dtype, device=device)
+    total = len(steps.run.steps)
+    for start in reversed(range(0, total, every)):
+        segment = [store.get(start)]
+        for t in range(start, min(start + every, total) - 1):
+            segment.append(steps.step(t, segment[-1]))
+        for t in reversed(range(start, min(start + every, total))):
+            cotangent, weight_grads = _reverse_step(steps, t, segment[t - start], cotangent, batched)
+            for ids, grad in zip(steps.run.steps[t].micro_batches, weight_grads):
+                if grad is not None:
+                    index = torch.tensor([position[i] for i in ids], device=device)
+                    dw.index_add_(1, index, grad.to(dtype))
+        del segment
+    return dw

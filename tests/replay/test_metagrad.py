@@ -1,0 +1,93 @@
+"""Metagradients equal autograd through the unrolled loop and finite differences of re-running training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradtrace.options import MetagradOptions
+from gradtrace.replay import load_run, metagradients
+
+from .reference import query_loss, unrolled_dloss_dw
+from .tasks import batcher, loss_fn, make_data, make_model, schedule, train
+
+CONFIGS = {  # optimizer, accumulation, grad_clip, warmup
+    "sgd_momentum_wd": ("sgd", 2, None, None),
+    "nesterov": ("nesterov", 1, None, None),
+    "adamw_cosine_clip": ("adamw", 1, 0.5, 3),
+    "adam_l2": ("adam", 2, 1.0, 2),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _record(tmp_path, kind, config, data):
+    optimizer, accum, clip, warmup = CONFIGS[config]
+    steps = schedule(accumulation=accum)
+    train(make_model(kind), optimizer, steps, data, accumulation=accum, grad_clip=clip, warmup=warmup,
+          record=tmp_path / "run")
+    return load_run(tmp_path / "run"), steps
+
+
+QUERIES = list(make_data(n=3, seed=7).values())
+
+
+@pytest.mark.parametrize("kind", ["mlp", "linear"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_metagradients_equal_autograd_through_the_unrolled_loop(tmp_path, kind, config):
+    data = make_data()
+    run, steps = _record(tmp_path, kind, config, data)
+    got = metagradients(run, make_model(kind), loss_fn, batcher(data), QUERIES, query_loss,
+                        train_ids=list(range(12)))
+    optimizer, accum, clip, warmup = CONFIGS[config]
+    ref = unrolled_dloss_dw(kind, optimizer, steps, data, QUERIES, accumulation=accum, grad_clip=clip, warmup=warmup)
+    assert got.scores.shape == (3, 12)
+    assert _rel(-got.scores, ref) <= 1e-8
+    assert got.replay_difference == 0.0
+
+
+@pytest.mark.parametrize("config", ["sgd_momentum_wd", "adamw_cosine_clip"])
+def test_metagradients_equal_finite_differences_of_retraining(tmp_path, config):
+    data = make_data()
+    run, steps = _record(tmp_path, "mlp", config, data)
+    got = metagradients(run, make_model("mlp"), loss_fn, batcher(data), QUERIES, query_loss,
+                        train_ids=list(range(12)))
+    optimizer, accum, clip, warmup = CONFIGS[config]
+    h, fd = 1e-4, []
+    for i in (0, 5, 11):
+        losses = []
+        for sign in (1, -1):
+            weights = {i: torch.tensor(1 + sign * h, dtype=torch.float64)}
+            model = train(make_model("mlp"), optimizer, steps, data, accumulation=accum, grad_clip=clip,
+                          warmup=warmup, weights=weights)
+            with torch.no_grad():
+                losses.append(torch.stack([query_loss(model, q) for q in QUERIES]))
+        fd.append((losses[0] - losses[1]) / (2 * h))
+    fd = torch.stack(fd, dim=1)  # [Q, 3]
+    assert _rel(-got.scores[:, [0, 5, 11]], fd) <= 1e-5
+
+
+def test_the_result_does_not_depend_on_checkpoints_or_query_batching(tmp_path):
+    data = make_data()
+    run, _ = _record(tmp_path, "mlp", "adamw_cosine_clip", data)
+    args = (run, make_model("mlp"), loss_fn, batcher(data), QUERIES, query_loss)
+    base = metagradients(*args).scores
+    for every in (1, 2, 5, 9, 50):
+        assert torch.equal(metagradients(*args, options=MetagradOptions(checkpoint_every=every)).scores, base)
+    assert torch.equal(metagradients(*args, options=MetagradOptions(memory_limit=0)).scores, base)  # every checkpoint on disk
+    assert not list(run.run_dir.glob("metagrad_checkpoints*"))
+    one = metagradients(*args, options=MetagradOptions(query_batch=1)).scores
+    assert _rel(one, base) <= 1e-13
+    assert _rel(metagradients(*args, options=MetagradOptions(query_batch=2)).scores, base) <= 1e-13
+
+
+def test_sign_positive_means_helpful(tmp_path):
+    data = make_data()
+    run, _ = _record(tmp_path, "linear", "sgd_momentum_wd", data)
+    # the query is a training example itself: training on it lowers its own loss, so it helps itself
+    queries = [data[3]]
+    got = metagradients(run, make_model("linear"), loss_fn, batcher(data), queries, query_loss,
+                        train_ids=list(range(12)))
+    assert got.scores[0, 3] > 0 and got.scores[0, 3] == got.scores[0].max()
