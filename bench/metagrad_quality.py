@@ -1,0 +1,206 @@
+"""Metagradient quality: LDS on the bundled tasks, under the counterfactual metagradients model and under retraining.
+
+Setup, fixed before any result was seen (issue #32, targets):
+
+* tasks: ``digits_mlp`` and ``tinylm`` (``gradtrace.eval.tasks``, their default settings), the model attributed being
+  the task's own (all the training data, seed 0);
+* the run: the task's training recipe re-run beside a :class:`gradtrace.replay.RunRecorder` (the same initial
+  weights, shuffles, batches and optimizer: digits_mlp fused Adam with L2, tinylm AdamW), checked bit-identical
+  to the task's model (else the task is skipped with the difference);
+* metagradients: ``gradtrace.replay.metagradients`` of each query's loss (the task's per-example loss, the
+  outcome's sign) with respect to every training example's weight, all queries in one vectorised reverse pass,
+  default checkpoint spacing. tinylm trains with PyTorch's scaled-dot-product attention, whose CPU kernel has no
+  double backward: its replay runs the same weights through eager attention (``TinyLMTask.eager_model``), and the
+  replay check's bound is stated as ``TOLERANCE_EAGER = 1e-3`` (relative max-abs to the recorded final weights;
+  the measured difference is printed); digits_mlp uses the default bound;
+* ground truths, both with the subsets of ``bench/quality.py`` (``LDSOptions`` defaults, digits_mlp 100 and
+  tinylm 150 half-size subsets, subset seed 0, the same cache directory ``--cache``):
+  (a) *counterfactual*: the same run with the weights of the examples outside the subset set to 0 (the same
+  batches in the same order, each batch's mean still over its full size), replayed functionally -- what
+  metagradients model; (b) *retraining*: the task's recipe retrained on the subset (re-batched), the ground truth
+  of every other row of ``bench/quality.py``;
+* rows: ``metagradients``, and for reference ``grad_dot`` and ``ekfac`` (exact gradients at the attributed model,
+  default options; tinylm's ``ekfac`` on the task's model as in ``bench/quality.py``), each against both ground
+  truths; LDS mean +- standard error over queries;
+* cost: seconds of the training run, the recorded replay, and the metagradient call (all queries).
+
+Usage::
+
+    python bench/metagrad_quality.py                       # both tasks (~15-25 min on 2 CPU cores)
+    python bench/metagrad_quality.py --tasks digits_mlp --subsets 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+TOLERANCE_EAGER = 1e-3
+DEFAULT_SUBSETS = {"digits_mlp": 100, "tinylm": 150}
+
+
+class Problem:
+    """One task as the replay sees it: the ids, the batch of any ids, the per-example loss, the queries."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+        self.index = {ident: i for i, ident in enumerate(task.train_ids)}
+        self.lm = task.name == "tinylm"
+
+    def rows(self, ids) -> torch.Tensor:
+        return torch.tensor([self.index[i] for i in ids], dtype=torch.long)
+
+    def batch(self, ids) -> dict[str, Any]:
+        rows, task = self.rows(ids), self.task
+        if self.lm:
+            mask = task.train_mask[rows]
+            used = int(mask.sum(1).max())
+            return {"input_ids": task.train_tokens[rows, :used], "attention_mask": mask[:, :used]}
+        return {"x": task.x_train[rows], "y": task.y_train[rows]}
+
+    def loss(self, forward, batch) -> torch.Tensor:
+        """Per-example losses ``[B]`` whose mean is the task's batch loss."""
+        from gradtrace.loss import causal_lm_loss
+
+        if self.lm:
+            return causal_lm_loss(forward, batch)
+        return F.cross_entropy(forward(batch["x"]), batch["y"], reduction="none")
+
+    def queries(self) -> list[dict[str, Any]]:
+        task = self.task
+        if self.lm:
+            return [{"input_ids": task.query_tokens[q:q + 1], "attention_mask": task.query_mask[q:q + 1]}
+                    for q in range(task.num_queries)]
+        return [{"x": task.x_query[q:q + 1], "y": task.y_query[q:q + 1]} for q in range(task.num_queries)]
+
+    def query_loss(self, forward, query) -> torch.Tensor:
+        return self.loss(forward, query)[0]
+
+
+def record(task: Any, problem: Problem, run_dir: Path) -> tuple[Any, float]:
+    """The task's training of its attributed model, again, recorded (``minibatch_epochs``'s loop)."""
+    from gradtrace.eval.tasks.base import fresh_model
+    from gradtrace.replay import Reduction, RunRecorder
+
+    cfg = task.settings
+    indices = torch.arange(task.num_train)
+    if problem.lm:
+        indices, model = fresh_model(indices, cfg.seed, lambda: task.new_model())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        from gradtrace.eval.tasks.digits_mlp import DigitsReLUMLP
+
+        indices, model = fresh_model(indices, cfg.seed, lambda: DigitsReLUMLP(cfg.width, cfg.depth))
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    recorder = RunRecorder(run_dir, model, optimizer, reduction=Reduction(kind="mean"))
+    generator = torch.Generator().manual_seed(cfg.seed)
+    ids = task.train_ids
+    began = time.perf_counter()
+    model.train()
+    with torch.enable_grad():
+        for _ in range(cfg.epochs):
+            order = indices[torch.randperm(indices.numel(), generator=generator)]
+            for start in range(0, order.numel(), cfg.batch_size):
+                batch_ids = [ids[i] for i in order[start:start + cfg.batch_size].tolist()]
+                batch = problem.batch(batch_ids)  # the task's own batch loss (bit-identical weights)
+                loss = (problem.loss(model, batch).mean() if problem.lm
+                        else F.cross_entropy(model(batch["x"]), batch["y"]))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                recorder.step(batch_ids)
+    seconds = time.perf_counter() - began
+    recorder.finish(model)
+    return model.eval(), seconds
+
+
+def counterfactual_truth(run: Any, model: Any, problem: Problem, masks: torch.Tensor, tolerance: float | None
+                         ) -> torch.Tensor:
+    """``[S, Q]``: ``-loss`` of each query after the recorded run with the weights outside each subset set to 0."""
+    from gradtrace.replay import replay
+    from gradtrace.replay.step import StepFunction
+
+    steps = StepFunction(run, model, problem.loss, problem.batch)
+    queries = problem.queries()
+    ids = problem.task.train_ids
+    out = []
+    for mask in masks:
+        weights = {ident: float(keep) for ident, keep in zip(ids, mask.tolist())}
+        state = replay(run, model, problem.loss, problem.batch, weights=weights, tolerance=tolerance).state
+        forward = steps.forward(state.params)
+        with torch.no_grad():
+            out.append(torch.stack([-problem.query_loss(forward, q).to(torch.float64) for q in queries]))
+    return torch.stack(out)
+
+
+def run_task(name: str, args: argparse.Namespace) -> None:
+    from gradtrace.eval import build_lds_ground_truth, lds
+    from gradtrace.eval.benchmark import evaluate
+    from gradtrace.eval.groundtruth import GroundTruth
+    from gradtrace.eval.tasks import get_task
+    from gradtrace.options import LDSOptions, MetagradOptions
+    from gradtrace.replay import load_run, metagradients
+
+    task = get_task(name)
+    problem = Problem(task)
+    subsets = args.subsets or DEFAULT_SUBSETS[name]
+    print(f"\n### {name}\n\n{task.describe()}")
+    truth = build_lds_ground_truth(task.train, task.outcome, task.num_train, cache=Path(args.cache) / name,
+                                   config=task.config, options=LDSOptions(num_subsets=subsets))
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded, train_seconds = record(task, problem, Path(tmp) / "run")
+        reference = task.model
+        diff = max(float((a - b).abs().max()) for a, b in zip(recorded.state_dict().values(),
+                                                               reference.state_dict().values()))
+        if diff != 0.0:
+            print(f"skipped: the recorded run ends {diff:.3g} away from the task's model (not bit-identical)")
+            return
+        run = load_run(Path(tmp) / "run")
+        replay_model = task.eager_model() if problem.lm else recorded
+        tolerance = TOLERANCE_EAGER if problem.lm else None
+        began = time.perf_counter()
+        result = metagradients(run, replay_model, problem.loss, problem.batch, problem.queries(), problem.query_loss,
+                               train_ids=task.train_ids, options=MetagradOptions(tolerance=tolerance))
+        metagrad_seconds = time.perf_counter() - began
+        began = time.perf_counter()
+        counterfactual = GroundTruth(truth.masks, counterfactual_truth(run, replay_model, problem, truth.masks,
+                                                                       tolerance), {"kind": "counterfactual"})
+        truth_seconds = time.perf_counter() - began
+    print(f"training run {train_seconds:.1f} s; metagradients of {task.num_queries} queries {metagrad_seconds:.1f} s "
+          f"({metagrad_seconds / train_seconds:.1f}x the training run); replay difference to the recorded weights "
+          f"{result.replay_difference:.2e}; counterfactual ground truth {truth_seconds:.0f} s for {subsets} subsets")
+    rows = {"metagradients": result.scores}
+    for method in ("grad_dot", "ekfac"):
+        row = evaluate(task, [method], truth)[0]
+        rows[method] = row  # scores are re-derived below for the counterfactual column
+    print("\n| method | LDS, counterfactual (same run, weights 0) | LDS, retraining on the subset |")
+    print("|---|---|---|")
+    for method, value in rows.items():
+        if isinstance(value, torch.Tensor):
+            a, b = lds(value, counterfactual.masks, counterfactual.outcomes), lds(value, truth.masks, truth.outcomes)
+        else:
+            b = value.result
+            a = evaluate(task, [method], counterfactual)[0].result
+        print(f"| {method} | {a.mean:.3f} +- {a.se:.3f} | {b.mean:.3f} +- {b.se:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="digits_mlp,tinylm")
+    parser.add_argument("--subsets", type=int, default=None, help="LDS subsets (default: bench/quality.py's)")
+    parser.add_argument("--cache", default=".cache/gradtrace-quality", help="ground-truth cache (bench/quality.py's)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    for name in args.tasks.split(","):
+        run_task(name, args)
+
+
+if __name__ == "__main__":
+    main()
