@@ -185,8 +185,8 @@ def run_task(name: str, args: argparse.Namespace) -> None:
         if isinstance(value, torch.Tensor):
             a, b = lds(value, counterfactual.masks, counterfactual.outcomes), lds(value, truth.masks, truth.outcomes)
         else:
-            b = value.result
-            a = evaluate(task, [method], counterfactual)[0].result
+            b = value.lds
+            a = evaluate(task, [method], counterfactual)[0].lds
         print(f"| {method} | {a.mean:.3f} +- {a.se:.3f} | {b.mean:.3f} +- {b.se:.3f} |")
 
 
