@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .exact import torch_step
 from .optim import OptimState, init_state, optimizer_step
 from .run import RecordedRun
 from .spec import ReplayError
@@ -140,7 +141,9 @@ class StepFunction:
             t: the step.
             state: the state before it; with ``create_graph`` its tensors are the inputs of the graph built.
             weights: per micro-batch example weights (None: ones).
-            create_graph: build the graph of the new state over ``state`` and ``weights`` (for metagradients).
+            create_graph: build the graph of the new state over ``state`` and ``weights`` (for metagradients:
+                the differentiable formulas of :mod:`.optim`); without it the new state comes from torch's own
+                optimizer kernels (:func:`gradtrace.replay.exact.torch_step`), as the recorded loop computed it.
 
         Returns:
             the state after step ``t``.
@@ -151,7 +154,6 @@ class StepFunction:
             return optimizer_step(self.run.optimizer, state, grads, lrs, self.run.grad_clip)
         params = {name: p.detach().requires_grad_(True) for name, p in state.params.items()}
         grads = self.gradient(t, params, weights)
-        with torch.no_grad():
-            return optimizer_step(self.run.optimizer, state.detached(),
-                                  {k: None if g is None else g.detach() for k, g in grads.items()}, lrs,
-                                  self.run.grad_clip)
+        # the states themselves through torch's own kernels (the recorded foreach / fused path): bit for bit
+        return torch_step(self.run.optimizer, state.detached(),
+                          {k: None if g is None else g.detach() for k, g in grads.items()}, lrs, self.run.grad_clip)
