@@ -9,8 +9,8 @@
     batches = lambda ids: collator([dataset[i] for i in ids])
     metagradients(run, model, causal_lm_loss, batches, queries, query_loss_fn)
 
-What is recorded: the optimizer the Trainer built (``adamw_torch``, or the default ``adamw_torch_fused``, whose
-kernels differ from the replay by rounding only; its decay / no-decay parameter groups), the learning rate of
+What is recorded: the optimizer the Trainer built (``adamw_torch``, or the default ``adamw_torch_fused``, replayed
+through the same kernels; its decay / no-decay parameter groups), the learning rate of
 every step (any ``lr_scheduler_type``), ``max_grad_norm``, ``gradient_accumulation_steps`` and the reduction: a
 model that takes ``num_items_in_batch`` (GPT-2, Llama, ...) divides the summed token loss of each micro-batch by
 the loss tokens of the whole optimizer step (``Reduction("token_mean", num_items_in_batch=True,

@@ -4,9 +4,9 @@ Everything here is plain data that goes into the run's JSON manifest (``manifest
 comes back from it unchanged. Only optimizers whose update :mod:`gradtrace.replay.optim` reproduces exactly are
 accepted: ``torch.optim.SGD`` (momentum, dampening, nesterov, weight decay, maximize) and ``torch.optim.Adam`` /
 ``torch.optim.AdamW`` (betas, eps, weight decay, maximize; ``amsgrad=False``), not capturable, not
-differentiable. The single-tensor kernels (the CPU default) are replayed bit for bit; foreach and fused kernels
-(the Trainer's default ``adamw_torch_fused``) compute the same formulas with other rounding, recorded as
-``implementation`` and bounded by the replay's check of the final weights.
+differentiable. The kernels the run used (single-tensor, foreach, or fused: the Trainer's default
+``adamw_torch_fused``) are recorded as ``implementation``; the replay's states go through those very kernels
+(:mod:`gradtrace.replay.exact`), and the replay's check of the final weights bounds what remains.
 """
 
 from __future__ import annotations
