@@ -223,7 +223,7 @@ def test_scores_record_what_produced_them_and_keep_it_through_save_and_load(tmp_
     # two weighted 5-term float32 dot products per score: a few float32 eps (1.2e-7) of their size, 1e-5 bounds it
     torch.testing.assert_close(scores.matrix, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     recorded = {"method": "tracin", "method_options": scores.meta["options"], "checkpoint_weights": [0.5, 0.25],
-                "topk": 3, "matrix": True, "block_rows": 4, "device": "cpu"}
+                "topk": 3, "matrix": True, "block_rows": 4, "device": "cpu", "score_dtype": "float32"}
     assert scores.meta["gradtrace"]["options"] == {"score": recorded}
     assert scores.meta["options"]["weights"] == [0.5, 0.25]  # the fields older readers use are unchanged
     assert scores.meta["method"] == "tracin" and scores.meta["checkpoints"] == 2 and scores.meta["spec"]["dim"] == 5
@@ -232,4 +232,4 @@ def test_scores_record_what_produced_them_and_keep_it_through_save_and_load(tmp_
     streamed = gradtrace.Attributor("grad_dot", train[0]).score(queries[0], topk=2, matrix=False)
     assert streamed.meta["gradtrace"]["options"]["score"] | {"method_options": None} == {
         "method": "grad_dot", "method_options": None, "checkpoint_weights": [1.0], "topk": 2, "matrix": False,
-        "block_rows": gradtrace.Attributor("grad_dot", train[0]).block_rows, "device": "cpu"}
+        "block_rows": gradtrace.Attributor("grad_dot", train[0]).block_rows, "device": "cpu", "score_dtype": "float32"}

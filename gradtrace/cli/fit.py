@@ -41,6 +41,7 @@ from .load_model import (
     tokenizer_dir,
 )
 from .outputs import check_output_dir
+from .score_queries import recorded_grad_dtype
 
 __all__ = ["OPTIONS", "FitCommand", "run"]
 
@@ -66,12 +67,21 @@ class CurvatureOptions(Group):
         "Default damping saved with the fit (relative: times the mean eigenvalue of each block; trak: of its "
         "kernel; trackstar: of its autocorrelation).", min=0))
     overwrite: bool = field(default=False, metadata=cli("Replace a curvature (or method fit) already saved in --out."))
+    covariance_dtype: Literal["float32", "float64"] = field(default="float32", metadata=cli(
+        "kfac, ekfac, ggn: the dtype the curvature statistics are formed and summed in (float64: twice the "
+        "memory of the sums)."))
+    eigen_dtype: Literal["float64", "float32"] = field(default="float64", metadata=cli(
+        "kfac, ekfac, ggn: the dtype of the eigendecompositions (the eigendata is saved in float32 either way)."))
+    offload: bool = field(default=False, metadata=cli(
+        "kfac, ekfac, ggn: keep the running sums on the CPU while the batches run on --device (no effect on the "
+        "results)."))
 
     def fit_options(self) -> api.FitOptions:
         """The Python API's :class:`gradtrace.options.FitOptions` of a model-pass fit (kfac, ekfac, ggn)."""
         kind = {"kfac": "kfac", "ekfac": "ekfac", "ggn": "fisher"}[self.method]
         return api.FitOptions(kind=kind, fisher=self.fisher, samples=self.samples, seed=self.seed,
-                              damping=self.damping)
+                              damping=self.damping, covariance_dtype=self.covariance_dtype,
+                              eigen_dtype=self.eigen_dtype, offload=self.offload)
 
 
 @dataclass(kw_only=True)
@@ -193,7 +203,8 @@ def run(opts: FitCommand) -> None:
         with phases("fit"):
             try:
                 curvature = fit_curvature(model, batches, spec=store.spec, fit_options=cv.fit_options(),
-                                          options=CaptureOptions(projection=projection),
+                                          options=CaptureOptions(projection=projection,
+                                                                 grad_dtype=recorded_grad_dtype(store, projection)),
                                           run=RunOptions(device=device, progress=opts.progress))
             except ValueError as err:
                 raise CliError(str(err)) from None
@@ -239,6 +250,12 @@ def _check_method_flags(opts: FitCommand) -> None:
         source = "the stored gradients and --optimizer" if cv.method == "trackstar" else "the stored gradients"
         raise CliError(f"--method {cv.method} fits from {source} alone (a causal LM needs no 1 - p weights): drop "
                        "DATA")
+    precision = [flag for flag, used in (("--covariance-dtype", cv.covariance_dtype != "float32"),
+                                         ("--eigen-dtype", cv.eigen_dtype != "float64"), ("--offload", cv.offload))
+                 if used]
+    if cv.method not in ("kfac", "ekfac", "ggn") and precision:
+        raise CliError(f"{', '.join(precision)} appl{'y' if len(precision) > 1 else 'ies'} to the model-pass fits "
+                       f"(kfac, ekfac, ggn), not {cv.method}")
     if cv.method in SAVED_FIT_METHODS and cv.fisher != "auto":
         raise CliError(f"--fisher applies to kfac, ekfac, ggn and logra, not {cv.method}")
     if cv.method == "trackstar":

@@ -164,14 +164,25 @@ class ProjectionOptions(Group):
     ranks: str = field(default="", metadata=cli(
         "Per-parameter LoGra ranks, comma-separated GLOB=ROWSxCOLS or GLOB=RANK (e.g. '*wte.weight=512x32': keep "
         "an embedding's vocabulary axis).", metavar="SPEC"))
+    grad_dtype: Literal["float32", "activation"] = field(default="float32", metadata=cli(
+        "The dtype of LoGra's projection products: float32 (a bf16/fp16 factor upcast by blocks) or activation "
+        "(the model's own dtype, each projected value rounded once to it; faster, no float32 copy). The sums over "
+        "tokens are float32 either way; queries are projected as the store records."))
 
     def capture_options(self) -> CaptureOptions:
-        """The Python API's :class:`gradtrace.options.CaptureOptions` these options stand for (its projection)."""
+        """The Python API's :class:`gradtrace.options.CaptureOptions` these options stand for (its projection and
+        the dtype of its products)."""
         from ..projection import LoGra
 
         if self.projection == "none":
+            if self.grad_dtype != "float32":
+                from .errors import CliError
+
+                raise CliError("--grad-dtype sets the dtype of LoGra's projection products: it needs --projection "
+                               "logra")
             return CaptureOptions()
-        return CaptureOptions(projection=LoGra(rank=self.rank, seed=self.seed, ranks=self.logra_ranks()))
+        return CaptureOptions(projection=LoGra(rank=self.rank, seed=self.seed, ranks=self.logra_ranks()),
+                              grad_dtype=self.grad_dtype)
 
     def logra_ranks(self) -> dict[str, tuple[int, int]]:
         """``--ranks`` parsed into ``LoGra(ranks=...)``'s form."""

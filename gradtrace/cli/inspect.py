@@ -90,8 +90,8 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
         fit = Curvature.load(path)
         record = json.loads((path / "curvature.json").read_text())
         return {"kind": "curvature", "path": str(path), "method": fit.kind, "fisher": fit.fisher,
-                "damping": fit.damping, "blocks": len(fit.blocks), "environment": record.get("environment"),
-                "meta": fit.meta}
+                "damping": fit.damping, "blocks": len(fit.blocks), "precision": fit.precision(),
+                "environment": record.get("environment"), "meta": fit.meta}
     if (path / "fit.json").exists():
         from ..methods import load_fit
 
@@ -153,7 +153,7 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
     if info["kind"] == "curvature":
         meta = dict(info.get("meta") or {})
         rows = [("method", str(info["method"])), ("fisher", str(info["fisher"])), ("damping", _short(info["damping"])),
-                ("blocks", f"{info['blocks']:,}")]
+                ("blocks", f"{info['blocks']:,}"), ("precision", _precision(info.get("precision") or {}))]
         return rows + [(key, _short(value)) for key, value in meta.items()] + \
             _provenance_rows(info, meta.get("config") or {})
     if info["kind"] == "scores":
@@ -200,6 +200,16 @@ def _display(info: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("repeated ids", f"{info['repeated_ids']:,} stored by two ranks (same content; first row used)"))
     config = info.get("config") or {}
     return rows + _provenance_rows(info, config) + _config_rows(config)
+
+
+def _precision(precision: dict[str, Any]) -> str:
+    """A curvature's precision settings on one line (``Curvature.precision()``), saying which were assumed."""
+    if not precision:
+        return "?"
+    assumed = precision.get("assumed") or []
+    return (f"statistics {precision.get('covariance_dtype')}, eigendecompositions {precision.get('eigen_dtype')}"
+            f"{', offloaded' if precision.get('offload') else ''}"
+            f"{' (not recorded: defaults assumed)' if assumed else ''}")
 
 
 def _coverage(recorded: dict[str, Any] | None) -> str:

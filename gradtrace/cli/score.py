@@ -59,6 +59,9 @@ class ScoringOptions(Group):
     block_rows: int | None = field(default=None, metadata=cli(
         "Training rows streamed per block (bounds memory; default: the rows of a 128 MiB float32 block, 8,192 at "
         "4,096 dims).", min=1))
+    score_dtype: Literal["float32", "float64"] = field(default="float32", metadata=cli(
+        "The dtype of the query x train products and of the saved scores (float64: exact to float64 round-off "
+        "over the stored values; twice the memory of the blocks' products and of the matrix)."))
     export: Path | None = field(default=None, metadata=cli(
         "Also export the top-k rows of every query to this .csv, .json or .parquet file."))
     overwrite: bool = field(default=False, metadata=cli("Replace scores already saved in --out."))
@@ -191,6 +194,9 @@ def _run(opts: ScoreCommand, device: str, rank: int, world: int) -> None:
                 raise CliError(f"{flag} splits the top-k pairs of each query: pass --topk K (K > 0)")
         if sc.tokens and multi:
             raise CliError(f"--tokens splits one checkpoint's scores; {sc.method} combines checkpoints")
+        if sc.score_dtype != "float32" and (ensemble or sc.index is not None):
+            raise CliError(f"--score-dtype {sc.score_dtype} applies to scoring the store directly, not to "
+                           f"{'an ensemble' if ensemble else '--index'}")
         with phases("open stores"):
             for path in store_paths:
                 if not path.exists():
@@ -220,7 +226,8 @@ def _run(opts: ScoreCommand, device: str, rank: int, world: int) -> None:
         else:
             attributor = gradtrace.Attributor(fitted[0] if fitted else sc.method,
                                               train=stores if multi else stores[0],
-                                              block_rows=sc.block_rows, device=device, **options)
+                                              block_rows=sc.block_rows, device=device, score_dtype=sc.score_dtype,
+                                              **options)
             try:  # one process: attributor.score(); under torchrun: every rank scores its rows, top-k merged
                 scorer = score_sharded if index is None else _index_scorer(index, sc)  # --index: shortlist
                 scores = scorer(attributor, query_sets if multi else query_sets[0], topk=sc.topk or None,

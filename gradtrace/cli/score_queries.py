@@ -12,7 +12,7 @@ from .errors import CliError
 from .load_model import base_model_dir, load_model, load_tokenizer, pad_id, resolve_max_length
 from .preference import pair_loss, read_examples
 
-__all__ = ["check_dropped", "check_match", "query_gradients"]
+__all__ = ["check_dropped", "check_match", "query_gradients", "recorded_grad_dtype"]
 
 
 def query_gradients(opts: Any, stores: list[Any], models: list[Path], text_with: Path, device: str,
@@ -53,7 +53,8 @@ def query_gradients(opts: Any, stores: list[Any], models: list[Path], text_with:
         with phases("query gradients"):
             try:
                 capture = CaptureOptions(projection=projection, layers=store_layers(store),
-                                         keep_tokens=opts.scoring_options.tokens)
+                                         keep_tokens=opts.scoring_options.tokens,
+                                         grad_dtype=recorded_grad_dtype(store, projection))
                 run = RunOptions(device=device, progress="collect queries" if progress else False)
                 queries = gradtrace.collect(model, batches, pair_loss(batches, opts.dpo_options), options=capture,
                                             run=run)
@@ -98,3 +99,12 @@ def check_match(store: Any, queries: Any, model_dir: Path) -> None:
         console(stderr=True).print(
             f"[yellow]Warning: the weights of {model_dir} differ from those of the model that collected "
             f"{store.root}; the scores compare gradients taken at different weights.[/yellow]")
+
+
+def recorded_grad_dtype(store: Any, projection: Any) -> str:
+    """The ``CaptureOptions.grad_dtype`` the store was collected with (``"float32"`` for stores collected before it
+    was recorded, and without a projection): queries are projected the same way."""
+    if projection is None:
+        return "float32"
+    options = ((store.manifest.get("config") or {}).get("gradtrace") or {}).get("options") or {}
+    return (options.get("capture") or {}).get("grad_dtype", "float32")

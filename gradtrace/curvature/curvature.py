@@ -9,7 +9,7 @@ of a gradient matrix ``V`` is
 Dense blocks use their own eigendecomposition. Damping is ``damping * mean(Lambda)`` per block
 (``damping_mode="relative"``, default 0.1, the Kronfluence / LogIX heuristic) or a fixed ``damping``
 (``"absolute"``). It is applied when the curvature is used, so re-damping needs no refit. Eigenvectors are
-computed in float64 and kept in float32.
+computed in float64 (``FitOptions.eigen_dtype``) and kept in float32.
 """
 
 from __future__ import annotations
@@ -38,14 +38,19 @@ class CurvatureError(ValueError):
     """Curvature that cannot be used as asked (empty, singular without damping, from another model...)."""
 
 
-def eigh(matrix: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, computed in float64.
+PRECISION_DEFAULTS = {"covariance_dtype": "float32", "eigen_dtype": "float64", "offload": False}
+"""The precision settings of a fit (``FitOptions``) and the values fits saved before they were recorded used."""
+
+
+def eigh(matrix: Tensor, dtype: torch.dtype = torch.float64) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (clamped at 0) and eigenvectors of a symmetric PSD matrix, computed in ``dtype`` (float64 by
+    default, ``FitOptions.eigen_dtype``) and returned in float32.
 
     Both come back C-contiguous: LAPACK returns column-major eigenvectors, and a saved-then-loaded copy is
     row-major, so without this the products that use them take other BLAS paths in memory and after a load,
     and their results differ in the last bits.
     """
-    values, vectors = torch.linalg.eigh(matrix.to(torch.float64))
+    values, vectors = torch.linalg.eigh(matrix.to(dtype))
     return values.clamp(min=0).to(torch.float32).contiguous(), vectors.to(torch.float32).contiguous()
 
 
@@ -108,6 +113,15 @@ class Curvature:
         """The same fit with another damping (no refit): a finite number >= 0 (0: undamped, refused when used if the
         curvature is singular)."""
         return replace(self, damping=damping, damping_mode=mode or self.damping_mode)
+
+    def precision(self) -> dict[str, Any]:
+        """The fit's precision and device settings (``covariance_dtype``, ``eigen_dtype``, ``offload``) as its
+        ``meta`` records them (``meta["gradtrace"]["options"]["fit"]``), and ``"assumed"``: the names of those
+        a fit saved before gradtrace recorded them lacks, given their defaults (what such fits used)."""
+        record = ((self.meta.get("gradtrace") or {}).get("options") or {}).get("fit") or {}
+        out: dict[str, Any] = {name: record.get(name, default) for name, default in PRECISION_DEFAULTS.items()}
+        out["assumed"] = [name for name in PRECISION_DEFAULTS if name not in record]
+        return out
 
     def block_damping(self, name: str) -> float:
         eig = self.blocks[name]
@@ -215,8 +229,13 @@ class Curvature:
 
     # -- reporting ---------------------------------------------------------------------------------
     def report(self) -> str:
+        precision = self.precision()
+        assumed = (f" (not recorded, defaults assumed: {', '.join(precision['assumed'])})" if precision["assumed"]
+                   else "")
         lines = [f"{self.kind} curvature ({self.fisher} Fisher, damping {self.damping:g} {self.damping_mode}), "
-                 f"{len(self.blocks)} blocks, fitted on {self.meta.get('examples', '?')} examples"]
+                 f"{len(self.blocks)} blocks, fitted on {self.meta.get('examples', '?')} examples",
+                 f"  statistics in {precision['covariance_dtype']}, eigendecompositions in {precision['eigen_dtype']}"
+                 f"{', offloaded to the CPU' if precision['offload'] else ''}{assumed}"]
         for name, eig in self.blocks.items():
             values = eig.eigenvalues
             lam = self.block_damping(name)

@@ -1,12 +1,13 @@
 """``fit_curvature``: K-FAC / EK-FAC / dense Fisher curvature from passes over a dataset.
 
 Pass 1 captures every example's gradient factors (exact, or LoGra-projected with their tokens kept) and
-accumulates the Kronecker factors and dense Fisher blocks (:mod:`covariance`); they are eigendecomposed
-in float64. For EK-FAC, pass 2 accumulates the second moments of the per-example gradients in that
-eigenbasis (the eigenvalue correction of George et al. 2018). Passes run without weight gradients, like
-:func:`gradtrace.collect`. With ``fisher="true"`` the labels are sampled from the model (``samples``
-draws), with ``"exact"`` (classifiers) every label is weighted by its probability; ``"auto"`` chooses between
-them (:func:`gradtrace.curvature.fisher.resolve_fisher`).
+accumulates the Kronecker factors and dense Fisher blocks (:mod:`covariance`, in ``FitOptions.covariance_dtype``,
+on the CPU with ``offload``); they are eigendecomposed in ``FitOptions.eigen_dtype`` (float64 by default). For
+EK-FAC, pass 2 accumulates the second moments of the per-example gradients in that eigenbasis (the eigenvalue
+correction of George et al. 2018). Passes run without weight gradients, like :func:`gradtrace.collect`. With
+``fisher="true"`` the labels are sampled from the model (``samples`` draws), with ``"exact"`` (classifiers) every
+label is weighted by its probability; ``"auto"`` chooses between them
+(:func:`gradtrace.curvature.fisher.resolve_fisher`).
 """
 
 from __future__ import annotations
@@ -40,8 +41,11 @@ def modules_of(param_names: Sequence[str]) -> list[str]:
 class _LazyCovariance(CovarianceCallback):
     """Builds its blocks from the first captured batch (the shapes the capture actually produces)."""
 
-    def __init__(self, kind: str, max_dense: int, wanted: set[str] | None, join_bias: bool = True) -> None:
+    def __init__(self, kind: str, max_dense: int, wanted: set[str] | None, join_bias: bool = True,
+                 dtype: torch.dtype = torch.float32, offload: bool = False) -> None:
         self.kind = kind
+        self.dtype = dtype
+        self.offload = offload
         self.join_bias = join_bias
         self.max_dense = max_dense
         self.wanted = wanted
@@ -158,7 +162,8 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | N
                           keep_batches=False)
             run_capture(model, data, fn, cap, run_options, what=label)
 
-    cov = _LazyCovariance(kind, max_dense, wanted, join_bias)
+    stat_dtype, eigen_dtype = getattr(torch, fit_options.covariance_dtype), getattr(torch, fit_options.eigen_dtype)
+    cov = _LazyCovariance(kind, max_dense, wanted, join_bias, stat_dtype, fit_options.offload)
     pass_over(cov, "curvature")
     if cov.dims is None:
         raise ValueError("fit_curvature(): no gradients were captured")
@@ -176,8 +181,8 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | N
             tokens = float(stats.tokens) / num_passes
             if tokens == 0:
                 raise CurvatureError(f"fit_curvature(): no token carried gradient into {block.name} (zero curvature)")
-            q_rows, e_rows = _factor_eigen(stats.rows / tokens)
-            q_cols, e_cols = _factor_eigen(stats.cols / tokens)
+            q_rows, e_rows = _factor_eigen(stats.rows / tokens, eigen_dtype)
+            q_cols, e_cols = _factor_eigen(stats.cols / tokens, eigen_dtype)
             # the activation side is summed once per pass while the Fisher weights live on the gradient
             # side (see fisher.py): one factor num_passes too large
             grid = torch.outer(e_rows, e_cols) * (tokens / (stats.examples / num_passes)) / num_passes
@@ -186,17 +191,17 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | N
         else:
             total = stats.total / (stats.examples / num_passes)
             if block.diagonal:
-                blocks[block.name] = DenseEigen(block, None, total)
+                blocks[block.name] = DenseEigen(block, None, total.to(torch.float32))
             else:
-                values, vectors = eigh(total)
+                values, vectors = eigh(total, eigen_dtype)
                 blocks[block.name] = DenseEigen(block, vectors, values)
     if kind == "ekfac":
         kron = [b for b in cov.blocks if isinstance(b, KronBlock)]
-        correction = EigenCorrectionCallback(kron, bases)
+        correction = EigenCorrectionCallback(kron, bases, dtype=stat_dtype, offload=fit_options.offload)
         pass_over(correction, "ekfac")
         for block in kron:
             count = correction.counts[block.name] / num_passes
-            blocks[block.name].eigenvalues = correction.sums[block.name] / count
+            blocks[block.name].eigenvalues = (correction.sums[block.name] / count).to(torch.float32)
     params = [(name, _numel(shape)) for name, shape in cov.dims.items()]
     fitted_spec = GradientSpec(params=params, projection=cov.projection,
                                convention=spec.convention if spec is not None else cov.convention,
@@ -211,9 +216,11 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | N
     return Curvature(kind, fitted_spec, blocks, fisher, fit_options.damping, fit_options.damping_mode, meta)
 
 
-def _factor_eigen(moment: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Eigenbasis (None for a diagonal moment: the identity) and eigenvalues of a factor's second moment."""
+def _factor_eigen(moment: torch.Tensor, dtype: torch.dtype = torch.float64
+                  ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Eigenbasis (None for a diagonal moment: the identity) and eigenvalues of a factor's second moment
+    (eigendecomposed in ``dtype``, returned in float32)."""
     if moment.dim() == 1:
         return None, moment.to(torch.float32)
-    values, vectors = eigh(moment)
+    values, vectors = eigh(moment, dtype)
     return vectors, values

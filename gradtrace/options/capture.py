@@ -20,6 +20,7 @@ class _LoGraModule:
 
 _logra = _LoGraModule()
 
+GRAD_DTYPES = ("float32", "activation")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,13 @@ class CaptureOptions:
             left out with ``layers`` / ``exclude`` are never an error (they count as "excluded by you").
         verify: check after each backward pass that the per-example gradients, with the loss scale
             put back, sum to the batch gradient autograd computed (debugging; costs a little).
+        grad_dtype: the dtype of LoGra's projection products ``a P_a`` and ``g P_g``: ``"float32"`` (a bf16/fp16
+            activation or output gradient is upcast, by blocks of rows, and projected in float32) or
+            ``"activation"`` (projected in the layer's own dtype, as Bergson does: no float32 copy of the factor,
+            each projected value rounded once to that dtype). Either way the projected factors are float32 and
+            the per-example sums over tokens are accumulated in float32; with float32 activations the two are the
+            same. Needs a projection (exact capture keeps the factors in the activation dtype and forms every
+            product in float32).
     """
 
     layers: Sequence[Any] | None = None
@@ -68,8 +76,11 @@ class CaptureOptions:
     isolate_padding: bool = False
     partial: bool = False
     verify: bool = False
+    grad_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.grad_dtype not in GRAD_DTYPES:
+            raise ValueError(f"grad_dtype must be one of {GRAD_DTYPES}, got {self.grad_dtype!r}")
         if self.multi_forward not in ("concat", "sum"):
             raise ValueError(f"multi_forward must be 'concat' or 'sum', got {self.multi_forward!r}")
         if self.broadcast not in ("expand", "skip"):

@@ -8,6 +8,7 @@ from ..common.checks import SEED, check_fields
 from .base import _choice
 
 CURVATURE_KINDS = ("kfac", "ekfac", "fisher")
+FLOAT_DTYPES = ("float32", "float64")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,16 @@ class FitOptions:
             number >= 0 (0: undamped, refused when the curvature is used if it is singular).
         join_bias: join a module's bias to its weight's Kronecker block (K-FAC's ``[a; 1]``); False keeps
             biases as dense blocks (pure weight factors, as a PCA projection basis needs).
+        covariance_dtype: ``"float32"`` or ``"float64"``: the dtype the statistics are formed and summed in (the
+            Kronecker factors' sums of outer products, the dense Fisher blocks, the EK-FAC second moments in the
+            eigenbasis), whatever the model's dtype. float64 costs about 2x the memory of the sums (and on most GPUs
+            many times the time of their products).
+        eigen_dtype: ``"float64"`` or ``"float32"``: the dtype of the eigendecompositions (the eigendata is kept in
+            float32 either way). float32 is faster on GPUs but loses the small eigenvalues of ill-conditioned factors.
+        offload: keep the running sums on the CPU while the batches run on ``RunOptions.device``: each batch's
+            contribution is computed on the device and added into CPU buffers (device memory holds one batch's
+            statistics, not every block's sums; costs one device-to-host copy per block per batch). With the model
+            on the CPU the results are identical.
     """
 
     kind: str = "ekfac"
@@ -36,8 +47,13 @@ class FitOptions:
     damping: float = field(default=0.1, metadata={"min": 0})
     damping_mode: str = "relative"
     join_bias: bool = True
+    covariance_dtype: str = "float32"
+    eigen_dtype: str = "float64"
+    offload: bool = False
 
     def __post_init__(self) -> None:
         _choice(self.kind, "kind", CURVATURE_KINDS)
+        _choice(self.covariance_dtype, "covariance_dtype", FLOAT_DTYPES)
+        _choice(self.eigen_dtype, "eigen_dtype", FLOAT_DTYPES)
         _choice(self.damping_mode, "damping_mode", ("relative", "absolute"))
         check_fields(self)

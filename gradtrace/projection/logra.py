@@ -223,10 +223,17 @@ def gaussian_matrix(k: int, n: int, seed: int) -> Tensor:
 
 
 class Projector:
-    """Hands out (and caches per device) the projection matrices of a :class:`LoGra` spec."""
+    """Hands out (and caches per device) the projection matrices of a :class:`LoGra` spec.
 
-    def __init__(self, spec: LoGra) -> None:
+    grad_dtype: the dtype of :meth:`project`'s products for bf16/fp16 inputs (``CaptureOptions.grad_dtype``):
+    ``"float32"`` (upcast by blocks) or ``"activation"`` (the input's own dtype, the result returned in float32).
+    """
+
+    def __init__(self, spec: LoGra, grad_dtype: str = "float32") -> None:
+        if grad_dtype not in ("float32", "activation"):
+            raise ValueError(f"grad_dtype must be 'float32' or 'activation', got {grad_dtype!r}")
         self.spec = spec
+        self.grad_dtype = grad_dtype
         self._cache: dict[tuple, Tensor] = {}
 
     def k(self, param: str, axis: str) -> int:
@@ -253,10 +260,20 @@ class Projector:
         significant bits; the accumulation over ``n`` terms needs float32). A bf16/fp16 ``x`` is upcast by blocks of
         rows (:data:`UPCAST_BLOCK` values each), never whole: for an LM head's output gradient (``[tokens, V]``)
         that is one block of float32 instead of a float32 copy of the whole ``[tokens, V]``.
+
+        With ``grad_dtype="activation"`` a bf16/fp16 ``x`` is projected in its own dtype against the matrix rounded
+        to it (cached), and the ``[..., k]`` result converted to float32: no upcast, one rounding of each projected
+        value to the input's precision.
         """
         mat = self.matrix(param, axis, x.shape[-1], x.device)
         if x.dtype == torch.float32:
             return torch.matmul(x, mat.t())
+        if self.grad_dtype == "activation" and x.dtype in (torch.bfloat16, torch.float16):
+            key = (param, axis, x.shape[-1], x.device, x.dtype)
+            low = self._cache.get(key)
+            if low is None:
+                low = self._cache[key] = mat.to(x.dtype)
+            return torch.matmul(x, low.t()).to(torch.float32)
         n = x.shape[-1]
         flat = x.reshape(-1, n)
         rows = max(1, UPCAST_BLOCK // max(n, 1))

@@ -70,11 +70,25 @@ class Attributor:
             buffer and each block's products are bounded by it whatever the store's length).
         device: where the products run (default: CPU; blocks are moved there as they stream).
         matrix_bytes: keep the full ``[Q, N]`` matrix when it takes at most this many bytes.
+        score_dtype: ``"float32"`` or ``"float64"``: the dtype of the query x train products in :meth:`score` and
+            of the scores it returns (the prepared queries and decoded rows are cast to it; recorded in
+            ``Scores.meta``).
         **method_options: passed to the method (e.g. ``weights=[...]`` learning rates for TracIn).
     """
 
+    prefetch: bool | None = None
+    """Read the next block of a gradient store on a thread while the current one is scored (into pinned buffers,
+    copied with ``non_blocking`` for a CUDA ``device``; see :mod:`gradtrace.store.prefetch`); the scores are
+    bit-identical either way. None (auto): on a CUDA device, or on the CPU with several torch threads -- with one,
+    decoding in place sub-block by sub-block keeps the rows in cache and is faster (``bench/d2h.py``). Set it on an
+    instance to choose; prefetching holds two decoded blocks (2 x 128 MiB by default)."""
+
     def __init__(self, method: str | Method = "grad_dot", train: Any = None, *, block_rows: int | None = None,
-                 device: torch.device | str | None = None, matrix_bytes: int = 2**30, **method_options: Any) -> None:
+                 device: torch.device | str | None = None, matrix_bytes: int = 2**30, score_dtype: str = "float32",
+                 **method_options: Any) -> None:
+        if score_dtype not in ("float32", "float64"):
+            raise ValueError(f"score_dtype must be one of ('float32', 'float64'), got {score_dtype!r}")
+        self.score_dtype = score_dtype
         if isinstance(method, (list, tuple)):
             raise ValueError("Attributor takes one method; an ensemble of methods or models is "
                              "gradtrace.Ensemble(methods, [train_1, ...])")
@@ -162,12 +176,13 @@ class Attributor:
             t.spec.check_compatible(q.spec, f"queries vs training gradients (checkpoint {c})")
             if list(q.ids) != list(query_sets[0].ids):
                 raise ValueError(f"checkpoint {c}'s queries differ from checkpoint 0's")
-            prepared.append(self.method.prepare_queries(q.read(0, len(q), self.device).to(torch.float32), c))
+            prepared.append(self.method.prepare_queries(q.read(0, len(q), self.device).to(torch.float32), c).to(
+                getattr(torch, self.score_dtype)))
             _check_prepared(prepared[-1], q.ids, self.method.name, c)
         self.profile["prepare_queries_s"] = time.perf_counter() - start
         num_q, num_train = len(query_sets[0]), len(self.train[0])
         keep_matrix = self._keep_matrix(num_q, num_train, topk, matrix)
-        full = torch.empty(num_q, num_train, dtype=torch.float32, device=self.device) if keep_matrix else None
+        full = torch.empty(num_q, num_train, dtype=prepared[0].dtype, device=self.device) if keep_matrix else None
         top = bottom = None
         distribution = ScoreDistribution(num_q, self.device)
         members = MemberTops(len(self.train)) if len(self.train) > 1 else None  # do the checkpoints agree?
@@ -175,27 +190,32 @@ class Attributor:
         bar = _bar(blocks, progress, num_train, self.block_rows)
         stream = time.perf_counter()
         buffer = _block_buffer(self.train, self.block_rows, self.device)
-        for offset in blocks:
-            stop = min(num_train, offset + self.block_rows)
-            scores = None
-            for c, source in enumerate(self.train):
-                part = _block_product(prepared[c], source, offset, stop, self.method, c, buffer)
-                if members is not None:
-                    members.add(c, part, offset)
-                scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
-            _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
-            distribution.add(scores)
-            if full is not None:
-                full[:, offset:stop] = scores
-            if topk:
-                top = _merge(top, scores, offset, topk, largest=True)
-                bottom = _merge(bottom, scores, offset, topk, largest=False)
-            _advance(bar, stop - offset, offset // self.block_rows + 1, len(blocks))
-        _close(bar)
+        ahead = _prefetcher(self, blocks, num_train) if buffer is not None else None
+        try:
+            for offset in blocks:
+                stop = min(num_train, offset + self.block_rows)
+                scores = None
+                for c, source in enumerate(self.train):
+                    block = ahead.next() if ahead is not None and _is_store(source) else None
+                    part = _block_product(prepared[c], source, offset, stop, self.method, c, buffer, block)
+                    if members is not None:
+                        members.add(c, part, offset)
+                    scores = part.mul_(weights[c]) if scores is None else scores.add_(part, alpha=weights[c])
+                _check_block(scores, query_sets[0].ids, self.train[0].ids, offset, self.method.name)
+                distribution.add(scores)
+                if full is not None:
+                    full[:, offset:stop] = scores
+                if topk:
+                    top = _merge(top, scores, offset, topk, largest=True)
+                    bottom = _merge(bottom, scores, offset, topk, largest=False)
+                _advance(bar, stop - offset, offset // self.block_rows + 1, len(blocks))
+        finally:
+            _close(bar, ahead)
         self.profile["stream_s"] = time.perf_counter() - stream
         self.profile["rows_per_s"] = num_train / max(self.profile["stream_s"], 1e-9)
         meta = scoring_meta(self.method, self.spec, weights=weights, topk=topk, matrix=keep_matrix,
-                            block_rows=self.block_rows, device=self.device, profile=self.profile)
+                            block_rows=self.block_rows, device=self.device, profile=self.profile,
+                            score_dtype=self.score_dtype)
         meta["distribution"] = distribution.meta()
         if members is not None:
             meta["agreement"] = members.meta(top[1] if top is not None else None)
@@ -340,15 +360,33 @@ def folds_row_scales(method: Method) -> bool:
     return type(method).prepare_train is Method.prepare_train
 
 
-def _block_product(query: Tensor, source: Any, start: int, stop: int, method: Method, checkpoint: int,
-                   buffer: tuple[Tensor, Tensor] | None) -> Tensor:
-    """``[Q, n]`` products ``query @ prepare_train(rows start:stop)^T`` of one streamed block at one checkpoint
-    (a gradient store through :func:`rows_product`)."""
+def _is_store(source: Any) -> bool:
     from ..store import GradientStore
 
-    if buffer is None or not isinstance(source, GradientStore):
+    return isinstance(source, GradientStore)
+
+
+def _prefetcher(attributor: Attributor, blocks: range, num_train: int) -> Any:
+    """A :class:`~gradtrace.store.prefetch.BlockPrefetcher` of the store blocks of a scan, decoded as
+    :func:`rows_product` reads them (int8 rows unscaled where the method folds their scales), or None."""
+    from ..store.prefetch import prefetcher
+
+    return prefetcher(attributor.prefetch, [s if _is_store(s) else None for s in attributor.train], blocks, num_train,
+                      attributor.block_rows, folds_row_scales(attributor.method), attributor.device)
+
+
+def _block_product(query: Tensor, source: Any, start: int, stop: int, method: Method, checkpoint: int,
+                   buffer: tuple[Tensor, Tensor] | None, block: Any = None) -> Tensor:
+    """``[Q, n]`` products ``query @ prepare_train(rows start:stop)^T`` of one streamed block at one checkpoint
+    (a gradient store through :func:`rows_product`; ``block``: its rows read ahead, a
+    :class:`~gradtrace.store.prefetch.Block`)."""
+    if block is not None:  # the same products over the same sub-blocks as a read in place: bit-identical
+        assert buffer is not None
+        return rows_product(query, source, stop - start, lambda lo, hi, out, scales: block.take(lo, hi, scales),
+                            method, checkpoint, buffer)
+    if buffer is None or not _is_store(source):
         rows = source.read(start, stop, query.device).to(torch.float32)
-        return query @ method.prepare_train(rows, checkpoint).t()
+        return query @ method.prepare_train(rows, checkpoint).t().to(query.dtype)
     return rows_product(query, source, stop - start, lambda lo, hi, out, scales: source.read(
         start + lo, start + hi, out=out, scales=scales), method, checkpoint, buffer)
 
@@ -366,11 +404,11 @@ def rows_product(query: Tensor, store: Any, count: int, read: Callable[[int, int
     rows_buffer, scale_buffer = buffer
     fold = store.spec.dtype == "int8" and folds_row_scales(method)
     scales = (scale_buffer[:count] if count <= len(scale_buffer) else torch.empty(count)) if fold else None
-    out = torch.empty(len(query), count, dtype=torch.float32, device=query.device)
+    out = torch.empty(len(query), count, dtype=query.dtype, device=query.device)
     for lo in range(0, count, len(rows_buffer)):
         hi = min(count, lo + len(rows_buffer))
         rows = read(lo, hi, rows_buffer[:hi - lo], None if scales is None else scales[lo:hi])
-        torch.mm(query, method.prepare_train(rows.to(query.device), checkpoint).t(), out=out[:, lo:hi])
+        torch.mm(query, method.prepare_train(rows.to(query.device), checkpoint).t().to(query.dtype), out=out[:, lo:hi])
     return out if scales is None else out.mul_(scales.to(query.device))
 
 
@@ -433,6 +471,8 @@ def _advance(bar: Any, rows: int, block: int, blocks: int) -> None:
         bar.update(rows)
 
 
-def _close(bar: Any) -> None:
+def _close(bar: Any, ahead: Any = None) -> None:
     if bar is not None:
         bar.close()
+    if ahead is not None:
+        ahead.close()

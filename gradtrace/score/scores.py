@@ -39,18 +39,19 @@ _TENSORS = ("matrix", "top_values", "top_indices", "bottom_values", "bottom_indi
 
 
 def scoring_meta(method: Any, spec: Any, *, weights: Sequence[float], topk: int | None, matrix: bool,
-                 block_rows: int, device: Any, profile: dict[str, Any]) -> dict[str, Any]:
+                 block_rows: int, device: Any, profile: dict[str, Any], score_dtype: str = "float32") -> dict[str, Any]:
     """The ``meta`` of freshly computed :class:`Scores`: what produced them.
 
     ``method`` (a :class:`gradtrace.methods.Method`) and the ``spec`` of the training gradients, as before
     (``meta["method"]``, ``meta["options"]``, ``meta["spec"]``, ``meta["checkpoints"]``, ``meta["profile"]``),
     and the resolved scoring settings in ``meta["gradtrace"]["options"]["score"]``, where stores and curvatures
     record theirs: the method and its options, the checkpoints' ``weights``, ``topk``, whether the full
-    ``matrix`` was kept, ``block_rows`` and the ``device``.
+    ``matrix`` was kept, ``block_rows``, the ``device`` and the ``score_dtype`` of the query x train products.
     """
     options = method.options()
     resolved = {"method": method.name, "method_options": options, "checkpoint_weights": [float(w) for w in weights],
-                "topk": topk, "matrix": bool(matrix), "block_rows": int(block_rows), "device": str(device)}
+                "topk": topk, "matrix": bool(matrix), "block_rows": int(block_rows), "device": str(device),
+                "score_dtype": str(score_dtype)}
     return {"method": method.name, "options": options,
             "spec": {"projection": spec.projection, "convention": spec.convention, "dim": spec.dim,
                      "model": spec.model},
@@ -76,7 +77,8 @@ class TopK:
 class Scores:
     """Scores of ``Q`` queries against ``N`` training examples.
 
-    matrix: ``[Q, N]`` float32, or None when only the streaming top-k was kept (large stores).
+    matrix: ``[Q, N]`` float32 (float64 when scored with ``score_dtype="float64"``), or None when only the
+        streaming top-k was kept (large stores).
     top, bottom: the streaming top-k highest / lowest scores (kept when the matrix is not, and
         whenever the engine was asked for them).
     train_ids, query_ids: row and column ids. method: the method name; meta: settings and provenance.

@@ -123,10 +123,10 @@ def _all_gather(tensor: Tensor, group: Any) -> list[Tensor]:
 
 
 def _merge_topk(local: tuple[Tensor, Tensor] | None, global_index: Tensor, num_queries: int, k: int,
-                largest: bool, group: Any) -> tuple[Tensor, Tensor]:
-    """Global top-k from every rank's local top-k (local row indices mapped to global ones)."""
+                largest: bool, group: Any, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+    """Global top-k from every rank's local top-k (local row indices mapped to global ones), scores in ``dtype``."""
     fill = float("-inf") if largest else float("inf")
-    values = torch.full((num_queries, k), fill, dtype=torch.float32)
+    values = torch.full((num_queries, k), fill, dtype=dtype)
     index = torch.full((num_queries, k), -1, dtype=torch.long)
     if local is not None:
         kept = local[0].shape[1]
@@ -139,14 +139,15 @@ def _merge_topk(local: tuple[Tensor, Tensor] | None, global_index: Tensor, num_q
 
 
 def _gather_matrix(local: Tensor | None, ranges: list[Ranges], num_queries: int, num_rows: int,
-                   group: Any) -> Tensor:
-    """The ``[Q, N]`` matrix from every rank's columns (padded to the longest share for ``all_gather``)."""
+                   group: Any, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The ``[Q, N]`` matrix in ``dtype`` from every rank's columns (padded to the longest share for
+    ``all_gather``)."""
     counts = [sum(hi - lo for lo, hi in r) for r in ranges]
     width = max(counts)
-    padded = torch.zeros(num_queries, width, dtype=torch.float32)
+    padded = torch.zeros(num_queries, width, dtype=dtype)
     if local is not None:
         padded[:, :local.shape[1]] = local
-    full = torch.empty(num_queries, num_rows, dtype=torch.float32)
+    full = torch.empty(num_queries, num_rows, dtype=dtype)
     for part, rank_ranges in zip(_all_gather(padded, group), ranges):
         column = 0
         for lo, hi in rank_ranges:
@@ -192,6 +193,7 @@ def score_sharded(attributor: Attributor, queries: Any, *, topk: int | None = 10
         ranges = rank_rows(train[0], world, split)
         inputs = {
             "method": method.name, "options": repr(method.options()), "topk": topk, "matrix": keep_matrix,
+            "score_dtype": attributor.score_dtype,
             "split": split, "sync_queries": sync_queries, "ranges": ranges,
             "train": [{"rows": len(t), "ids": _ids_digest(t.ids), "spec": t.spec.to_dict()} for t in train],
             "queries": [{"rows": len(q), "ids": _ids_digest(q.ids), "spec": q.spec.to_dict()} for q in query_sets],
@@ -216,7 +218,7 @@ def score_sharded(attributor: Attributor, queries: Any, *, topk: int | None = 10
         if len(views[0]):
             local_attributor = Attributor(method, train=views if multi else views[0],
                                           block_rows=attributor.block_rows, device=attributor.device,
-                                          matrix_bytes=attributor.matrix_bytes)
+                                          matrix_bytes=attributor.matrix_bytes, score_dtype=attributor.score_dtype)
             local = local_attributor.score(query_sets if multi else query_sets[0], topk=topk, matrix=keep_matrix,
                                            progress=progress and rank == 0)
     profile = dict(local.meta.get("profile", {})) if local is not None else {}
@@ -228,16 +230,19 @@ def score_sharded(attributor: Attributor, queries: Any, *, topk: int | None = 10
     top = bottom = full = None
     if topk:
         k = min(topk, num_rows)
-        top = _merge_topk(local.top if local else None, global_index, num_q, k, True, group)
-        bottom = _merge_topk(local.bottom if local else None, global_index, num_q, k, False, group)
+        dtype = getattr(torch, attributor.score_dtype)
+        top = _merge_topk(local.top if local else None, global_index, num_q, k, True, group, dtype)
+        bottom = _merge_topk(local.bottom if local else None, global_index, num_q, k, False, group, dtype)
     if keep_matrix:
-        full = _gather_matrix(local.matrix if local else None, ranges, num_q, num_rows, group)
+        full = _gather_matrix(local.matrix if local else None, ranges, num_q, num_rows, group,
+                              getattr(torch, attributor.score_dtype))
     slowest = max(p["score_s"] for p in profiles)
     attributor.profile.update(score_s=slowest, merge_s=time.perf_counter() - merge,
                               rows_per_s=num_rows / max(slowest, 1e-9))
     spec = attributor.spec
     meta = scoring_meta(method, spec, weights=method.checkpoint_weights(len(train)), topk=topk, matrix=keep_matrix,
-                        block_rows=attributor.block_rows, device=attributor.device, profile=attributor.profile)
+                        block_rows=attributor.block_rows, device=attributor.device, profile=attributor.profile,
+                        score_dtype=attributor.score_dtype)
     meta["distributed"] = {"world_size": world, "split": split, "rows": [p["rows"] for p in profiles],
                            "profile": profiles}
     return Scores(train_ids=attributor.train_ids, query_ids=list(query_sets[0].ids), method=method.name,

@@ -441,12 +441,22 @@ class GradientStore:
         return out.to(device) if device is not None else out
 
     def iter_blocks(self, block_rows: int = 8192, device: torch.device | str | None = None, *,
-                    reuse: bool = False) -> Iterator[tuple[int, Tensor]]:
+                    reuse: bool = False, prefetch: bool | None = None) -> Iterator[tuple[int, Tensor]]:
         """``(first row, [n, dim] float32)`` blocks of at most ``block_rows`` rows, in row order.
 
         ``reuse=True`` decodes every block into one buffer (no fresh allocation per block): a block is then only
-        valid until the next one is read; keep a copy of anything needed later.
+        valid until the next one is read; keep a copy of anything needed later. ``prefetch``: decode the next block
+        on a thread (:func:`gradtrace.store.prefetch.read_ahead`: pinned buffers and non-blocking copies to a CUDA
+        ``device``, fresh device tensors per block); None: for a CUDA ``device`` and more than one block. On the
+        CPU a prefetched block is valid until the next one is read, as with ``reuse``.
         """
+        if prefetch is None:
+            prefetch = device is not None and torch.device(device).type == "cuda"
+        if prefetch and len(self) > block_rows:
+            from .prefetch import read_ahead
+
+            yield from read_ahead(self, block_rows, device)
+            return
         buffer = torch.empty(min(block_rows, len(self)), self.dim) if reuse else None
         for start in range(0, len(self), block_rows):
             n = min(block_rows, len(self) - start)

@@ -18,7 +18,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor
 
-from ..grad.quantize import quantize
+from ..grad.quantize import QuantizedRows, quantize
 from .artifact import atomic_write_json, checksum, fsync_dir, json_bytes
 from .layout import DTYPES, shard_name
 from .spec import GradientSpec
@@ -142,9 +142,10 @@ class ShardSeries:
         self._on_commit = on_commit
         self._open: _OpenShard | None = None
 
-    def append(self, ids: list[str], rows: Tensor, fields: dict[str, list]) -> None:
-        """Quantize one batch's ``rows`` ``[n, dim]`` float32 and append them to the open shard(s), committing
-        each shard that fills up."""
+    def append(self, ids: list[str], rows: Tensor | QuantizedRows, fields: dict[str, list]) -> None:
+        """Quantize one batch's ``rows`` ``[n, dim]`` float32 (or take them encoded already, on the host:
+        :func:`~gradtrace.store.transfer.encode_rows`) and append them to the open shard(s), committing each shard
+        that fills up."""
         done = 0
         while done < len(ids):
             if self._open is None:
@@ -153,7 +154,8 @@ class ShardSeries:
             shard = self._open
             take = min(len(ids) - done, self.shard_rows - shard.rows)
             part = slice(done, done + take)
-            q = quantize(rows[part], _QUANT_MODE[self.spec.dtype])
+            q = (QuantizedRows(rows.data[part], None if rows.scale is None else rows.scale[part], rows.mode)
+                 if isinstance(rows, QuantizedRows) else quantize(rows[part], _QUANT_MODE[self.spec.dtype]))
             shard.append("data", q.data.view(torch.int16) if q.data.dtype == torch.bfloat16 else q.data)
             if q.scale is not None:
                 shard.append("scale", q.scale.to(torch.float32))

@@ -13,13 +13,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 if TYPE_CHECKING:
     from ..grad.batch import GradientBatch
 
-__all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "first_occurrences", "model_fingerprint", "resume_mismatch"]
+__all__ = ["GradientSpec", "IdCollision", "SpecMismatch", "fingerprint_like", "first_occurrences", "model_fingerprint",
+           "resume_mismatch", "weights_comparable"]
 
 
 class SpecMismatch(ValueError):
@@ -64,47 +64,47 @@ def first_occurrences(ids: Sequence[str], digests: Sequence[str | None] | None,
     return keep, new, repeats
 
 
-def model_fingerprint(model: nn.Module) -> dict[str, str]:
-    """``{"class", "arch", "weights"}``: the model class, a hash of parameter names/shapes/dtypes, and a
-    hash of a few values of every parameter (cheap; tells checkpoints apart).
+def model_fingerprint(model: nn.Module, *, scheme: str | None = None) -> dict[str, str]:
+    """``{"class", "arch", "weights", "scheme"}``: the model class, a hash of parameter names/shapes/dtypes, and a
+    digest of every parameter's bits (:func:`~gradtrace.store.weights_digest.weights_digest`: the same on a CPU
+    and a GPU, whatever the memory layout; tells checkpoints apart), named by ``scheme``.
 
-    Parameters sharded by FSDP2 (DTensors) are gathered one at a time, so the fingerprint equals the
-    unsharded model's: a collective, which every rank must call (the store writer and ``collect`` do)."""
+    Parameters sharded by FSDP2 (DTensors) are digested where they live, shard by shard, and the partial digests
+    all-reduced, so the fingerprint equals the unsharded model's: a collective, which every rank must call (the
+    store writer and ``collect`` do). ``scheme="legacy"``: the digest of fingerprints written without a scheme
+    (:func:`~gradtrace.store.weights_digest.legacy_weights_digest`; it gathers sharded parameters), to compare
+    with such a store (:func:`fingerprint_like`)."""
     from ..common.modules import strip_wrappers, unwrap
+    from .weights_digest import SCHEME, legacy_weights_digest, weights_digest
 
+    if scheme not in (None, SCHEME, "legacy"):
+        raise ValueError(f"unknown fingerprint scheme {scheme!r}; expected {SCHEME!r} or 'legacy'")
     inner = unwrap(model)
     arch = hashlib.blake2b(digest_size=8)
-    weights = hashlib.blake2b(digest_size=8)
-    # each parameter's first and last 8 values and its float64 sum, computed where it lives and read in one copy
-    # per device (not one host read per parameter); the hash takes them in parameter order, as it always did
-    parts: list[tuple[int, int, torch.Tensor]] = []  # (values sampled, parameter order, samples + sum) per param
+    params = []
     for name, param in inner.named_parameters():
         arch.update(f"{strip_wrappers(name)}|{tuple(param.shape)}|{param.dtype}\n".encode())
-        flat = param.detach()
-        if hasattr(flat, "full_tensor"):  # a DTensor (FSDP2): gather this parameter
-            flat = flat.full_tensor()
-        flat = flat.reshape(-1)
-        if flat.numel():
-            sample = torch.cat([flat[:8], flat[-8:]]).to(torch.float64)
-            parts.append((sample.numel(), len(parts), torch.cat([sample, flat.to(torch.float64).sum().view(1)])))
-    by_device: dict[torch.device, list[tuple[int, int, torch.Tensor]]] = {}
-    for part in parts:
-        by_device.setdefault(part[2].device, []).append(part)
-    host: dict[int, Any] = {}
-    for group in by_device.values():
-        values = torch.cat([t for _, _, t in group]).cpu().numpy()  # the one read of this device
-        start = 0
-        for size, order, _ in group:
-            host[order] = values[start:start + size + 1]
-            start += size + 1
-    for order in range(len(parts)):
-        values = host[order]
-        weights.update(values[:-1].tobytes())
-        weights.update(repr(float(values[-1])).encode())
+        params.append(param)
     cls = type(inner)
     if any(base.__name__ == "FSDPModule" for base in cls.__bases__):  # FSDP2's FSDP<class>: name the model's own
         cls = next(base for base in cls.__bases__ if base.__name__ != "FSDPModule")
-    return {"class": cls.__name__, "arch": arch.hexdigest(), "weights": weights.hexdigest()}
+    out = {"class": cls.__name__, "arch": arch.hexdigest()}
+    if scheme == "legacy":
+        return {**out, "weights": legacy_weights_digest(params)}
+    return {**out, "weights": weights_digest(params), "scheme": SCHEME}
+
+
+def fingerprint_like(model: nn.Module, stored: dict[str, str] | None) -> dict[str, str]:
+    """``model``'s fingerprint computed the way ``stored`` (a store's recorded fingerprint) was: the legacy digest
+    for a fingerprint without a ``scheme`` (so that a store written before the scheme can be resumed with the same
+    weights), else the current one. A collective under FSDP2, as :func:`model_fingerprint`."""
+    legacy = bool(stored) and bool(stored.get("weights")) and "scheme" not in stored
+    return model_fingerprint(model, scheme="legacy" if legacy else None)
+
+
+def weights_comparable(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Whether two fingerprints' weights digests can be compared: both have one, by the same scheme."""
+    return bool(a.get("weights")) and bool(b.get("weights")) and a.get("scheme") == b.get("scheme")
 
 
 @dataclass
@@ -174,6 +174,10 @@ class GradientSpec:
             raise SpecMismatch(f"{what}: made by another model ({mine.get('class')} {mine['arch']} vs "
                                f"{theirs.get('class')} {theirs['arch']}: parameter names/shapes differ)")
         if same_weights and mine.get("weights") != theirs.get("weights"):
+            if mine.get("weights") and theirs.get("weights") and mine.get("scheme") != theirs.get("scheme"):
+                raise SpecMismatch(f"{what}: their weights fingerprints were computed by different schemes "
+                                   f"({mine.get('scheme', 'legacy')} vs {theirs.get('scheme', 'legacy')}) and cannot "
+                                   "be compared; fingerprint the model with fingerprint_like(model, stored)")
             raise SpecMismatch(f"{what}: made with different weights "
                                f"({mine.get('weights')} vs {theirs.get('weights')})")
         if self.projection != other.projection:
@@ -207,7 +211,8 @@ def resume_mismatch(stored: GradientSpec, *, model: dict[str, str] | None = None
         if theirs.get("arch") and model.get("arch") and theirs["arch"] != model["arch"]:
             return (f"it was collected with another model ({theirs.get('class')} {theirs['arch']}, this one is "
                     f"{model.get('class')} {model['arch']}: parameter names/shapes differ)")
-        if theirs.get("weights") and model.get("weights") and theirs["weights"] != model["weights"]:
+        # a store fingerprinted by the legacy scheme is compared by its writer (fingerprint_like)
+        if weights_comparable(theirs, model) and theirs["weights"] != model["weights"]:
             return (f"it was collected with other model weights (fingerprint {theirs['weights']}, this model's is "
                     f"{model['weights']})")
     if projection is not False and stored.projection != projection:

@@ -1,6 +1,7 @@
 """Writing gradient stores: :class:`ShardWriter` appends one rank's rows to a store, in shards.
 
-The backward pass never waits on disk: :meth:`ShardWriter.put` hands rows to a bounded queue and a
+The backward pass never waits on disk: :meth:`ShardWriter.put` hands rows to a bounded queue (CUDA rows encoded on
+the device and copied to a pinned buffer without blocking: :mod:`~gradtrace.store.transfer`) and a
 background thread (:mod:`~gradtrace.store.background`) quantizes each batch and appends it to the open shard's
 temporary files, checksummed as they grow; a full shard is committed atomically (:mod:`~gradtrace.store.shards`).
 Memory is bounded by the queue (``queue_size`` batches), whatever the shard size or the number of rows: shards
@@ -53,6 +54,7 @@ from .manifest import check_manifest
 from .reader import scan_shards
 from .shards import ShardSeries, rows_per_shard, utc_now
 from .spec import GradientSpec, SpecMismatch
+from .transfer import HostRows, PinnedPool, to_host
 
 __all__ = ["ShardWriter", "StoreWriteError", "delete_store", "per_row_lists", "resolved_store_options"]
 
@@ -190,7 +192,8 @@ class ShardWriter:
             release_lock(self.root, self.rank)
             raise
         self._closed = False
-        self._background = BackgroundWriter(lambda item: self._shards.append(*item), self._shards.commit,
+        self._pinned: PinnedPool | None = None  # host buffers of the device -> host copies (made by a CUDA put)
+        self._background = BackgroundWriter(self._write_rows, self._shards.commit,
                                             self._shards.abandon, queue_size=queue_size,
                                             name=f"gradtrace-store-r{self.rank}")
 
@@ -282,6 +285,11 @@ class ShardWriter:
             raise SpecMismatch(f"store {self.root} stores {other.dtype}, this run writes {self.spec.dtype}; "
                                f"{self._mismatch_hint(overwrite)}")
         stored, mine = other.model.get("weights"), self.spec.model.get("weights")
+        if same_weights and stored and mine and other.model.get("scheme") != self.spec.model.get("scheme"):
+            raise SpecMismatch(f"store {self.root} records a {other.model.get('scheme', 'legacy')} weights "
+                               f"fingerprint, this run's is {self.spec.model.get('scheme', 'legacy')}: they cannot be "
+                               "compared. Fingerprint the model like the store (gradtrace.store.spec.fingerprint_like; "
+                               "StoreWriter, and so collect, does), or pass mixed_weights=True")
         if same_weights and stored and mine and stored != mine:
             raise SpecMismatch(f"store {self.root} was collected with other model weights (fingerprint {stored}, "
                                f"this model's is {mine}); its rows and this run's would not be comparable. Resume "
@@ -387,15 +395,26 @@ class ShardWriter:
             [ids[p] for p in positions], None if row_digests is None else [row_digests[p] for p in positions])]
         if not keep:
             return
-        if len(keep) == len(ids):
-            rows = vectors.to("cpu", torch.float32, copy=True)
-        else:
-            rows = vectors[torch.tensor(keep, device=vectors.device)].to("cpu", torch.float32)
+        owned = len(keep) < len(ids)  # the selected rows are a copy of the caller's
+        if owned:
+            vectors = vectors[torch.tensor(keep, device=vectors.device)]
             ids = [ids[p] for p in keep]
             fields = {k: [v[p] for p in keep] for k, v in fields.items()}
-        self._background.put((ids, rows, fields))
+        if vectors.is_cuda and self._pinned is None:
+            self._pinned = PinnedPool()
+        # CUDA rows: encoded on the device, a non-blocking copy into a pinned buffer the thread waits on
+        self._background.put((ids, to_host(vectors, self.spec.dtype, self._pinned, copy=not owned),
+                               fields))
         if self._background.error is not None:  # the writer died while this put waited; the rows were not written
             self._raise_if_failed()
+
+    def _write_rows(self, item: tuple[list[str], HostRows, dict[str, list]]) -> None:
+        """The writer thread's step: wait for a batch's copy to the host, append it, hand its buffer back."""
+        ids, host, fields = item
+        try:
+            self._shards.append(ids, host.wait(), fields)
+        finally:
+            host.release()
 
     def _raise_if_failed(self) -> None:
         error = self._background.error

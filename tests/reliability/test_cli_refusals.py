@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gradtrace.cli import collect as cli_collect
-from gradtrace.cli import score as cli_score
+from gradtrace.cli import score_queries  # where gradtrace score loads the models of its queries
 from gradtrace.store import GradientStore
 from gradtrace.store.layout import acquire_lock, release_lock
 from tests.cli import conftest as cli_fixtures
@@ -34,7 +34,7 @@ def _save_model(ws, target: Path, edit=None) -> Path:
 def _poisoning_loader(token: int):
     """``load_model`` that makes every row holding ``token`` NaN in the model's input embeddings (an example whose
     own data overflows), as a stand-in for a data-dependent NaN."""
-    real = cli_score.load_model
+    real = score_queries.load_model
 
     def load(path, device, dtype="float32", base_model=None):
         model = real(path, device, dtype, base_model)
@@ -65,7 +65,7 @@ def _queries(ws, tmp_path: Path) -> tuple[Path, int]:
 # ------------------------------------------------------------------------------------------ score: dropped queries
 def test_score_refuses_queries_with_nan_gradients_unless_allow_partial(ws, runner, store, tmp_path, monkeypatch):
     queries, token = _queries(ws, tmp_path)
-    monkeypatch.setattr(cli_score, "load_model", _poisoning_loader(token))
+    monkeypatch.setattr(score_queries, "load_model", _poisoning_loader(token))
     out = tmp_path / "scores"
     result = invoke(runner, "score", store, queries, "--model", ws.model, "--out", out, "--no-progress", code=2)
     assert error_line(result) == (f"Error: 1 of 3 queries of {queries} have NaN/inf gradients with model {ws.model} "
@@ -89,7 +89,7 @@ def test_score_with_every_query_nan_is_an_error(ws, runner, store, tmp_path, mon
     from transformers import AutoTokenizer
 
     token = AutoTokenizer.from_pretrained(ws.model)(ws.lines[200])["input_ids"][0]
-    monkeypatch.setattr(cli_score, "load_model", _poisoning_loader(token))
+    monkeypatch.setattr(score_queries, "load_model", _poisoning_loader(token))
     result = invoke(runner, "score", store, queries, "--model", ws.model, "--out", tmp_path / "s", "--no-progress",
                     code=2)
     assert "all 1 examples have NaN/inf gradients (only)" in error_line(result)

@@ -21,7 +21,7 @@ import pytest
 
 import gradtrace.data as gd
 from gradtrace.cli import config as cli_config
-from gradtrace.cli import score as cli_score
+from gradtrace.cli import score_queries  # where gradtrace score loads the models of its queries
 from gradtrace.common.errors import UsageError
 from gradtrace.data import tokenize
 from gradtrace.data.files import DataChangedWarning
@@ -415,8 +415,8 @@ def test_changed_data_file_is_refused_where_gradients_are_recaptured(ws, runner,
     before = _snapshot(scores), _snapshot(project / "store")
     _edit_same_size(data)
     loads: list[Path] = []
-    real = cli_score.load_model
-    monkeypatch.setattr(cli_score, "load_model", lambda path, *a, **k: loads.append(path) or real(path, *a, **k))
+    real = score_queries.load_model
+    monkeypatch.setattr(score_queries, "load_model", lambda path, *a, **k: loads.append(path) or real(path, *a, **k))
     result = invoke(runner, "score", project / "store", ws.queries, "--model", ws.model, "--out", scores,
                     "--overwrite", "--topk", 2, "--tokens", "--no-progress", code=2)
     line = error_line(result)

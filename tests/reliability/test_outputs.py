@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 import gradtrace
-from gradtrace.cli import score as cli_score
+from gradtrace.cli import score_queries  # where gradtrace score loads the models of its queries
 from gradtrace.store.locking import DIRECTORY_LOCK, directory_lock
 from tests.cli import conftest as cli_fixtures
 from tests.cli.conftest import error_line, invoke
@@ -40,7 +40,7 @@ def no_model(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the output was checked")
 
-    monkeypatch.setattr(cli_score, "load_model", refuse)
+    monkeypatch.setattr(score_queries, "load_model", refuse)
 
 
 RUNNER = CliRunner()

@@ -8,6 +8,7 @@ The store itself (:mod:`gradtrace.store`) is pure I/O and knows nothing of captu
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch
 from ...grad.batch import GradientBatch
 from ...options.base import option_object
 from ...options.store import StoreOptions
-from ...store.spec import GradientSpec, model_fingerprint
+from ...store.layout import MANIFEST
+from ...store.spec import GradientSpec, fingerprint_like
 from ...store.writer import ShardWriter, delete_store, per_row_lists, resolved_store_options
 from ..callbacks import CaptureCallback
 from ..coverage import record_coverage
@@ -77,7 +79,7 @@ class StoreWriter(CaptureCallback):
         self._together = False  # several ranks write this store (set when the capture starts)
         self._shards = ShardRows(self.open)
         self.sink = RowSink(self._shards, transform=ExtraFields(lambda: self.fields), dtype=self.dtype,
-                            fingerprint=lambda: model_fingerprint(self.model) if self.model is not None else {},
+                            fingerprint=self._fingerprint,
                             what=f"the store {self.path} was opened with")
 
     @property
@@ -103,6 +105,19 @@ class StoreWriter(CaptureCallback):
                     if rank == 0:
                         delete_store(self.path)
                 self.store_options = replace(self.store_options, overwrite=False)
+
+    def _fingerprint(self) -> dict[str, str]:
+        """The model's fingerprint, computed like the one of the store it resumes (one recorded without a scheme:
+        the legacy digest, so that the same weights are recognised); a collective under FSDP2, on every rank."""
+        if self.model is None:
+            return {}
+        stored = None
+        if self.store_options.resume:
+            try:
+                stored = json.loads((self.path / MANIFEST).read_text())["spec"]["model"]
+            except (OSError, ValueError, KeyError, TypeError):
+                stored = None  # no store yet, or unreadable: the writer's own checks name the problem
+        return fingerprint_like(self.model, stored if isinstance(stored, dict) else None)
 
     def spec_for(self, batch: GradientBatch) -> GradientSpec:
         """The spec of the store rows of ``batch`` (the model's fingerprint, this writer's dtype)."""
