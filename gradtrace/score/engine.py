@@ -217,6 +217,9 @@ class Attributor:
                             block_rows=self.block_rows, device=self.device, profile=self.profile,
                             score_dtype=self.score_dtype)
         meta["distribution"] = distribution.meta()
+        coverage = _recorded_coverage(self.train[0])
+        if coverage is not None:  # the share of the model the training rows cover (the report shows it)
+            meta["coverage"] = coverage
         if members is not None:
             meta["agreement"] = members.meta(top[1] if top is not None else None)
         cpu = lambda kept: None if kept is None else (kept[0].cpu(), kept[1].cpu())
@@ -476,3 +479,12 @@ def _close(bar: Any, ahead: Any = None) -> None:
         bar.close()
     if ahead is not None:
         ahead.close()
+
+
+def _recorded_coverage(source: Any) -> dict[str, Any] | None:
+    """The coverage a training store's manifest records (``config["gradtrace"]["coverage"]``), None otherwise."""
+    from ..capture.coverage import recorded_coverage
+
+    manifest = getattr(source, "manifest", None)
+    coverage = recorded_coverage(manifest) if isinstance(manifest, dict) else None
+    return coverage.to_dict() if coverage is not None else None

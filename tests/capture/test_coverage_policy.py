@@ -98,6 +98,14 @@ def test_partial_capture_records_the_exact_share_in_the_store_and_inspect_shows_
             "grouped (unsupported) (collected with --partial / partial=True)") in flat
     shown = json.loads(CliRunner().invoke(app, ["inspect", str(tmp_path / "s"), "--json"]).stdout)
     assert shown["coverage"]["share"] == recorded["share"]
+    # scores of that store carry it (the report shows it even for scores computed in Python, without a path)
+    with pytest.warns(UserWarning, match="grouped"):
+        queries = gradtrace.collect(model, _data()[:1], options=CaptureOptions(partial=True))
+    scores = gradtrace.Attributor("grad_dot", store).score(queries, topk=2)
+    assert scores.meta["coverage"]["share"] == recorded["share"]
+    from gradtrace.report.header import training_coverage
+
+    assert training_coverage(scores.meta).percent == percent
 
 
 class FunctionalUse(nn.Module):
