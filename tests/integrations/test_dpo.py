@@ -221,3 +221,15 @@ def test_the_dpo_loss_needs_reference_logps():
     data = load_preference(RECORDS, char_tokenizer())
     with pytest.raises(ValueError, match="reference model's log-probabilities"):
         gradtrace.collect(policy, data, DPOLoss())
+
+
+def test_dpo_example_runs(tmp_path, capsys):
+    from examples import trl_dpo
+
+    result = trl_dpo.main(tmp_path, epochs=2, rank=8)
+    store = result["store"]
+    assert len(store) == 52 * 2 and store.complete  # each of the 52 pairs once per epoch (trajectory=True)
+    out = capsys.readouterr().out
+    assert "preference pair: 'tell me a drink :' -> 'zumbleberry tea'" in out and "response NLL" in out
+    for ranked in result["ranked"].values():  # every pair ranked once (its steps' scores summed)
+        assert sorted(ranked) == sorted(set(store.field("example")))
