@@ -78,8 +78,8 @@ def main(out_dir: str | Path = "runs/trl_dpo", *, epochs: int = 6, rank: int = 1
     trainer.train()
     store = callback.result()
     loss = store.manifest["config"]["trainer"]["loss"]
-    say(f"{len(store)} rows (each pair once per epoch, at the weights of its step) x {store.dim} dims; loss {loss['trainer_loss']} "
-        f"{loss['loss_type']} beta {loss['beta']}")
+    say(f"{len(store)} rows (each pair once per epoch, at the weights of its step) x {store.dim} dims; loss "
+        f"{loss['trainer_loss']} {loss['loss_type']} beta {loss['beta']}")
 
     settings = DPO.of(trainer.args)
     query_pair = gradtrace.data.load_preference(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import typer
 
-from . import attribute, collect, demo, fit, index, inspect, report, score, self_influence, topk
+from . import attribute, collect, demo, fit, index, inspect, metagrad, report, score, self_influence, topk
 from .commands import make_command
 from .console import set_width
 
@@ -47,7 +47,7 @@ def _root(version: bool = typer.Option(False, "--version", "-V", callback=_versi
 
 for _name, _module in (("collect", collect), ("fit", fit), ("score", score), ("topk", topk), ("inspect", inspect),
                        ("report", report), ("index", index), ("self-influence", self_influence), ("demo", demo),
-                       ("attribute", attribute)):
+                       ("attribute", attribute), ("metagrad", metagrad)):
     app.command(_name)(make_command(_name, _module.OPTIONS, _module.run))
 
 

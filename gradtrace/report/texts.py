@@ -87,8 +87,9 @@ def recorded_sources(meta: dict[str, Any]) -> tuple[DataSource | None, DataSourc
     config = meta.get("config") or {}
     queries = _source(config, "queries")
     store = config.get("store")
-    if not store:
-        return None, queries
+    if not store:  # gradtrace metagrad: the decoded training examples, saved beside the scores
+        texts = config.get("train_texts")
+        return (DataSource(Path(texts)) if texts else None), queries
     try:
         manifest = json.loads((Path(store) / "manifest.json").read_text())
     except (OSError, ValueError):

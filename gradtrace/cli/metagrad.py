@@ -1,0 +1,353 @@
+"""``gradtrace metagrad RUN_DIR QUERIES --out SCORES_DIR``: metagradient scores through a recorded training run.
+
+The run is one :func:`gradtrace.replay.hf.record_trainer` recorded (its directory holds the model's configuration,
+the tokenizer and the training examples as the collator gave them), so nothing of the user's code is needed: the
+model is built from the saved configuration with eager attention (the CPU SDPA kernel has no double backward), the
+batches come from :func:`gradtrace.replay.examples.load_examples`, the training loss is
+:func:`gradtrace.replay.hf.run_loss` (``causal_lm_loss``, the labels counted as the Trainer counted them). Each
+query's loss is its summed token loss (the library's per-example convention, as ``gradtrace score`` takes it). The
+scores are ``-dL_q/dw_i`` (positive: up-weighting the training
+example lowers the query's loss, it helps), saved as :class:`gradtrace.Scores` with method ``metagradients``; the
+decoded text of every training example goes beside them (``train_texts.jsonl``) for ``gradtrace topk`` and
+``gradtrace report``.
+
+Before any replay a plan is printed: steps, parameters, checkpoint spacing, memory, disk and a time estimate from
+one timed replay step; ``--dry-run`` stops there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..common.paths import why_missing
+from ..common.units import human_bytes
+from .commands import Group, cli, progress_flag, resolved
+from .config import META_KEY, provenance, write_resolved
+from .console import Phases, console
+from .errors import CliError
+from .groups import DataOptions
+from .outputs import check_output_dir
+
+__all__ = ["OPTIONS", "MetagradCommand", "run"]
+
+TEXTS_FILE = "train_texts.jsonl"
+TEXT_CHARS = 2000
+"""Characters of each training example's decoded text kept beside the scores (topk and report cut them further)."""
+REVERSE_STEPS = 3
+"""A reverse step's cost in replay steps: a forward, a backward with ``create_graph`` and a double backward."""
+
+
+@dataclass(kw_only=True)
+class ReplayFlags(Group):
+    """How the run is replayed and differentiated (:class:`gradtrace.options.MetagradOptions`)."""
+
+    panel = "Metagradients"
+    checkpoint_every: int | None = field(default=None, metadata=cli(
+        "Optimizer steps between state checkpoints (default: ceil(sqrt(T)), T/k + k states in memory; the scores do "
+        "not depend on it).", min=1))
+    query_batch: int | None = field(default=None, metadata=cli(
+        "Queries per reverse pass (default: all, one vectorised pass; 1: one plain pass per query, least memory).",
+        min=1))
+    memory_limit: int = field(default=2 << 30, metadata=cli(
+        "Bytes of checkpoints kept in memory; the rest are written under RUN_DIR and removed at the end.", min=0))
+    tolerance: float | None = field(default=None, metadata=cli(
+        "Bound on the replay's relative max-abs difference to the recorded final weights; beyond it nothing is "
+        "scored (default: 1e-4 for a float32 run, 1e-9 for a float64 run replayed in float64).", min=0))
+    dtype: Literal["float32", "float64"] = field(default="float32", metadata=cli(
+        "Precision of the replay and the scores (float64: a float32 run replayed in float64, checked against its "
+        "float32 final weights with the float32 bound)."))
+
+    def options(self, tolerance: float | None) -> Any:
+        """The Python API's :class:`gradtrace.options.MetagradOptions` of these flags (``tolerance`` resolved)."""
+        from ..options import MetagradOptions
+
+        return MetagradOptions(checkpoint_every=self.checkpoint_every, query_batch=self.query_batch,
+                               memory_limit=self.memory_limit, tolerance=tolerance)
+
+
+@dataclass(kw_only=True)
+class MetagradCommand:
+    """Options of ``gradtrace metagrad``."""
+
+    run_dir: Path = field(metadata=cli("Recorded training run (gradtrace.replay.hf.record_trainer's directory).",
+                                       argument=True, metavar="RUN_DIR"))
+    queries: Path = field(metadata=cli("Query examples, read like gradtrace score's: .jsonl, .json, .parquet, .csv, "
+                                       ".txt or a save_to_disk directory.", argument=True, metavar="QUERIES"))
+    out: Path = field(metadata=cli("Directory to save the scores in (read it with gradtrace topk).", "--out", "-o",
+                                   metavar="SCORES_DIR"))
+    overwrite: bool = field(default=False, metadata=cli("Replace scores already saved in --out."))
+    tokenizer: Path | None = field(default=None, metadata=cli(
+        "Tokenizer directory for the queries (default: the one saved with the run, in RUN_DIR/model).",
+        metavar="TOKENIZER_DIR"))
+    device: str = field(default="auto", metadata=cli(
+        "Device of the replay: auto (cuda if available, else cpu), cpu, cuda, cuda:1, ..."))
+    replay_flags: ReplayFlags
+    data_options: DataOptions
+    progress: bool = progress_flag("Show the time profile at the end.")
+    dry_run: bool = field(default=False, metadata=cli(
+        "Print the plan (steps, parameters, checkpoints, memory, disk, time from one timed replay step) and stop: "
+        "nothing is replayed, nothing is written."))
+
+
+OPTIONS = MetagradCommand
+
+
+@dataclass
+class Setup:
+    """What the replay runs on, every input checked (:func:`_load`)."""
+
+    run: Any  # the RecordedRun, its tensors in ``dtype``
+    model: Any
+    loss_fn: Any  # run_loss(RUN_DIR): the Trainer's training loss
+    batches: Any  # batches(ids), on ``device``
+    examples: Any  # the RecordedExamples (their rows for the texts)
+    queries: list[dict[str, Any]]  # one batch per query
+    query_ids: list[str]
+    tokenizer: Any
+    tokenizer_path: Path
+    dtype: Any
+    options: Any  # MetagradOptions
+    device: str
+
+    def query_loss(self, forward: Any, query: dict[str, Any]) -> Any:
+        """A query's loss: its summed token loss (the library's per-example convention)."""
+        return self.loss_fn(forward, query)[0].sum()
+
+
+def run(opts: MetagradCommand) -> None:
+    """Score training examples by differentiating each query's loss through a recorded training run.
+
+    The run is a directory gradtrace.replay.hf.record_trainer wrote; the scores are saved like gradtrace score's, so
+    gradtrace topk and gradtrace report show them. Positive score = the training example helps the query
+    (up-weighting it in the same run lowers the query's loss).
+
+    Example: gradtrace metagrad runs/r1 queries.jsonl --out scores
+    """
+    phases = Phases()
+    with phases("load"):
+        setup = _load(opts)
+    with phases("plan"):
+        _print_plan(setup, opts)
+    if opts.dry_run:
+        console().print("Dry run: nothing replayed, nothing written.")
+        return
+    from ..replay import metagradients
+
+    with phases("metagradients"):
+        result = metagradients(setup.run, setup.model, setup.loss_fn, setup.batches, setup.queries,
+                               setup.query_loss, options=setup.options)
+    with phases("save"):
+        _save(opts, setup, result)
+    out = console()
+    difference = result.replay_difference
+    out.print(f"Saved metagradient scores of {len(setup.query_ids):,} queries against {len(result.ids):,} training "
+              f"examples to {opts.out} (replay difference {difference:.2e}, relative)." if difference is not None
+              else f"Saved metagradient scores to {opts.out}.", markup=False, highlight=False)
+    out.print(f"Show them: gradtrace topk {opts.out}", markup=False, highlight=False)
+    if opts.progress:
+        out.print(phases.table())
+
+
+def _load(opts: MetagradCommand) -> Setup:
+    """The run (in ``--dtype``), model, batches, losses and queries; every input checked before any replay."""
+    import torch
+
+    from ..common.model_dir import TOKENIZER_FILES
+    from ..replay import load_run
+    from ..replay.examples import has_examples, load_examples
+    from ..replay.hf import run_loss
+    from ..replay.replay import DEFAULT_TOLERANCE
+    from .load_model import resolve_device
+
+    run_dir = opts.run_dir
+    if not run_dir.exists():
+        raise CliError(f"run directory {run_dir} {why_missing(run_dir)}")
+    if not (run_dir / "manifest.json").exists():
+        raise CliError(f"{run_dir} is not a recorded run (no manifest.json): record one with "
+                       "gradtrace.replay.hf.record_trainer(trainer, RUN_DIR) and let trainer.train() finish")
+    if not (run_dir / "model" / "config.json").exists() or not has_examples(run_dir):
+        raise CliError(f"{run_dir} holds a run without its saved model configuration and examples (model/config.json, "
+                       "examples.json): record it with gradtrace.replay.hf.record_trainer(..., examples=True), or use "
+                       "the Python API (gradtrace.replay.metagradients) with your own model and batches")
+    if not opts.dry_run:
+        check_output_dir(opts.out, "--out", stem="scores", what="scores", overwrite=opts.overwrite)
+    device = resolve_device(opts.device)
+    dtype = getattr(torch, opts.replay_flags.dtype)
+    run = load_run(run_dir)
+    recorded = {getattr(torch, info["dtype"]) for info in run.manifest["params"].values()}
+    tolerance = opts.replay_flags.tolerance
+    if tolerance is None:  # the bound of the coarsest precision involved
+        tolerance = max(DEFAULT_TOLERANCE.get(d, 1e-4) for d in recorded | {dtype})
+    _in_dtype(run, dtype)
+    model = _model(run_dir / "model", dtype, device)
+    tokenizer_path = opts.tokenizer or run_dir / "model"
+    if opts.tokenizer is None and not any((tokenizer_path / name).is_file() for name in TOKENIZER_FILES):
+        raise CliError(f"{run_dir} holds no tokenizer (the Trainer had no processing_class): pass --tokenizer DIR")
+    tokenizer = _tokenizer(tokenizer_path)
+    examples = load_examples(run_dir)
+    batches = examples if device == "cpu" else (lambda ids: {k: v.to(device) for k, v in examples(ids).items()})
+    loss_fn = run_loss(run_dir, dtype=torch.float32 if dtype == torch.float32 else None)
+    queries, query_ids = _queries(opts, tokenizer, model, device)
+    return Setup(run, model, loss_fn, batches, examples, queries, query_ids, tokenizer, tokenizer_path, dtype,
+                 opts.replay_flags.options(tolerance), device)
+
+
+def _tokenizer(path: Path) -> Any:
+    """``AutoTokenizer.from_pretrained(path)``, local files only (a tokenizer directory needs no config.json)."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise CliError(f"no tokenizer could be read from {path}: {err}") from None
+
+
+def _in_dtype(run: Any, dtype: Any) -> None:
+    """Make the run's floating tensors (and the manifest's record of them) ``dtype``, in memory."""
+    import copy
+
+    convert = lambda tensors: {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    run.initial = convert(run.initial)
+    run.final = convert(run.final) if run.final is not None else None
+    run.manifest = copy.deepcopy(run.manifest)
+    for info in run.manifest["params"].values():
+        if info["dtype"] in ("float16", "bfloat16", "float32", "float64"):
+            info["dtype"] = str(dtype).removeprefix("torch.")
+
+
+def _model(config_dir: Path, dtype: Any, device: str) -> Any:
+    """The saved architecture, randomly initialised (the replay runs it on the recorded weights), eager attention."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(config_dir, local_files_only=True)
+    config._attn_implementation = "eager"  # the CPU SDPA kernel has no double backward
+    name = (config.architectures or [None])[0]
+    cls = getattr(transformers, name, None) if name else None
+    model = cls(config) if cls is not None else transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager")
+    return model.to(dtype=dtype, device=device).train()
+
+
+def _queries(opts: MetagradCommand, tokenizer: Any, model: Any, device: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """One batch per query (``input_ids``, ``attention_mask``, ``labels``: -100 outside its loss), and their ids."""
+    import numpy as np
+
+    from .load_data import read_dataset
+    from .load_model import pad_id, resolve_max_length
+
+    data = read_dataset(opts.queries, tokenizer, opts.data_options, resolve_max_length(opts.data_options.max_length,
+                                                                                       model),
+                        pad_id(tokenizer), what="queries")
+    if not data.num_examples:
+        raise CliError(f"queries {opts.queries} hold no examples")
+    empty = data.no_target_ids()
+    if empty:
+        raise CliError(f"{len(empty)} quer{'y' if len(empty) == 1 else 'ies'} of {opts.queries} have no loss tokens "
+                       f"(ids {empty[:5]}): give each query a target (a completion, or a text of 2+ tokens)")
+    queries = []
+    for index in range(data.num_examples):
+        batch = {k: v for k, v in data.rows(np.array([index])).items() if k in ("input_ids", "attention_mask",
+                                                                               "labels")}
+        batch.setdefault("labels", batch["input_ids"].clone())
+        queries.append({k: v.to(device) for k, v in batch.items()})
+    return queries, [str(i) for i in data.ids]
+
+
+def plan_lines(setup: Setup, seconds: float, state_bytes: int) -> list[str]:
+    """The plan, one line each: steps, parameters, checkpoint spacing, memory, disk and time."""
+    from ..replay.checkpoints import default_interval
+
+    run, options = setup.run, setup.options
+    total = len(run.steps)
+    every = options.checkpoint_every or default_interval(total)
+    params = sum(run.initial[name].numel() for name in run.optimizer.param_names())
+    count = len(setup.queries)
+    block = min(options.query_batch or count, count)
+    blocks = math.ceil(count / block)
+    checkpoints = math.ceil(total / every)
+    in_memory = min(checkpoints, options.memory_limit // max(state_bytes, 1))
+    memory = (in_memory + every + block) * state_bytes
+    disk = (checkpoints - in_memory) * state_bytes
+    factor = 1 + blocks * (1 + REVERSE_STEPS)
+    dtype = str(setup.dtype).removeprefix("torch.")
+    return [
+        f"Run {run.run_dir}: {total:,} optimizer steps ({run.optimizer.kind}, accumulation {run.accumulation}), "
+        f"{len(run.example_ids()):,} training examples, {params:,} parameters in {dtype}.",
+        f"Queries: {count:,} in {blocks:,} reverse pass(es) of up to {block:,}.",
+        f"Checkpoints every k = {every:,} steps: {checkpoints:,} checkpoints + {every:,} states of one segment; one "
+        f"state (weights and optimizer buffers) is {human_bytes(state_bytes)}.",
+        f"Memory: ({in_memory:,} checkpoints in memory + k = {every:,} segment states + {block:,} query cotangents) x "
+        f"{human_bytes(state_bytes)} = {human_bytes(memory)}, plus one step's graph.",
+        f"Disk: {checkpoints - in_memory:,} checkpoints beyond --memory-limit {human_bytes(options.memory_limit)}: "
+        f"{human_bytes(disk)} under {run.run_dir} (removed at the end).",
+        f"Time: T x t_step x (1 forward replay + {blocks:,} pass(es) x (1 recomputation + ~{REVERSE_STEPS} for a "
+        f"reverse step)) = {total:,} x {seconds:.3g} s x {factor} = about {_duration(total * seconds * factor)} "
+        "(t_step: one timed replay step, forward + backward + update; a vectorised pass of many queries costs more).",
+    ]
+
+
+def _print_plan(setup: Setup, opts: MetagradCommand) -> None:
+    """Time one replay step (the second, after a warm-up) and print :func:`plan_lines`."""
+    import torch
+
+    from ..replay.checkpoints import state_bytes
+    from ..replay.step import StepFunction
+
+    if not setup.run.steps:
+        raise CliError(f"{opts.run_dir} records no optimizer step: nothing to differentiate")
+    steps = StepFunction(setup.run, setup.model, setup.loss_fn, setup.batches)
+    state = steps.step(0, steps.initial_state())  # the first call also warms up: the second one is timed
+    timed = min(1, len(setup.run.steps) - 1)
+    start = time.perf_counter()
+    state = steps.step(timed, state) if timed else steps.step(0, steps.initial_state())
+    if setup.device != "cpu":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    out = console()
+    out.print("Plan:", markup=False, highlight=False)
+    for line in plan_lines(setup, seconds, state_bytes(state)):
+        out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def _save(opts: MetagradCommand, setup: Setup, result: Any) -> None:
+    """``Scores`` (method ``metagradients``) in ``--out``, the resolved configuration and the training texts."""
+    from ..score import Scores
+
+    values = resolved(opts)
+    values["tokenizer"] = str(Path(setup.tokenizer_path).absolute())  # the queries' content-hash ids need it
+    config = {META_KEY: provenance("metagrad", opts.queries, len(setup.query_ids)), **values,
+              "train_texts": str((opts.out / TEXTS_FILE).absolute())}
+    run = setup.run
+    meta = {"config": config, "metagradients": {
+        "run_dir": str(run.run_dir.absolute()), "steps": len(run.steps), "dtype": opts.replay_flags.dtype,
+        "replay_difference": result.replay_difference, "checkpoint_every": result.checkpoint_every,
+        "options": {k: v for k, v in asdict(setup.options).items() if k not in ("scales", "seed")},
+        "query_loss": "summed token loss", "query_losses": result.query_losses.tolist(),
+        "score": "-dL_q/dw_i: the derivative of the query's final loss in each training example's weight"}}
+    scores = Scores(train_ids=[str(i) for i in result.ids], query_ids=setup.query_ids, method="metagradients",
+                    matrix=result.scores.detach().cpu(), meta=meta)
+    scores.save(opts.out, overwrite=opts.overwrite)
+    write_resolved(opts.out, "metagrad", values)
+    _write_texts(opts.out / TEXTS_FILE, setup, result.ids)
+
+
+def _write_texts(path: Path, setup: Setup, ids: list[Any]) -> None:
+    """``{"id", "text"}`` per training example: its saved ``input_ids`` decoded, cut to :data:`TEXT_CHARS`."""
+    tokenizer, examples = setup.tokenizer, setup.examples
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as handle:
+        for ident in ids:
+            text = tokenizer.decode(examples.row(ident, "input_ids").tolist(), skip_special_tokens=True)
+            handle.write(json.dumps({"id": str(ident), "text": text[:TEXT_CHARS]}) + "\n")
+    os.replace(tmp, path)
