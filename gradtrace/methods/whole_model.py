@@ -15,8 +15,9 @@
 (equal to the Fisher with the exact expectation over labels; for an LM over every token's label), from
 ``attr.fit(model, train_data, loss_fn)``; ``"empirical"`` -- ``(1/N) sum_i g_i g_i^T`` of the stored training
 gradients (``attr.fit()``, no model pass); ``"auto"`` (default): exact for those losses, empirical for a custom
-one. Damping: ``damping * mean eigenvalue`` (``trace(G) / P``; ``damping_mode="relative"``, default 0.1, as the
-other curvature methods) or ``damping`` as is (``"absolute"``). The trace comes from ``diag(G)``: exact for the
+one. Damping: ``damping * mean eigenvalue`` (``trace(G) / P``; ``damping_mode="relative"``; default 0.1 for
+``arnoldi``, :data:`WHOLE_MODEL_DAMPING` = 3.0 for ``cg`` and ``ggn_full``, chosen by
+``bench/whole_model_damping.py``) or ``damping`` as is (``"absolute"``). The trace comes from ``diag(G)``: exact for the
 empirical Fisher and for classifiers / regressors with at most 32 outputs (label enumeration), estimated with
 ``samples`` sampled labels per token for LMs (as ``kfac``'s ``fisher="true"``). Exact (unprojected) gradients
 only. Positive = helpful.
@@ -47,7 +48,7 @@ from ..options import FitOptions
 from ..store.spec import GradientSpec, SpecMismatch, model_fingerprint
 from .base import Method, MissingStage, register_method
 
-__all__ = ["Arnoldi", "ConjugateGradient", "DenseGGN"]
+__all__ = ["WHOLE_MODEL_DAMPING", "Arnoldi", "ConjugateGradient", "DenseGGN"]
 
 
 class _WholeModel(Method):
@@ -269,6 +270,14 @@ class Arnoldi(_WholeModel):
                 "smallest_kept_over_lambda": self.kept_over_lambda, "discarded_trace_share": self.discarded_share}
 
 
+WHOLE_MODEL_DAMPING = 3.0
+"""The default relative damping of ``cg`` and ``ggn_full`` (``lambda = 3 x trace(G) / P``): the best of the
+candidates 0.001-10 by LDS averaged over the digits and digits_mlp tasks (``bench/whole_model_damping.py``, its
+candidates fixed before its results: 0.1, the earlier default, 0.509; 3.0, 0.658; per-block ``ggn`` 0.592). The
+whole-model Gauss-Newton matrix's mean eigenvalue is dominated by a few large directions; its many small ones are
+noise for attribution, and a large damping keeps them from being amplified."""
+
+
 @register_method
 class ConjugateGradient(_WholeModel):
     """Conjugate-gradient influence; see the module docstring.
@@ -282,8 +291,8 @@ class ConjugateGradient(_WholeModel):
     description = "conjugate-gradient influence with whole-model Gauss-Newton-vector products"
 
     def __init__(self, tol: float = 1e-6, max_iter: int = 1000, preconditioner: str | None = "diagonal",
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+                 damping: float = WHOLE_MODEL_DAMPING, **kwargs: Any) -> None:
+        super().__init__(damping=damping, **kwargs)
         if preconditioner not in ("diagonal", None):
             raise ValueError(f"preconditioner must be 'diagonal' or None, got {preconditioner!r}")
         at_least(tol, "cg tol", 0)
@@ -322,8 +331,8 @@ class DenseGGN(_WholeModel):
     description = "exact whole-model Gauss-Newton influence from the dense matrix (reference; small models)"
     uses_diagonal = False
 
-    def __init__(self, max_params: int = 16384, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, max_params: int = 16384, damping: float = WHOLE_MODEL_DAMPING, **kwargs: Any) -> None:
+        super().__init__(damping=damping, **kwargs)
         self.max_params = count(max_params, "max_params")
         self.values: Tensor | None = None
         self.vectors: Tensor | None = None

@@ -10,6 +10,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import gradtrace
+from gradtrace.methods.whole_model import WHOLE_MODEL_DAMPING
 from gradtrace.curvature import CurvatureError
 from gradtrace.curvature.hvp import EmpiricalFisherOperator, GGNOperator
 from gradtrace.loss.functions import causal_lm_loss, classification_loss, regression_loss
@@ -69,9 +70,10 @@ def test_whole_model_scores_equal_dense_ggn_inverse(method, options):
     attr.fit(model, batches, classification_loss)
     got = attr.score(query).matrix
     G = _dense_ggn(model, x)
-    solved, lam = _inverse(G, query.vectors)
+    solved, lam = _inverse(G, query.vectors, attr.method.damping)  # each method's default damping
     want = solved @ train.vectors.double().t()
     assert _rel(got, want) <= 1e-4
+    assert attr.method.damping == (0.1 if method == "arnoldi" else WHOLE_MODEL_DAMPING)
     assert attr.method.options()["fisher"] == "exact"
     assert abs(attr.method.lam - float(lam)) <= 1e-5 * float(lam)  # float32 diagonal from label enumeration
 
@@ -85,7 +87,7 @@ def test_cg_float32_within_float32_accuracy():
     attr = gradtrace.Attributor("cg", train).fit(model, batches, classification_loss)
     got = attr.method.prepare_queries(query.vectors)
     G = _dense_ggn(model, x)
-    want, lam = _inverse(G, query.vectors)
+    want, lam = _inverse(G, query.vectors, attr.method.damping)
     eig = torch.linalg.eigvalsh(G)
     cond = float((eig.max() + lam) / (eig.min().clamp(min=0) + lam))
     # relative error <= cond x relative residual: CG's stopping tolerance plus float32 rounding of the products
@@ -183,7 +185,7 @@ def test_empirical_fisher_needs_no_model():
     attr = gradtrace.Attributor("ggn_full", train, fisher="empirical", precision="float64").fit()
     g = train.vectors.double()
     F_ = g.t() @ g / g.shape[0]
-    want, _ = _inverse(F_, query.vectors)
+    want, _ = _inverse(F_, query.vectors, attr.method.damping)
     assert _rel(attr.method.prepare_queries(query.vectors), want) <= 1e-6
 
 
