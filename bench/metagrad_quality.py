@@ -24,6 +24,11 @@ Setup, fixed before any result was seen (issue #32, targets):
   truths; LDS mean +- standard error over queries;
 * cost: seconds of the training run, the recorded replay, and the metagradient call (all queries).
 
+Variant ``tinylm_eager`` (``--tasks tinylm_eager``; added after the first run refused tinylm -- its eager replay of
+the SDPA-trained weights ended 7.9e-2 away, beyond the stated bound -- and fixed before any of its results): the
+tinylm recipe with eager attention throughout (training, the retraining ground truth -- its own cache,
+``tinylm_eager`` -- and the replay), so that the recorded run is the one replayed; everything else as tinylm.
+
 Usage::
 
     python bench/metagrad_quality.py                       # both tasks (~15-25 min on 2 CPU cores)
@@ -42,7 +47,20 @@ import torch
 import torch.nn.functional as F
 
 TOLERANCE_EAGER = 1e-3
-DEFAULT_SUBSETS = {"digits_mlp": 100, "tinylm": 150}
+DEFAULT_SUBSETS = {"digits_mlp": 100, "tinylm": 150, "tinylm_eager": 150}
+
+
+def eager_tinylm() -> Any:
+    """The tinylm task with eager attention everywhere (the ``tinylm_eager`` variant)."""
+    from gradtrace.eval.tasks.tinylm import TinyLMTask
+
+    class EagerTinyLM(TinyLMTask):
+        name = "tinylm_eager"
+
+        def new_model(self, attn_implementation: str | None = None) -> Any:
+            return super().new_model(attn_implementation="eager")
+
+    return EagerTinyLM()
 
 
 class Problem:
@@ -51,7 +69,7 @@ class Problem:
     def __init__(self, task: Any) -> None:
         self.task = task
         self.index = {ident: i for i, ident in enumerate(task.train_ids)}
-        self.lm = task.name == "tinylm"
+        self.lm = task.name.startswith("tinylm")
 
     def rows(self, ids) -> torch.Tensor:
         return torch.tensor([self.index[i] for i in ids], dtype=torch.long)
@@ -147,7 +165,7 @@ def run_task(name: str, args: argparse.Namespace) -> None:
     from gradtrace.options import LDSOptions, MetagradOptions
     from gradtrace.replay import load_run, metagradients
 
-    task = get_task(name)
+    task = eager_tinylm() if name == "tinylm_eager" else get_task(name)
     problem = Problem(task)
     subsets = args.subsets or DEFAULT_SUBSETS[name]
     print(f"\n### {name}\n\n{task.describe()}")
@@ -162,8 +180,8 @@ def run_task(name: str, args: argparse.Namespace) -> None:
             print(f"skipped: the recorded run ends {diff:.3g} away from the task's model (not bit-identical)")
             return
         run = load_run(Path(tmp) / "run")
-        replay_model = task.eager_model() if problem.lm else recorded
-        tolerance = TOLERANCE_EAGER if problem.lm else None
+        replay_model = task.eager_model() if name == "tinylm" else recorded  # tinylm_eager: trained eager
+        tolerance = TOLERANCE_EAGER if name == "tinylm" else None
         began = time.perf_counter()
         result = metagradients(run, replay_model, problem.loss, problem.batch, problem.queries(), problem.query_loss,
                                train_ids=task.train_ids, options=MetagradOptions(tolerance=tolerance))
