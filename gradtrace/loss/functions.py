@@ -117,6 +117,8 @@ class _TokenCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         logits, lse, safe, valid = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a double backward (create_graph, metagradients): a differentiable gradient
+            return _differentiable_grad(logits, safe, valid, grad), None, None, None, None
         weight = torch.where(valid, grad.float(), torch.zeros_like(lse))
         # consumed: the logits are read row block by row block just before the block is overwritten
         out = logits.detach() if ctx.consume else torch.empty_like(logits)
@@ -138,6 +140,17 @@ class _TokenCrossEntropy(torch.autograd.Function):
         if bool(silent.any()):
             out[silent] = 0
         return out, None, None, None, None
+
+
+def _differentiable_grad(logits: Tensor, safe: Tensor, valid: Tensor, grad: Tensor) -> Tensor:
+    """``(softmax - onehot) * grad`` per row through differentiable ops, for a backward that builds a graph (the
+    chunked in-place path writes with ``out=``, which autograd cannot differentiate); rows that are no target get 0."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
+    weight = torch.where(valid, grad.to(dtype), torch.zeros_like(grad, dtype=dtype))
+    probs = torch.softmax(logits.to(dtype), dim=1)
+    onehot = torch.nn.functional.one_hot(safe, logits.shape[1]).to(probs.dtype)
+    out = (probs - onehot) * weight[:, None]
+    return torch.where(valid[:, None], out, torch.zeros_like(out)).to(logits.dtype)
 
 
 def token_cross_entropy(logits: Tensor, targets: Tensor, ignore_index: int = -100, *,
