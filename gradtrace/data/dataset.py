@@ -19,9 +19,30 @@ import torch
 
 from ..options.data import BatchOptions
 
-__all__ = ["DataSummary", "TokenizedDataset"]
+__all__ = ["DataSummary", "TokenizedDataset", "padded_rows", "target_counts"]
 
 IGNORE_INDEX = -100
+
+
+def target_counts(loss: np.ndarray, lengths: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``[E]`` tokens each example of flat ``[N]`` in-loss flags predicts (its in-loss tokens but the first, which
+    nothing predicts); ``lengths`` ``[E]``, ``offsets`` ``[E + 1]``."""
+    targets = loss.copy()
+    targets[offsets[:-1][lengths > 0]] = False
+    cumulative = np.concatenate([[0], np.cumsum(targets, dtype=np.int64)])
+    return cumulative[offsets[1:]] - cumulative[offsets[:-1]]
+
+
+def padded_rows(tokens: np.ndarray, loss: np.ndarray, lengths: np.ndarray, offsets: np.ndarray,
+                examples: np.ndarray, pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(input_ids [B, T] int64, valid [B, T] bool, labels [B, T])`` of the examples ``examples`` ``[B]`` of flat
+    tokens, right-padded with ``pad_id`` to the longest (labels: the tokens in the loss, ``-100`` elsewhere)."""
+    lengths = lengths[examples]
+    columns = np.arange(int(lengths.max()))
+    valid = columns[None, :] < lengths[:, None]
+    index = np.where(valid, offsets[examples, None] + columns[None, :], 0)
+    input_ids = np.where(valid, tokens[index], pad_id).astype(np.int64)
+    return input_ids, valid, np.where(valid & loss[index], input_ids, IGNORE_INDEX)
 
 
 @dataclass(frozen=True)
@@ -97,11 +118,7 @@ class TokenizedDataset:
 
     def target_counts(self) -> np.ndarray:
         """``[E]`` tokens each example's loss predicts (its in-loss tokens but the first, which nothing predicts)."""
-        targets = self.loss.copy()
-        starts = self.offsets[:-1][self.lengths > 0]
-        targets[starts] = False
-        cumulative = np.concatenate([[0], np.cumsum(targets, dtype=np.int64)])
-        return cumulative[self.offsets[1:]] - cumulative[self.offsets[:-1]]
+        return target_counts(self.loss, self.lengths, self.offsets)
 
     def no_target_ids(self) -> list[str]:
         """Ids of the examples whose loss has no target token (their gradient is zero)."""
@@ -118,16 +135,11 @@ class TokenizedDataset:
 
     def rows(self, examples: np.ndarray) -> dict[str, Any]:
         """The examples of index array ``examples`` ``[B]``, in that order, as one right-padded batch."""
-        lengths = self.lengths[examples]  # [B]
-        width = int(lengths.max())
-        columns = np.arange(width)
-        valid = columns[None, :] < lengths[:, None]  # [B, T]
-        index = np.where(valid, self.offsets[examples, None] + columns[None, :], 0)  # [B, T]
-        input_ids = np.where(valid, self.tokens[index], self.batch_options.pad_id).astype(np.int64)
+        input_ids, valid, labels = padded_rows(self.tokens, self.loss, self.lengths, self.offsets, examples,
+                                               self.batch_options.pad_id)
         batch: dict[str, Any] = {"input_ids": torch.from_numpy(input_ids),
                                  "attention_mask": torch.from_numpy(valid.astype(np.int64))}
         if self.masked:
-            labels = np.where(valid & self.loss[index], input_ids, IGNORE_INDEX)
             batch["labels"] = torch.from_numpy(labels)
         batch["id"] = [self.ids[i] for i in examples.tolist()]
         return batch

@@ -35,6 +35,7 @@ from ..loss.preference import DPO, REFERENCE_KEYS, reference_logps
 from ..options.base import option_object
 from ..options.data import BatchOptions, Fields, ReadOptions
 from .chat import chat_tokens, check_chat_template, common_prefix
+from .dataset import padded_rows, target_counts
 from .errors import DataError
 from .formats import detect
 from .ids import ContentIds, content_hash
@@ -43,7 +44,6 @@ from .tokenize import flat_tokens
 
 __all__ = ["PreferenceDataset", "PreferenceSummary", "extract_prompt", "is_preference", "load_preference"]
 
-IGNORE_INDEX = -100
 SIDES = ("chosen", "rejected")
 
 
@@ -135,14 +135,7 @@ class PreferenceDataset:
     def target_counts(self) -> np.ndarray:
         """``[P]`` completion tokens each pair's loss predicts (its two sides' label tokens but a side's first token,
         which nothing predicts)."""
-        total = np.zeros(len(self.ids), dtype=np.int64)
-        for side in SIDES:
-            _, loss, lengths = self.tokens[side]
-            targets = loss.copy()
-            targets[self.offsets[side][:-1][lengths > 0]] = False
-            cumulative = np.concatenate([[0], np.cumsum(targets, dtype=np.int64)])
-            total += cumulative[self.offsets[side][1:]] - cumulative[self.offsets[side][:-1]]
-        return total
+        return sum(target_counts(self.tokens[side][1], self.tokens[side][2], self.offsets[side]) for side in SIDES)
 
     def no_target_ids(self) -> list[str]:
         """Ids of the pairs without a completion token (their gradient is zero)."""
@@ -150,13 +143,8 @@ class PreferenceDataset:
 
     def _side(self, side: str, pairs: np.ndarray) -> dict[str, torch.Tensor]:
         flat, loss, lengths = self.tokens[side]
-        lengths = lengths[pairs]
-        width = int(lengths.max())
-        columns = np.arange(width)
-        valid = columns[None, :] < lengths[:, None]  # [P, T]
-        index = np.where(valid, self.offsets[side][pairs, None] + columns[None, :], 0)
-        input_ids = np.where(valid, flat[index], self.batch_options.pad_id).astype(np.int64)
-        labels = np.where(valid & loss[index], input_ids, IGNORE_INDEX)
+        input_ids, valid, labels = padded_rows(flat, loss, lengths, self.offsets[side], pairs,
+                                               self.batch_options.pad_id)
         return {f"{side}_input_ids": torch.from_numpy(input_ids),
                 f"{side}_attention_mask": torch.from_numpy(valid.astype(np.int64)),
                 f"{side}_labels": torch.from_numpy(labels)}
