@@ -27,7 +27,8 @@ from typing import Any, Literal
 
 from ..common.paths import why_missing
 from ..common.units import human_bytes
-from .commands import Group, cli, progress_flag, resolved
+from ..options import MetagradOptions
+from .commands import Group, api_field, cli, progress_flag, resolved
 from .config import META_KEY, provenance, write_resolved
 from .console import Phases, console
 from .errors import CliError
@@ -48,25 +49,16 @@ class ReplayFlags(Group):
     """How the run is replayed and differentiated (:class:`gradtrace.options.MetagradOptions`)."""
 
     panel = "Metagradients"
-    checkpoint_every: int | None = field(default=None, metadata=cli(
-        "Optimizer steps between state checkpoints (default: ceil(sqrt(T)), T/k + k states in memory; the scores do "
-        "not depend on it).", min=1))
-    query_batch: int | None = field(default=None, metadata=cli(
-        "Queries per reverse pass (default: all, one vectorised pass; 1: one plain pass per query, least memory).",
-        min=1))
-    memory_limit: int = field(default=2 << 30, metadata=cli(
-        "Bytes of checkpoints kept in memory; the rest are written under RUN_DIR and removed at the end.", min=0))
-    tolerance: float | None = field(default=None, metadata=cli(
-        "Bound on the replay's relative max-abs difference to the recorded final weights; beyond it nothing is "
-        "scored (default: 1e-4 for a float32 run, 1e-9 for a float64 run replayed in float64).", min=0))
+    checkpoint_every: int | None = field(default=None, metadata=api_field(MetagradOptions, "checkpoint_every"))
+    query_batch: int | None = field(default=None, metadata=api_field(MetagradOptions, "query_batch"))
+    memory_limit: int = field(default=2 << 30, metadata=api_field(MetagradOptions, "memory_limit"))
+    tolerance: float | None = field(default=None, metadata=api_field(MetagradOptions, "tolerance"))
     dtype: Literal["float32", "float64"] = field(default="float32", metadata=cli(
         "Precision of the replay and the scores (float64: a float32 run replayed in float64, checked against its "
         "float32 final weights with the float32 bound)."))
 
     def options(self, tolerance: float | None) -> Any:
         """The Python API's :class:`gradtrace.options.MetagradOptions` of these flags (``tolerance`` resolved)."""
-        from ..options import MetagradOptions
-
         return MetagradOptions(checkpoint_every=self.checkpoint_every, query_batch=self.query_batch,
                                memory_limit=self.memory_limit, tolerance=tolerance)
 

@@ -24,10 +24,16 @@ class MetagradOptions:
         seed: the seed of the check's random directions ``d``.
     """
 
-    checkpoint_every: int | None = field(default=None, metadata={"min": 1})
-    query_batch: int | None = field(default=None, metadata={"min": 1})
-    memory_limit: int = field(default=2 << 30, metadata={"min": 0})
-    tolerance: float | None = field(default=None, metadata={"min": 0})
+    checkpoint_every: int | None = field(default=None, metadata={"min": 1, "help": (
+        "Optimizer steps between state checkpoints (default: ceil(sqrt(T)), T/k + k states in memory; the scores do "
+        "not depend on it).")})
+    query_batch: int | None = field(default=None, metadata={"min": 1, "help": (
+        "Queries per reverse pass (default: all, one vectorised pass; 1: one plain pass per query, least memory).")})
+    memory_limit: int = field(default=2 << 30, metadata={"min": 0, "help": (
+        "Bytes of checkpoints kept in memory; the rest are written under the run directory and removed at the end.")})
+    tolerance: float | None = field(default=None, metadata={"min": 0, "help": (
+        "Bound on the replay's relative max-abs difference to the recorded final weights; beyond it nothing is "
+        "scored (default: 1e-4 for a float32 run, 1e-9 for a float64 run replayed in float64).")})
     scales: tuple[float, ...] = (1e-3, 1e-2, 1e-1)
     seed: int = field(default=0, metadata={"valid": SEED})
 
