@@ -108,7 +108,7 @@ from gradtrace.eval import (
 )
 from gradtrace.eval.benchmark import CHECKPOINTS_AFTER, ENSEMBLES, ensemble_models
 from gradtrace.options.eval import LDSOptions
-from gradtrace.plan import available_memory
+from gradtrace.plan.resources import available_memory
 
 DEFAULT_SUBSETS = {"digits": 100, "digits_mlp": 100, "tinylm": 150}
 PROJECTED = {"logra", "trak"}  # methods that score LoGra-projected gradients

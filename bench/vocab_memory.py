@@ -126,7 +126,7 @@ def _profiled_peak(step) -> tuple[int, int, float]:
 def _steps(case: str, model):
     """``step(batch)`` of ``case``."""
     import gradtrace
-    from gradtrace.curvature.fisher import fisher_passes
+    from gradtrace.fit.curvature.fisher import fisher_passes
 
     options = gradtrace.CaptureOptions(projection=gradtrace.LoGra(rank=8), layers=["lm_head"])
     if case == "plain":

@@ -25,8 +25,9 @@ LAYERS: list[set[str]] = [
     {"distributed"},  # ranks: process group, agreement between ranks (on stores and captures)
     {"capture"},  # hooks -> GradientBatch -> rows (capture/sink: a store or memory); collect over a dataset, at
     # each of C checkpoints (capture/checkpoints.py)
-    {"curvature"},  # K-FAC / EK-FAC / dense Fisher fitted from captured factors; PCA bases
-    {"methods"},  # attribution methods: preconditioning and scoring math
+    {"fit.curvature"},  # the fit stage, part 1: K-FAC / EK-FAC / dense Fisher fitted from captured factors; PCA
+    {"fit", "fit.methods"},  # part 2: attribution methods (their fits, preconditioning, scoring math); the stage's
+    # package gradtrace/fit/__init__.py names both
     {"report"},  # HTML report of any Scores-like object
     {"score"},  # blocked scoring engine, Scores, ensembles, pairs, index, sharded scoring
     {"train", "integrations", "eval", "demo", "plan", "replay"},  # applications; plan: pre-flight of collect,
@@ -163,8 +164,17 @@ def _cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     return found
 
 
+def _unit(module: str) -> str:
+    """The entry of :data:`LAYERS` that places ``module``: its sub-package where one is listed (``fit.curvature``),
+    else its top-level package (``""`` for the facade)."""
+    parts = module.split(".")[1:]
+    listed = set().union(*LAYERS)
+    two = ".".join(parts[:2])
+    return two if len(parts) >= 2 and two in listed else (parts[0] if parts else "")
+
+
 def _layer(module: str) -> int:
-    unit = module.split(".")[1] if "." in module else ""
+    unit = _unit(module)
     for level, members in enumerate(LAYERS):
         if unit in members:
             return level
@@ -232,7 +242,7 @@ def _private_imports() -> list[tuple[str, str, str]]:
 
 
 def test_no_private_name_is_imported_across_packages():
-    unit = lambda name: name.split(".")[1] if "." in name else ""
+    unit = _unit
     private = _private_imports()
     assert ("gradtrace.score.ensemble", "gradtrace.score.engine", "_check_block") in private  # within score: fine
     across = [f"{module} imports {name} from {source}" for module, source, name in private
@@ -248,8 +258,8 @@ def test_no_module_over_500_lines():
 
 def test_moved_public_names_stay_where_they_were_exported():
     import gradtrace
-    import gradtrace.curvature
     import gradtrace.distributed
+    import gradtrace.fit.curvature
     import gradtrace.grad
     import gradtrace.loss.functions
 
@@ -257,4 +267,5 @@ def test_moved_public_names_stay_where_they_were_exported():
     assert gradtrace.distributed.score_sharded.__module__ == "gradtrace.score.sharded"
     assert gradtrace.distributed.rank_and_world() == (0, 1)  # no process group in the test process
     assert gradtrace.__version__ == gradtrace.version.__version__
-    assert callable(gradtrace.LoGra.pca) and gradtrace.curvature.pca_logra.__module__ == "gradtrace.curvature.pca"
+    assert callable(gradtrace.LoGra.pca)
+    assert gradtrace.fit.curvature.pca_logra.__module__ == "gradtrace.fit.curvature.pca"

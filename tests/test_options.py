@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.curvature import fit_curvature
+from gradtrace.fit.curvature import fit_curvature
 from gradtrace.options import CaptureOptions, FitOptions, Loss, RunOptions, StoreOptions, record
 from tests import tiny
 
@@ -113,7 +113,7 @@ def test_fit_curvature_takes_and_records_fit_options():
     assert recorded["capture"] == record(CaptureOptions(layers=["lm_head"])) and recorded["loss"] == record(Loss())
     assert fitted.kind == "kfac" and fitted.damping == 0.3
     # the flat settings of a method's fit go to the same objects
-    from gradtrace.curvature.fit import fit_curvature_from
+    from gradtrace.fit.curvature.fit import fit_curvature_from
 
     again = fit_curvature_from(model, data, None, None, {"kind": "kfac", "damping": 0.3, "layers": ["lm_head"]})
     for name, block in fitted.blocks.items():
@@ -141,7 +141,7 @@ def _adam_mlp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def test_less_features_in_a_store_equal_those_in_memory_and_record_their_objects(tmp_path):
-    from gradtrace.methods.less import less_features, less_query_features
+    from gradtrace.fit.methods.less import less_features, less_query_features
     from gradtrace.projection.sketch import DenseProjection
 
     model, optimizer = _adam_mlp()
@@ -160,7 +160,7 @@ def test_less_features_in_a_store_equal_those_in_memory_and_record_their_objects
 
 
 def test_less_features_refuse_what_they_fix(tmp_path):
-    from gradtrace.methods.less import less_features, less_query_features
+    from gradtrace.fit.methods.less import less_features, less_query_features
     from gradtrace.projection.sketch import DenseProjection
 
     model, optimizer = _adam_mlp()

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradtrace
-from gradtrace.curvature import Curvature, fit_curvature
-from gradtrace.curvature.blocks import KronBlock, blocks_for
-from gradtrace.curvature.covariance import EigenCorrectionCallback
+from gradtrace.fit.curvature import Curvature, fit_curvature
+from gradtrace.fit.curvature.blocks import KronBlock, blocks_for
+from gradtrace.fit.curvature.covariance import EigenCorrectionCallback
 from gradtrace.options import CaptureOptions, FitOptions, Loss
 from tests import tiny
 

@@ -323,7 +323,7 @@ def store_layers(store: Any) -> list[str] | None:
     if not (recorded.get("layers") or recorded.get("exclude") or recorded.get("partial")
             or (coverage is not None and coverage.left_out)):
         return None
-    from ..curvature.fit import modules_of
+    from ..fit.curvature.fit import modules_of
 
     return modules_of([name for name, _ in store.spec.params])
 

@@ -45,7 +45,7 @@ class EnsembleOptions(Group):
 
 def is_ensemble(method: str, store_count: int) -> bool:
     """Whether the stores make an ensemble: several of them for a method that does not combine checkpoints."""
-    from ..methods import method_class
+    from ..fit.methods import method_class
 
     return store_count > 1 and not method_class(method).multi_checkpoint
 
@@ -76,7 +76,7 @@ def answering_model(models: list[Path], generate: bool, given: Path | None) -> t
 def check_ensemble(method: str, opts: EnsembleOptions, store_count: int, *, curvature: Path | None,
                    index: Any, tokens: bool, world: int) -> None:
     """Refuse ensemble flags that do not fit the stores (wrong counts, flags of one-store features)."""
-    from ..methods import saves_fit
+    from ..fit.methods import saves_fit
 
     ensemble = is_ensemble(method, store_count)
     if not ensemble:

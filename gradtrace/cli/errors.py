@@ -56,7 +56,7 @@ def os_error_line(err: OSError) -> str:
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    from ..methods import MissingStage
+    from ..fit.methods import MissingStage
     from ..store.layout import StoreError
     from ..store.locking import LockedError
     from ..store.spec import SpecMismatch

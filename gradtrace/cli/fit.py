@@ -6,7 +6,7 @@ saved (eigendata in safetensors + a JSON manifest). ``gradtrace score --method e
 damping can be changed there without refitting. ``--method logra`` needs no model pass: it is computed from
 the stored projected gradients.
 
-``--method trak`` and ``--method trackstar`` save their own fit the same way (:mod:`gradtrace.methods.saved`;
+``--method trak`` and ``--method trackstar`` save their own fit the same way (:mod:`gradtrace.fit.methods.saved`;
 ``gradtrace score --method trak --curvature DIR``), without DATA: TRAK's kernel ``Phi^T Phi`` from the stored
 gradients (a causal LM has no ``1 - p`` reweighting, so none is needed), TrackStar's Adam second moment from
 ``--optimizer`` (an ``optimizer.pt`` or a Trainer checkpoint directory holding one, at the store's weights), with
@@ -86,7 +86,7 @@ class CurvatureOptions(Group):
 
 @dataclass(kw_only=True)
 class KernelOptions(Group):
-    """What trak and trackstar fit from the store (gradtrace.methods.saved)."""
+    """What trak and trackstar fit from the store (gradtrace.fit.methods.saved)."""
 
     panel = "trak / trackstar"
     optimizer: Path | None = field(default=None, metadata=cli(
@@ -144,7 +144,7 @@ def run(opts: FitCommand) -> None:
     """
     import gradtrace
 
-    from ..curvature import fit_curvature
+    from ..fit.curvature import fit_curvature
     from ..projection import LoGra, projection_from_dict
     from ..store import GradientStore
 
@@ -167,7 +167,7 @@ def run(opts: FitCommand) -> None:
         return
     if cv.method == "logra":
         with phases("plan"):
-            planned = gradtrace.plan_fit(store, method="logra", out=cv.out, device=device)
+            planned = gradtrace.plan_fit(store, method="logra", out=cv.out, run=RunOptions(device=device))
         if not _preflight(planned, opts):
             return
         with phases("fit"):
@@ -194,8 +194,8 @@ def run(opts: FitCommand) -> None:
         console().print(batches.summary.line(), markup=False, highlight=False, soft_wrap=True)
         with phases("plan"):
             try:
-                planned = gradtrace.plan_fit(store, model, batches, method=cv.fit_options().kind, fisher=cv.fisher,
-                                             samples=cv.samples, out=cv.out, device=device)
+                planned = gradtrace.plan_fit(store, model, batches, method=cv.method, options=cv.fit_options(),
+                                             out=cv.out, run=RunOptions(device=device))
             except ValueError as err:
                 raise CliError(str(err)) from None
         if not _preflight(planned, opts):
@@ -227,7 +227,7 @@ def run(opts: FitCommand) -> None:
 
 
 SAVED_FIT_METHODS = ("trak", "trackstar")
-"""Methods whose fit is saved as a method fit (gradtrace.methods.saved), not a curvature."""
+"""Methods whose fit is saved as a method fit (gradtrace.fit.methods.saved), not a curvature."""
 
 
 def _check_method_flags(opts: FitCommand) -> None:
@@ -275,18 +275,17 @@ def _fit_saved(opts: FitCommand, store: Any, device: str, phases: Phases) -> Non
     import gradtrace
 
     from ..common.units import human_bytes
-    from ..curvature import Curvature
-    from ..methods import save_fit
-    from ..methods.influence import curvature_method
-    from ..plan import KernelTooLarge
+    from ..fit.curvature import Curvature
+    from ..fit.methods import save_fit
+    from ..fit.methods.influence import curvature_method
+    from ..plan.fit_plan import KernelTooLarge
 
     cv, kv = opts.curvature_options, opts.kernel_options
     precondition = None if kv.precondition == "none" else kv.precondition
     with phases("plan"):
         try:
-            planned = gradtrace.plan_fit(store, method=cv.method, precondition=precondition, out=cv.out,
-                                         device=device, max_dim=kv.max_dim,
-                                         mode=kv.mode if cv.method == "trak" else "auto", structure=kv.structure)
+            planned = gradtrace.plan_fit(store, method=_planned_method(cv.method, kv, precondition), out=cv.out,
+                                         run=RunOptions(device=device))
         except KernelTooLarge as err:
             size = f"{err.dim:,} examples" if err.dual else f"{err.dim:,} dims"
             fix = ("--mode primal with a store of fewer dimensions (a lower --rank)" if err.dual else
@@ -323,7 +322,7 @@ def _fit_saved(opts: FitCommand, store: Any, device: str, phases: Phases) -> Non
         attributor = gradtrace.Attributor(cv.method, store, device=device, **settings)
         try:
             attributor.fit(**fit_args)
-        except (ValueError, KeyError, FileNotFoundError, gradtrace.methods.MissingStage) as err:
+        except (ValueError, KeyError, FileNotFoundError, gradtrace.fit.methods.MissingStage) as err:
             raise CliError(str(err).strip("'\"")) from None
     final = replace(opts, model=model_dir, model_options=replace(opts.model_options, device=device))
     values = resolved(final)
@@ -343,6 +342,15 @@ def _fit_saved(opts: FitCommand, store: Any, device: str, phases: Phases) -> Non
     out.print(f"Next: gradtrace score {opts.store} QUERIES.jsonl --method {cv.method} --fit {cv.out} --out SCORES_DIR")
     if opts.progress:
         console(stderr=True).print(phases.table())
+
+
+def _planned_method(method: str, kv: KernelOptions, precondition: Any) -> Any:
+    """The trak / trackstar method object whose fit ``plan_fit`` plans (the settings that size the kernel)."""
+    from ..fit.methods import TRAK, TrackStar
+
+    if method == "trak":
+        return TRAK(max_dim=kv.max_dim, mode=kv.mode)
+    return TrackStar(precondition=precondition, max_dim=kv.max_dim, structure=kv.structure)
 
 
 def _preflight(planned: Any, opts: FitCommand) -> bool:

@@ -85,7 +85,7 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
                 "bottom_k": int(scores.bottom[0].shape[1]) if scores.bottom is not None else None, **combines,
                 "units": scores.units, "meta": scores.meta, "environment": _environment_of(path / "scores.json")}
     if (path / "curvature.json").exists():
-        from ..curvature import Curvature
+        from ..fit.curvature import Curvature
 
         fit = Curvature.load(path)
         record = json.loads((path / "curvature.json").read_text())
@@ -93,7 +93,7 @@ def describe(path: Path, verify: bool = False) -> dict[str, Any]:
                 "damping": fit.damping, "blocks": len(fit.blocks), "precision": fit.precision(),
                 "environment": record.get("environment"), "meta": fit.meta}
     if (path / "fit.json").exists():
-        from ..methods import load_fit
+        from ..fit.methods import load_fit
 
         try:
             method = load_fit(path)

@@ -90,7 +90,7 @@ def _self_scores(scores: Any, opts: ReportCommand) -> tuple[Any, str]:
     """Self-influence of every training example, from the store(s) and curvature the scores record."""
     import gradtrace
 
-    from ..methods import get_method
+    from ..fit.methods import get_method
 
     config = scores.meta.get("config") or {}
     method = opts.self_method or scores.method

@@ -170,7 +170,7 @@ def _run(opts: ScoreCommand, device: str, rank: int, world: int) -> None:
     import gradtrace
 
     from ..distributed import agreed
-    from ..methods import method_class
+    from ..fit.methods import method_class
     from ..projection import LoGra, projection_from_dict
     from ..score.diagnostics import diagnose
     from ..score.sharded import score_sharded
@@ -380,7 +380,7 @@ def _open_index(sc: ScoringOptions, store: Any, multi: bool, world: int) -> Any:
                 raise CliError(f"{flag} applies to the shortlist of --index; pass --index INDEX (written by "
                                "gradtrace index)")
         return None
-    from ..methods import get_method
+    from ..fit.methods import get_method
     from ..score.index import FaissMissing, Index
     from ..score.shortlist import check_norm_rows, index_normalization
 

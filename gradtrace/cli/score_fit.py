@@ -2,7 +2,7 @@
 ``--member-curvature`` for each further ``--store`` of an ensemble).
 
 Curvature methods (``kfac``, ``ekfac``, ``ggn``, ``logra``) read a curvature (``curvature.json``), ``trak`` and
-``trackstar`` a method fit (``fit.json``, :mod:`gradtrace.methods.saved`); ``--damping`` / ``--damping-mode``
+``trackstar`` a method fit (``fit.json``, :mod:`gradtrace.fit.methods.saved`); ``--damping`` / ``--damping-mode``
 change the saved damping without refitting. Methods with nothing to fit refuse these flags.
 """
 
@@ -18,14 +18,14 @@ __all__ = ["fit_file", "fitted_methods", "load_fitted", "needs_fit"]
 
 def needs_fit(method: str) -> bool:
     """Whether ``method`` scores from what ``gradtrace fit`` saved (a curvature or a method fit)."""
-    from ..methods import method_class, saves_fit
+    from ..fit.methods import method_class, saves_fit
 
     return "curvature" in method_class(method).needs or saves_fit(method)
 
 
 def fit_file(method: str) -> str:
     """The manifest ``gradtrace fit --method METHOD`` writes: ``fit.json`` or ``curvature.json``."""
-    from ..methods import saves_fit
+    from ..fit.methods import saves_fit
 
     return "fit.json" if saves_fit(method) else "curvature.json"
 
@@ -41,7 +41,7 @@ def load_fitted(method: str, curvature: Path | None, members: list[Path], store:
                 damping: float | None = None, damping_mode: str | None = None) -> list[Any]:
     """``method`` loaded from what ``gradtrace fit`` saved in ``curvature`` (and in each of ``members``, further
     stores' fits), re-damped when asked; [] for a method without a fit (which refuses a fit or a damping)."""
-    from ..methods import get_method, load_fit, saves_fit
+    from ..fit.methods import get_method, load_fit, saves_fit
 
     if not needs_fit(method):
         if curvature is not None or damping is not None or damping_mode is not None:

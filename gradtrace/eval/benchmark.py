@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..capture.collect import collect
-from ..methods import available_methods, get_method
+from ..fit.methods import available_methods, get_method
 from ..options import CaptureOptions, RunOptions
 from ..projection.logra import LoGra
 from ..score import Attributor, Ensemble, Unrolled

@@ -13,14 +13,14 @@ FLOAT_DTYPES = ("float32", "float64")
 
 @dataclass(frozen=True, kw_only=True)
 class FitOptions:
-    """Which curvature is fitted and how (see :func:`gradtrace.curvature.fit_curvature`).
+    """Which curvature is fitted and how (see :func:`gradtrace.fit.curvature.fit_curvature`).
 
     Attributes:
         kind: ``"kfac"``, ``"ekfac"`` (eigenvalue-corrected) or ``"fisher"`` (a dense Fisher per parameter;
             exact but quadratic in the parameter size -- the reference for small models).
         fisher: ``"empirical"``, ``"true"`` (``samples`` label draws per example), ``"exact"`` or ``"auto"``
             (exact for classifiers / regressors with few outputs, else true: see
-            :func:`gradtrace.curvature.fisher.resolve_fisher`); the choice made is the curvature's ``fisher``.
+            :func:`gradtrace.fit.curvature.fisher.resolve_fisher`); the choice made is the curvature's ``fisher``.
         samples, seed: label draws per example for ``fisher="true"`` (>= 1), and their seed (a 64-bit integer).
         max_dense: dense blocks larger than this are kept diagonal (>= 0; 0: every block diagonal).
         damping, damping_mode: stored defaults (changeable later with ``Curvature.with_damping``); damping is a finite

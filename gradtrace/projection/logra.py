@@ -33,7 +33,7 @@ _SCHEME = "gradtrace/logra/v1"
 
 class PCABasis(Protocol):
     """The directions ``LoGra(init="pca")`` projects onto, built from a fitted K-FAC curvature by
-    :func:`gradtrace.curvature.pca.pca_basis` (this package sits below the curvature and never imports it)."""
+    :func:`gradtrace.fit.curvature.pca.pca_basis` (this package sits below the curvature and never imports it)."""
 
     fingerprint: str  # a hash of the eigendata: stores projected with different bases are refused
 
@@ -47,14 +47,14 @@ _PCA: dict[str, Callable[..., Any]] = {}
 
 def register_pca(*, fit: Callable[..., LoGra], basis: Callable[[Any], PCABasis]) -> None:
     """Plug in how :meth:`LoGra.pca` fits a basis (``fit``) and how ``LoGra(init="pca", basis=...)`` turns a
-    fitted curvature or its directory into a :class:`PCABasis` (``basis``); :mod:`gradtrace.curvature.pca` does
+    fitted curvature or its directory into a :class:`PCABasis` (``basis``); :mod:`gradtrace.fit.curvature.pca` does
     this when gradtrace is imported."""
     _PCA.update(fit=fit, basis=basis)
 
 
 def _pca(name: str) -> Callable[..., Any]:
     if name not in _PCA:
-        raise RuntimeError("PCA-initialised LoGra needs gradtrace.curvature (import gradtrace)")
+        raise RuntimeError("PCA-initialised LoGra needs gradtrace.fit.curvature (import gradtrace)")
     return _PCA[name]
 
 
@@ -72,7 +72,7 @@ class LoGra:
     keep_tokens: keep the per-token projected factors (needed for token-level attribution)
         instead of summing each example over its tokens right away.
     init: ``"random"`` (Gaussian) or ``"pca"``: project onto the top eigenvectors of K-FAC factors
-        (``basis``: a :class:`gradtrace.curvature.Curvature` fitted on exact gradients without joined biases,
+        (``basis``: a :class:`gradtrace.fit.curvature.Curvature` fitted on exact gradients without joined biases,
         or its directory; see :meth:`pca`). In that basis K-FAC is diagonal, so the projection keeps the
         top Kronecker eigen-directions.
     """
@@ -104,7 +104,7 @@ class LoGra:
     def pca(cls, model: Any, data: Any, loss_fn: Any = None, *, rank: int = 16, fisher: str = "empirical",
             layers: Any = None, exclude: Any = None, ranks: Any = (), **options: Any) -> LoGra:
         """Fit K-FAC factors on exact gradients of ``data`` and return a PCA-initialised LoGra spec
-        (:func:`gradtrace.curvature.pca.pca_logra`)."""
+        (:func:`gradtrace.fit.curvature.pca.pca_logra`)."""
         return _pca("fit")(model, data, loss_fn, rank=rank, fisher=fisher, layers=layers, exclude=exclude,
                            ranks=ranks, **options)
 

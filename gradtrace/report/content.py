@@ -319,7 +319,7 @@ def build_report(scores: Any, texts: Mapping[str, str], queries: Mapping[str, st
                  self_method: str | None = None, text_source: str = "texts", query_source: str = "queries") -> Report:
     """The :class:`Report` of ``scores`` (arguments and errors as for :func:`gradtrace.report.render_report`, the
     texts as ``{id: text}``; ``text_source`` / ``query_source``: where they came from, as errors name them)."""
-    from ..methods.base import SIGN_CONVENTION
+    from ..fit.methods.base import SIGN_CONVENTION
     from ..version import __version__
 
     options = option_object(options, ReportOptions, "options")

@@ -20,8 +20,8 @@ from torch import Tensor
 from ..capture.gradient_set import as_source
 from ..common.checks import count as checked_count
 from ..common.units import block_rows_for
+from ..fit.methods import Method, get_method
 from ..grad import GradientBatch
-from ..methods import Method, get_method
 from ..store.spec import GradientSpec
 from .agreement import MemberTops
 from .distribution import ScoreDistribution

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ..capture.gradient_set import GradientSet, as_source
 from ..common.checkpoints import checkpoint_path, load_into, read_state_dict, restored_weights
-from ..methods import Method, get_method
+from ..fit.methods import Method, get_method
 from ..store.spec import GradientSpec
 from .engine import Attributor, _block_buffer, _block_product, _check_block, _check_prepared, is_member_list
 from .scores import Scores
@@ -244,7 +244,7 @@ class Ensemble:
                 :func:`gradtrace.integrations.checkpoints`.
             member_options: one dict of fit options per member, for options that differ between members (e.g.
                 trackstar's ``optimizer=``: the Adam state at that member's weights); merged with ``options``
-                (an option given in both is refused). A method's :attr:`~gradtrace.methods.Method.per_member_options`
+                (an option given in both is refused). A method's :attr:`~gradtrace.fit.Method.per_member_options`
                 not given per member are taken from each checkpoint directory (a Trainer ``checkpoint-N`` holds
                 its ``optimizer.pt``); one value shared by several members is refused.
             **options: passed to every member's fit.

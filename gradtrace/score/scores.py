@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..common.provenance import record_paths, resolve_paths
-from ..methods.base import SIGN_CONVENTION
+from ..fit.methods.base import SIGN_CONVENTION
 from ..options import RECORD_KEY
 from ..options.report import ReportOptions
 from ..store.artifact import (
@@ -42,7 +42,7 @@ def scoring_meta(method: Any, spec: Any, *, weights: Sequence[float], topk: int 
                  block_rows: int, device: Any, profile: dict[str, Any], score_dtype: str = "float32") -> dict[str, Any]:
     """The ``meta`` of freshly computed :class:`Scores`: what produced them.
 
-    ``method`` (a :class:`gradtrace.methods.Method`) and the ``spec`` of the training gradients, as before
+    ``method`` (a :class:`gradtrace.fit.methods.Method`) and the ``spec`` of the training gradients, as before
     (``meta["method"]``, ``meta["options"]``, ``meta["spec"]``, ``meta["checkpoints"]``, ``meta["profile"]``),
     and the resolved scoring settings in ``meta["gradtrace"]["options"]["score"]``, where stores and curvatures
     record theirs: the method and its options, the checkpoints' ``weights``, ``topk``, whether the full
@@ -153,7 +153,7 @@ class Scores:
         cosines in [-1, 1]). An :class:`~gradtrace.Ensemble`'s: *normalised ensemble scores* -- each member's
         scores divided by their mean |score|, then weighted -- which are not the method's values (a ``grad_cos``
         ensemble's are not cosines and leave [-1, 1])."""
-        from ..methods import get_method
+        from ..fit.methods import get_method
 
         try:
             description = get_method(self.method).description

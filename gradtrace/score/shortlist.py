@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ..capture.gradient_set import as_source
-from ..methods import Method
+from ..fit.methods import Method
 from ..options.base import option_object
 from ..options.index import SearchOptions
 from .engine import _block_buffer, rows_product

@@ -19,7 +19,7 @@ and the score of training example ``i`` for query ``q`` (its gradient ``g_q`` at
     tau(q, i) = sum_c (F_c u_c)^T g_i^(c),    u_C = g_q,   u_c = E_{c+1} u_{c+1}.
 
 Each ``F_c`` and ``E_c`` is a function of one member's curvature, applied in its eigenbasis
-(:meth:`gradtrace.curvature.Curvature.apply_function`), so the cost is the ensemble's: one fit and one store per
+(:meth:`gradtrace.fit.curvature.Curvature.apply_function`), so the cost is the ensemble's: one fit and one store per
 checkpoint; the query side is ``2 C - 1`` eigenbasis transforms of the query gradients, the training side ``C``
 streamed products. There is no per-member normalisation and no weight to choose: the dynamics weigh the members.
 High-curvature directions are learned (and forgotten) within a segment, so there the last checkpoint's
@@ -65,10 +65,10 @@ from torch import Tensor, nn
 
 from ..capture.gradient_set import as_source
 from ..common.checkpoints import checkpoint_path
-from ..curvature.curvature import KronEigen, kron_matrices
-from ..methods import Method, MissingStage
-from ..methods.less import adam_states
-from ..methods.trackstar import (
+from ..fit.curvature.curvature import KronEigen, kron_matrices
+from ..fit.methods import Method, MissingStage
+from ..fit.methods.less import adam_states
+from ..fit.methods.trackstar import (
     bias_corrected,
     load_optimizer_state,
     optimizer_parameter_names,
@@ -105,10 +105,10 @@ STEP_SCALES = ("trace", "eigenbasis", "mean")
 def segment_scales(curvature: Any, states: dict[str, Any] | None, step_scale: str = "trace"
                    ) -> dict[str, float | Tensor]:
     """``{block name: s}``: the optimizer's step scale over each block of ``curvature`` (a fitted
-    :class:`~gradtrace.curvature.Curvature`; module docstring) from Adam states
-    (:func:`gradtrace.methods.less.adam_states`), ``P = 1 / (sqrt(v_hat) + eps)``, ``V = v_hat``: ``tr(P V) / tr(V)``
-    (``"trace"``), ``mean(P)`` (``"mean"``) or, per eigen-direction (a tensor shaped like the block's eigenvalues),
-    ``diag(Q^T P Q)`` (``"eigenbasis"``); 1 for SGD (``states=None``)."""
+    :class:`~gradtrace.fit.Curvature`; module docstring) from Adam states
+    (:func:`~gradtrace.fit.methods.less.adam_states`), ``P = 1 / (sqrt(v_hat) + eps)``, ``V = v_hat``:
+    ``tr(P V) / tr(V)`` (``"trace"``), ``mean(P)`` (``"mean"``) or, per eigen-direction (a tensor shaped like the
+    block's eigenvalues), ``diag(Q^T P Q)`` (``"eigenbasis"``); 1 for SGD (``states=None``)."""
     if step_scale not in STEP_SCALES:
         raise ValueError(f"step_scale must be one of {STEP_SCALES}, got {step_scale!r}")
     blocks = list(curvature.blocks.values())
@@ -158,7 +158,7 @@ def _eigen_diagonal(eig: Any, diagonal: Tensor, offsets: dict[str, tuple[int, in
 
 def _filters(curvature: Any, horizon: dict[str, float | Tensor]) -> tuple[Any, Any]:
     """The functions of one segment's damped eigenvalues ``x`` (float64) for
-    :meth:`~gradtrace.curvature.Curvature.apply_function`: the response ``(1 - exp(-t x)) / x`` (``expm1``: exact
+    :meth:`~gradtrace.fit.curvature.Curvature.apply_function`: the response ``(1 - exp(-t x)) / x`` (``expm1``: exact
     for small ``t x``) and the decay ``exp(-t x)``, ``t`` the block's horizon (a number, or one per eigenvalue)."""
 
     def damped(name: str, values: Tensor) -> Tensor:
@@ -215,7 +215,7 @@ class Unrolled(Ensemble):
         each segment's step scale.
 
         Without a model, data or checkpoints, the members keep the curvature they were built with
-        (``Unrolled([gradtrace.methods.EKFAC(curvature=...), ...], ...)``) and only the step scales are read.
+        (``Unrolled([gradtrace.fit.methods.EKFAC(curvature=...), ...], ...)``) and only the step scales are read.
 
         Args:
             optimizers: ``"sgd"`` (plain SGD: scale 1), or one Adam / AdamW state per checkpoint (the optimizer, its

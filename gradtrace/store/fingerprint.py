@@ -1,6 +1,6 @@
 """What identifies a store's content: :func:`store_fingerprint` (from the manifest and shard records, no row is
 re-read), and a few words on how two fingerprints differ. An index (:mod:`gradtrace.score.index`) and a dual TRAK
-fit (:mod:`gradtrace.methods.trak`) record the fingerprint of the store they read and refuse one that changed."""
+fit (:mod:`gradtrace.fit.methods.trak`) record the fingerprint of the store they read and refuse one that changed."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Recording a training trajectory: every example's gradient at every optimizer step, with its step size.
 
-Trajectory-aware methods (DVEmb, :mod:`gradtrace.methods.dvemb`) need, for each optimizer step ``t``, the
+Trajectory-aware methods (DVEmb, :mod:`gradtrace.fit.methods.dvemb`) need, for each optimizer step ``t``, the
 per-example gradients of the batch ``B_t`` at ``theta_t`` and the step size each example got. A
 :class:`TrajectoryWriter` is a capture callback that records exactly that from an unmodified loop::
 

@@ -85,7 +85,7 @@ def _loop_reads(tmp_path: Path, layers: int, logra: bool, batches: int) -> int:
 def _fit_reads(tmp_path: Path, layers: int, logra: bool, batches: int) -> int:
     """An EK-FAC fit (two passes over the data): per-batch reads only; the token counts are read once per block at
     the end of the fit, not per batch (the difference of two batch counts leaves them out)."""
-    from gradtrace.curvature import fit_curvature
+    from gradtrace.fit.curvature import fit_curvature
     from gradtrace.options import FitOptions
 
     model = _gpt2(layers)
@@ -93,7 +93,7 @@ def _fit_reads(tmp_path: Path, layers: int, logra: bool, batches: int) -> int:
     projection = gradtrace.LoGra(rank=2) if logra else None
     with _counter()() as reads:
         fit_curvature(model, data, options=CaptureOptions(projection=projection), fit_options=FitOptions(kind="ekfac"))
-    at_end = sum(n for (_, where), n in reads.sites.items() if where.startswith("curvature/fit.py"))
+    at_end = sum(n for (_, where), n in reads.sites.items() if where.startswith("fit/curvature/fit.py"))
     return _gradtrace_reads(reads) - at_end
 
 

@@ -286,7 +286,7 @@ def test_help_imports_no_torch():
 
 def test_the_method_choices_are_the_registry_s():
     from gradtrace.cli.method_choice import CLI_METHODS, PYTHON_METHODS
-    from gradtrace.methods import available_methods, method_class
+    from gradtrace.fit.methods import available_methods, method_class
 
     assert {name: method_class(name).description for name in CLI_METHODS} == CLI_METHODS
     assert sorted(available_methods()) == sorted([*CLI_METHODS, *PYTHON_METHODS])

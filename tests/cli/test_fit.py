@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.curvature import Curvature, fit_curvature
+from gradtrace.fit.curvature import Curvature, fit_curvature
 from gradtrace.options import CaptureOptions, FitOptions
 from tests.cli.conftest import error_line, invoke
 from tests.cli.test_pipeline import _api_batches, _model

@@ -86,7 +86,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(ws, runner, store, fresh):
 
 
 def test_a_store_larger_than_the_free_disk_is_refused_unless_forced(ws, runner, fresh, monkeypatch):
-    plan_module = sys.modules["gradtrace.plan"]
+    plan_module = sys.modules["gradtrace.plan.collect_plan"]
     monkeypatch.setattr(plan_module, "free_space", lambda path: 1000)
     line = error_line(invoke(runner, "collect", ws.model, ws.train, "--out", fresh / "s", "--rank", 4,
                              "--no-progress", code=2))

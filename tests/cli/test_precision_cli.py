@@ -10,7 +10,7 @@ import torch
 
 import gradtrace
 from gradtrace.cli.score_queries import recorded_grad_dtype
-from gradtrace.curvature import Curvature
+from gradtrace.fit.curvature import Curvature
 from tests.cli.conftest import error_line, flat, invoke
 
 

@@ -8,7 +8,8 @@ import importlib
 from tests.cli.conftest import error_line, flat, invoke
 from tests.score.test_progress import _last_frame
 
-PLAN = importlib.import_module("gradtrace.plan")  # the module (gradtrace.plan is also the function)
+FIT_PLAN = importlib.import_module("gradtrace.plan.fit_plan")  # where plan_fit looks the names up
+SCORE_PLAN = importlib.import_module("gradtrace.plan.score_plan")
 
 
 def test_fit_dry_run_prints_the_plan_and_writes_nothing(ws, store, runner, tmp_path):
@@ -24,7 +25,7 @@ def test_fit_dry_run_prints_the_plan_and_writes_nothing(ws, store, runner, tmp_p
 
 
 def test_fit_refuses_a_curvature_larger_than_the_free_disk(ws, store, runner, tmp_path, monkeypatch):
-    monkeypatch.setattr(PLAN, "free_space", lambda path: 10)
+    monkeypatch.setattr(FIT_PLAN, "free_space", lambda path: 10)
     out = tmp_path / "curv"
     result = invoke(runner, "fit", store, "--method", "logra", "--out", out, "--no-progress", code=2)
     assert "has 10 B free" in error_line(result) and "--force" in error_line(result)
@@ -45,7 +46,7 @@ def test_score_dry_run_prints_the_plan_and_writes_nothing(ws, store, runner, tmp
 
 
 def test_score_refuses_memory_it_does_not_have(ws, store, runner, tmp_path, monkeypatch):
-    monkeypatch.setattr(PLAN, "available_memory", lambda device=None: 100)
+    monkeypatch.setattr(SCORE_PLAN, "available_memory", lambda device=None: 100)
     out = tmp_path / "scores"
     result = invoke(runner, "score", store, ws.queries, "--out", out, "--matrix", "yes", "--no-progress", code=2)
     assert "is available: pass --matrix no" in error_line(result) and not out.exists()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.methods import load_fit
+from gradtrace.fit.methods import load_fit
 from gradtrace.options import CaptureOptions
 from tests.cli.conftest import error_line, invoke
 from tests.cli.test_ensemble_cli import _normalized
@@ -122,7 +122,7 @@ def test_trackstar_fit_and_score_equal_the_python_api(ws, store, runner, tmp_pat
     elif precondition == "curvature":
         invoke(runner, "fit", store, "--method", "logra", "--out", tmp_path / "logra", "--no-progress")
         args += ["--precondition-curvature", tmp_path / "logra"]
-        python_precondition = gradtrace.methods.get_method("logra", curvature=tmp_path / "logra")
+        python_precondition = gradtrace.fit.methods.get_method("logra", curvature=tmp_path / "logra")
     invoke(runner, *args)
     assert (tmp_path / "fit" / "precondition" / "curvature.json").exists() == (precondition == "curvature")
     invoke(runner, "score", store, ws.queries, "--method", "trackstar", "--fit", tmp_path / "fit", "--matrix", "yes",
@@ -256,7 +256,7 @@ def test_a_kernel_fit_beyond_the_available_memory_is_refused_unless_forced(ws, s
     import sys
 
     # the module (gradtrace.plan is also the name of the function it exports)
-    monkeypatch.setattr(sys.modules["gradtrace.plan"], "available_memory", lambda device=None: 1000)
+    monkeypatch.setattr(sys.modules["gradtrace.plan.fit_plan"], "available_memory", lambda device=None: 1000)
     result = invoke(runner, "fit", store, "--method", "trak", "--out", tmp_path / "f", "--no-progress", code=2)
     assert "of memory at its peak but 1000 B is available" in error_line(result)
     assert "memory      about" in result.output and not (tmp_path / "f").exists()

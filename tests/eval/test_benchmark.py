@@ -5,8 +5,8 @@ import torch
 
 import gradtrace
 from gradtrace.eval import GroundTruth, MethodSpec, evaluate, format_table, unsupported
-from gradtrace.methods import base as method_registry
-from gradtrace.methods.similarity import GradDot
+from gradtrace.fit.methods import base as method_registry
+from gradtrace.fit.methods.similarity import GradDot
 
 
 def test_grad_dot_beats_random_on_digits(digits_task, digits_ground_truth):
@@ -37,7 +37,7 @@ class _FittedDot(GradDot):
 
     def check_ready(self):
         if self.fitted is None:
-            raise gradtrace.methods.MissingStage("fit first")
+            raise gradtrace.fit.methods.MissingStage("fit first")
 
     def prepare_queries(self, queries, checkpoint=0):
         return queries * self.scale

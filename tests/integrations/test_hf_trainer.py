@@ -156,7 +156,7 @@ def test_checkpoints_are_recorded_in_the_store(tmp_path):
     # what the records are for: TracIn over the saved checkpoints, LESS from a checkpoint's optimizer state
     from transformers import GPT2LMHeadModel
 
-    from gradtrace.methods.less import less_features
+    from gradtrace.fit.methods.less import less_features
     from gradtrace.projection.sketch import DenseProjection
 
     batch = {"id": [f"t{i}" for i in range(4)], **pad_collate(lm_rows(4, seed=9))}

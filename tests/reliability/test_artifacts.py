@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.curvature import Curvature, CurvatureError
-from gradtrace.methods.influence import CurvatureWeightsWarning
+from gradtrace.fit.curvature import Curvature, CurvatureError
+from gradtrace.fit.methods.influence import CurvatureWeightsWarning
 from gradtrace.options import CaptureOptions
 from gradtrace.score.engine import ScoringError
 from gradtrace.score.scores import ScoresError

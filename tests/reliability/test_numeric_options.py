@@ -145,7 +145,7 @@ def test_every_numeric_field_of_an_option_object_refuses_values_outside_its_rang
 
 # ---------------------------------------------------------------------------------------- method constructors
 def _methods():
-    from gradtrace import methods
+    from gradtrace.fit import methods
 
     return methods
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.curvature import Curvature
+from gradtrace.fit.curvature import Curvature
 from gradtrace.store.artifact import UncheckedArtifactWarning
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"

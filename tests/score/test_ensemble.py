@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import gradtrace
+from gradtrace.fit.methods.influence import CurvatureWeightsWarning
 from gradtrace.loss.functions import classification_loss
-from gradtrace.methods.influence import CurvatureWeightsWarning
 from gradtrace.options import CaptureOptions
 from gradtrace.score.ensemble import EnsembleError
 from gradtrace.store import SpecMismatch
-from tests.methods.test_trak import Net
+from tests.fit.methods.test_trak import Net
 
 EPS = torch.finfo(torch.float32).eps
 

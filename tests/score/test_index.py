@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.curvature import Curvature
+from gradtrace.fit.curvature import Curvature
 from gradtrace.options import StoreOptions
 from gradtrace.options.index import IndexOptions, SearchOptions
 from gradtrace.score.index import FaissMissing, Index, IndexMismatch, IndexParams, build_index, store_fingerprint

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.methods import MissingStage
+from gradtrace.fit.methods import MissingStage
 from gradtrace.options import CaptureOptions, RunOptions, StoreOptions
 from gradtrace.store import SpecMismatch
 from tests import tiny

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 import gradtrace
-from gradtrace.curvature import Curvature
-from gradtrace.curvature.blocks import DenseBlock
-from gradtrace.curvature.curvature import DenseEigen, KronEigen
+from gradtrace.fit.curvature import Curvature
+from gradtrace.fit.curvature.blocks import DenseBlock
+from gradtrace.fit.curvature.curvature import DenseEigen, KronEigen
+from gradtrace.fit.methods import MissingStage
+from gradtrace.fit.methods.influence import GGN
 from gradtrace.loss.functions import classification_loss
-from gradtrace.methods import MissingStage
-from gradtrace.methods.influence import GGN
 from gradtrace.options import CaptureOptions
 from gradtrace.score.ensemble import EnsembleError
 from tests.score.test_ensemble import _adam_run, _data, _trainer_directories
@@ -281,8 +281,8 @@ def test_a_block_without_gradient_has_no_step_and_dead_coordinates_weigh_nothing
     eps``) does not change it, where it decides ``"mean"``; a block with no gradient at all never moved (``s = 0``).
     ``"eigenbasis"``: ``diag(Q^T P Q)`` per direction (a dense rotation, and a Kronecker one against its dense
     Kronecker product)."""
-    from gradtrace.curvature.blocks import KronBlock
-    from gradtrace.methods.less import AdamState
+    from gradtrace.fit.curvature.blocks import KronBlock
+    from gradtrace.fit.methods.less import AdamState
     from gradtrace.score.unrolled import segment_scales
     from gradtrace.store.spec import GradientSpec
 

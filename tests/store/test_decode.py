@@ -196,7 +196,7 @@ def test_checkpoints_streamed_from_int8_stores_in_sub_blocks_equal_the_weighted_
     gen = torch.Generator().manual_seed(4)
     queries = [torch.randn(2, DIM, generator=gen) for _ in stores]
     query_sets = [gradtrace.GradientSet(q, ["a", "b"], stores[0].spec) for q in queries]
-    method = gradtrace.methods.get_method("tracin", weights=[0.5, 2.0])
+    method = gradtrace.fit.methods.get_method("tracin", weights=[0.5, 2.0])
     got = gradtrace.Attributor(method, stores, block_rows=8).score(query_sets, topk=4, matrix=True)
     reference = 0.5 * reference_scores("grad_dot", queries[0], decoded[0]) \
         + 2.0 * reference_scores("grad_dot", queries[1], decoded[1])

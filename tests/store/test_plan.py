@@ -4,8 +4,10 @@ import pytest
 import torch
 
 import gradtrace
-from gradtrace.options import CaptureOptions, StoreOptions
-from gradtrace.plan import RECORD_BYTES_PER_ROW, free_space
+from gradtrace.fit import EKFAC, TRAK, TrackStar
+from gradtrace.options import CaptureOptions, FitOptions, StoreOptions
+from gradtrace.plan import RECORD_BYTES_PER_ROW
+from gradtrace.plan.resources import free_space
 from tests import tiny
 
 
@@ -71,7 +73,8 @@ def test_plan_fit_sizes_by_hand(tmp_path, kind, passes):
     torch.manual_seed(0)
     model, data = tiny.MLP(), _mlp_data()
     store = gradtrace.collect(model, data, store=tmp_path / "s")
-    got = gradtrace.plan_fit(store, model, data, method=kind, fisher="empirical", out=tmp_path / "c")
+    got = gradtrace.plan_fit(store, model, data, method=kind, options=FitOptions(fisher="empirical"),
+                             out=tmp_path / "c")
     assert (got.examples, got.tokens, got.passes, got.blocks, got.kron_blocks) == (12, None, passes, 6, 3)
     assert got.factor_floats == factors and got.curvature_bytes == 4 * saved
     assert got.free_bytes > 0 and got.fits  # free_space(out): other writers change it between two calls
@@ -111,8 +114,8 @@ def test_plan_fit_of_a_saved_method_fit_from_the_store(tmp_path, method, precond
     mode = precondition if method == "trak" else "auto"
     structure = "parameter" if precondition == "parameter" else "joint"
     precondition = "autocorrelation" if structure == "parameter" else precondition
-    got = gradtrace.plan_fit(store, method=method, precondition=None if method == "trak" else precondition,
-                             out=tmp_path / "f", mode=mode, structure=structure)
+    planned = TRAK(mode=mode) if method == "trak" else TrackStar(precondition=precondition, structure=structure)
+    got = gradtrace.plan_fit(store, method=planned, out=tmp_path / "f")
     kernel = method == "trak" or precondition == "autocorrelation"
     # the kernels: the Gram matrix of the 12 rows, one per parameter, else the D x D kernel
     sizes = [12] if mode == "dual" else [d for _, d in store.spec.params] if structure == "parameter" else [dim]
@@ -147,7 +150,26 @@ def test_plan_fit_of_a_saved_method_fit_from_the_store(tmp_path, method, precond
         saved = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in names)
     assert saved == got.curvature_bytes
     with pytest.raises(ValueError, match=r"beyond max_dim=10; collect projected gradients"):
-        gradtrace.plan_fit(store, method="trak", max_dim=10)
+        gradtrace.plan_fit(store, method=TRAK(max_dim=10))
+
+
+def test_plan_fit_takes_the_method_object_or_the_fit_options(tmp_path):
+    """A method object's settings and FitOptions give the same plan as the name with the same settings; the
+    options' kind is the method's; a float64 covariance is planned with 8-byte factors."""
+    torch.manual_seed(0)
+    model, data = tiny.MLP(), _mlp_data()
+    store = gradtrace.collect(model, data, store=tmp_path / "s")
+    by_name = gradtrace.plan_fit(store, model, data, method="kfac", options=FitOptions(kind="ekfac",
+                                                                                        fisher="empirical"))
+    by_object = gradtrace.plan_fit(store, model, data, method=EKFAC(fisher="empirical"))
+    assert (by_name.method, by_name.passes) == ("kfac", 1) and (by_object.method, by_object.passes) == ("ekfac", 2)
+    assert by_name.factor_floats == by_object.factor_floats and by_name.factor_itemsize == 4
+    ggn = gradtrace.plan_fit(store, model, data, method="ggn", options=FitOptions(fisher="empirical"))
+    same = gradtrace.plan_fit(store, model, data, method="fisher", options=FitOptions(fisher="empirical"))
+    assert ggn.method == same.method == "fisher" and ggn.factor_floats == same.factor_floats
+    wide = gradtrace.plan_fit(store, model, data, method="kfac",
+                              options=FitOptions(fisher="empirical", covariance_dtype="float64"))
+    assert wide.factor_itemsize == 8 and wide.factor_floats == by_name.factor_floats
 
 
 def test_plan_fit_refusals(tmp_path):
@@ -159,6 +181,12 @@ def test_plan_fit_refusals(tmp_path):
         gradtrace.plan_fit(store, method="logra")
     with pytest.raises(ValueError, match="iterates data twice"):
         gradtrace.plan_fit(store, model, iter(data))
+    with pytest.raises(ValueError, match="method must be one of"):
+        gradtrace.plan_fit(store, model, data, method="kfca")
+    with pytest.raises(ValueError, match="no fit to plan"):
+        gradtrace.plan_fit(store, model, data, method=gradtrace.fit.GradDot())
+    with pytest.raises(TypeError, match="method name or object"):
+        gradtrace.plan_fit(store, model, data, method=3)
 
 
 @pytest.mark.parametrize("matrix", [True, False])
