@@ -10,6 +10,11 @@ of ``--out`` (so each stays available, and re-running resumes):
    :mod:`gradtrace.score.diagnostics`;
 3. ``report DIR/scores --out DIR/report.html``.
 
+With ``--method metagrad`` the steps are ``metagrad RECORDED QUERIES --out DIR/scores`` (the run that
+:func:`gradtrace.replay.hf.record_trainer` recorded, ``--recorded``; RUN_DIR itself when it is one), then the
+report: the scores differentiate each query's loss through every step of the run, so no checkpoint is collected
+and DATA is not read (the recorded run holds its training examples as the data collator gave them).
+
 Why a checkpoint ensemble by default: a fine-tune trained to convergence memorises its training set, its training
 examples' gradients vanish, and every single-model method then ranks the right examples no better than chance;
 the run's earlier checkpoints still carry the signal. ``bench/converged_sft.py`` measures it (docs/workflows.md).
@@ -24,7 +29,7 @@ from typing import Literal
 import typer
 
 from ..common.paths import why_missing
-from . import collect, report, score
+from . import collect, metagrad, report, score
 from .collect import attributed_first, run_checkpoints
 from .commands import cli, make_command, progress_flag
 from .console import console
@@ -51,8 +56,12 @@ class AttributeCommand:
                                        metavar="QUERIES"))
     out: Path = field(metadata=cli("Directory of the results: stores/, scores/, report.html.", "--out", "-o",
                                    metavar="DIR"))
-    method: Literal["grad_cos", "grad_dot"] = field(default="grad_cos", metadata=cli(
-        "Method of every member (the ensemble divides each member's scores by their mean absolute value)."))
+    method: Literal["grad_cos", "grad_dot", "metagrad"] = field(default="grad_cos", metadata=cli(
+        "Method of every member (the ensemble divides each member's scores by their mean absolute value); "
+        "metagrad: metagradients through the recorded run instead (--recorded; see gradtrace metagrad)."))
+    recorded: Path | None = field(default=None, metadata=cli(
+        "With --method metagrad: the run gradtrace.replay.hf.record_trainer recorded (default: RUN_DIR when it "
+        "is one).", metavar="RECORDED_DIR"))
     last: int = field(default=0, metadata=cli(
         "Checkpoints used: the run's last K (default 0: every checkpoint, which measured best -- early checkpoints "
         "carry what a converged final model lost; each costs one collection).", min=0))
@@ -94,12 +103,13 @@ def run(opts: AttributeCommand) -> None:
 
     Example: gradtrace attribute ./run train.jsonl questions.jsonl --out ./attribution --generate
     """
+    if opts.method == "metagrad":
+        _run_metagrad(opts)
+        return
+    if opts.recorded is not None:
+        raise CliError("--recorded applies to --method metagrad (the checkpoint ensemble reads RUN_DIR's checkpoints)")
     checkpoints = run_checkpoints(opts.run_dir, opts.last or None)  # refuses a run without checkpoint-N
-    scores_dir, report_path, stores_dir = opts.out / "scores", opts.out / "report.html", opts.out / "stores"
-    check_output_dir(scores_dir, "--out", stem="scores", what="scores", overwrite=opts.overwrite)
-    check_output_file(report_path, "--out", overwrite=opts.overwrite)
-    if not opts.queries.exists():
-        raise CliError(f"queries file {opts.queries} {why_missing(opts.queries)}")
+    scores_dir, report_path, stores_dir = _outputs(opts)
     names = [c.name for c in checkpoints]
     console().print(f"gradtrace attribute: {len(checkpoints)} checkpoint{'s' * (len(checkpoints) > 1)} of "
                     f"{opts.run_dir} ({', '.join(names)}); method {opts.method}"
@@ -124,3 +134,45 @@ def run(opts: AttributeCommand) -> None:
                                *(["--overwrite"] if opts.overwrite else [])])
     console().print(f"\nDone: stores in {stores_dir}, scores in {scores_dir}, report {report_path}", markup=False,
                     highlight=False, soft_wrap=True)
+
+
+def _outputs(opts: AttributeCommand) -> tuple[Path, Path, Path]:
+    """``--out``'s scores directory, report and stores directory, checked (no overwrite unless asked), and the
+    queries file checked."""
+    scores_dir, report_path, stores_dir = opts.out / "scores", opts.out / "report.html", opts.out / "stores"
+    check_output_dir(scores_dir, "--out", stem="scores", what="scores", overwrite=opts.overwrite)
+    check_output_file(report_path, "--out", overwrite=opts.overwrite)
+    if not opts.queries.exists():
+        raise CliError(f"queries file {opts.queries} {why_missing(opts.queries)}")
+    return scores_dir, report_path, stores_dir
+
+
+def _run_metagrad(opts: AttributeCommand) -> None:
+    """``--method metagrad``: ``gradtrace metagrad`` on the recorded run, then the report."""
+    recorded = opts.recorded
+    if recorded is None and (opts.run_dir / "manifest.json").exists():
+        recorded = opts.run_dir
+    if recorded is None:
+        raise CliError(f"--method metagrad differentiates through a recorded run, and {opts.run_dir} is not one: pass "
+                       "--recorded DIR, the directory gradtrace.replay.hf.record_trainer(trainer, DIR) wrote during "
+                       "trainer.train()")
+    ensemble_only = [flag for flag, given in (("--last", opts.last), ("--rank", opts.rank),
+                                              ("--generate", opts.generate), ("--base-model", opts.base_model))
+                     if given]
+    if ensemble_only:
+        raise CliError(f"{', '.join(ensemble_only)} appl{'ies' if len(ensemble_only) == 1 else 'y'} to the checkpoint "
+                       "ensemble, not to --method metagrad (it replays the recorded run itself)")
+    scores_dir, report_path, _ = _outputs(opts)
+    console().print(f"gradtrace attribute: metagradients through the recorded run {recorded}; {opts.data} is not "
+                    "read (the recorded run holds its training examples as the data collator gave them)",
+                    markup=False, highlight=False, soft_wrap=True)
+    progress = [] if opts.progress else ["--no-progress"]
+    _invoke("metagrad", metagrad, [recorded, opts.queries, "--out", scores_dir,
+                                   *(["--max-length", opts.max_length] if opts.max_length else []),
+                                   *(["--truncate"] if opts.truncate else []),
+                                   *(["--tokenizer", opts.tokenizer] if opts.tokenizer else []),
+                                   *(["--overwrite"] if opts.overwrite else []), *progress])
+    _invoke("report", report, [scores_dir, "--out", report_path, "--k", opts.k,
+                               *(["--overwrite"] if opts.overwrite else [])])
+    console().print(f"\nDone: scores in {scores_dir}, report {report_path}", markup=False, highlight=False,
+                    soft_wrap=True)

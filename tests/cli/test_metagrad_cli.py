@@ -144,3 +144,41 @@ def test_bad_inputs_are_refused(ws, runner, recorded, fresh):
     assert "already holds scores" in line
     invoke(runner, "metagrad", recorded, ws.queries, "--out", fresh / "t", "--overwrite", "--no-progress")
     assert (fresh / "t" / "train_texts.jsonl").exists()
+
+
+def test_attribute_with_metagrad_runs_metagrad_then_the_report(ws, runner, recorded, fresh):
+    """``gradtrace attribute RUN_DIR DATA QUERIES --method metagrad --recorded DIR``: the scores are gradtrace
+    metagrad's, bit for bit, and the report shows them; a RUN_DIR that is the recorded run needs no --recorded."""
+    from gradtrace.score import Scores
+
+    trainer_out = fresh / "trainer-out"
+    trainer_out.mkdir()
+    out = fresh / "attribution"
+    text = flat(invoke(runner, "attribute", trainer_out, ws.train, ws.queries, "--out", out, "--method", "metagrad",
+                       "--recorded", recorded, "--k", 3, "--no-progress").output)
+    assert "metagradients through the recorded run" in text and "is not read" in text
+    assert "$ gradtrace metagrad" in text and "$ gradtrace report" in text
+    invoke(runner, "metagrad", recorded, ws.queries, "--out", fresh / "by_hand", "--no-progress")
+    got, by_hand = Scores.load(out / "scores"), Scores.load(fresh / "by_hand")
+    assert got.train_ids == by_hand.train_ids and got.query_ids == by_hand.query_ids
+    assert torch.equal(got.matrix, by_hand.matrix)
+    assert "metagradients" in (out / "report.html").read_text()
+    again = fresh / "again"
+    invoke(runner, "attribute", recorded, ws.train, ws.queries, "--out", again, "--method", "metagrad",
+           "--no-progress")
+    assert torch.equal(Scores.load(again / "scores").matrix, by_hand.matrix)
+
+
+def test_attribute_with_metagrad_refuses_what_does_not_apply(ws, runner, recorded, fresh):
+    plain = fresh / "trainer-out"
+    plain.mkdir()
+    line = error_line(invoke(runner, "attribute", plain, ws.train, ws.queries, "--out", fresh / "a", "--method",
+                             "metagrad", code=2))
+    assert "is not one: pass --recorded DIR" in line
+    line = error_line(invoke(runner, "attribute", plain, ws.train, ws.queries, "--out", fresh / "a", "--method",
+                             "metagrad", "--recorded", recorded, "--last", 2, "--generate", code=2))
+    assert "--last, --generate apply to the checkpoint ensemble" in line
+    line = error_line(invoke(runner, "attribute", plain, ws.train, ws.queries, "--out", fresh / "a", "--recorded",
+                             recorded, code=2))
+    assert "--recorded applies to --method metagrad" in line
+    assert not (fresh / "a").exists()
