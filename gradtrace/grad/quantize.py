@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["MODES", "QuantizedRows", "quantize", "spearman"]
+__all__ = ["MODES", "QuantizedRows", "check_scales", "quantize", "spearman"]
 
 MODES = ("fp32", "bf16", "int8")
 _STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
@@ -69,10 +69,12 @@ class QuantizedRows:
         return self.data.to(torch.float32) * self.scale.unsqueeze(1)
 
 
-def quantize(x: Tensor, mode: str = "int8") -> QuantizedRows:
+def quantize(x: Tensor, mode: str = "int8", *, check_finite: bool = True) -> QuantizedRows:
     """Quantize rows ``x`` (``[E, D]`` float) for storage; see the module docstring for the modes.
 
-    Raises ``ValueError`` for ``"int8"`` when a row holds a non-finite value (it has no finite scale).
+    Raises ``ValueError`` for ``"int8"`` when a row holds a non-finite value (it has no finite scale). That check
+    reads the scales on the host; ``check_finite=False`` skips it (a non-finite row then gets a non-finite scale),
+    for rows encoded on a GPU whose scales :func:`check_scales` checks once they are on the host.
     """
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}; expected one of {MODES}")
@@ -84,11 +86,17 @@ def quantize(x: Tensor, mode: str = "int8") -> QuantizedRows:
     if rows.shape[1] == 0:
         return QuantizedRows(rows.to(torch.int8), rows.new_zeros(rows.shape[0]), mode)
     scale = rows.abs().amax(dim=1) / 127.0  # [E]
-    if not bool(torch.isfinite(scale).all()):
-        raise ValueError("int8 quantization needs finite rows; got inf or nan")
+    if check_finite:
+        check_scales(scale)
     divisor = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(1)
     data = torch.round(rows / divisor).clamp_(-127, 127).to(torch.int8)
     return QuantizedRows(data, scale, mode)
+
+
+def check_scales(scale: Tensor) -> None:
+    """Raise ``ValueError`` when an int8 row's scale is not finite (its row held inf or nan)."""
+    if not bool(torch.isfinite(scale).all()):
+        raise ValueError("int8 quantization needs finite rows; got inf or nan")
 
 
 def _average_ranks(values: Tensor) -> Tensor:

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..grad.quantize import QuantizedRows, quantize
+from ..grad.quantize import QuantizedRows, check_scales, quantize
 
 __all__ = ["QUANT_MODE", "HostRows", "PinnedPool", "encode_rows", "stage", "to_host"]
 
@@ -47,17 +47,18 @@ class Event(Protocol):
     def synchronize(self) -> None: ...
 
 
-def encode_rows(rows: Tensor, dtype: str, *, copy: bool = True) -> QuantizedRows:
+def encode_rows(rows: Tensor, dtype: str, *, copy: bool = True, check_finite: bool = True) -> QuantizedRows:
     """``rows`` ``[n, dim]`` (any float dtype, any device) in the store's ``dtype``, on their device.
 
     The rows are made float32 first (exact for bfloat16/float16 input, IEEE rounding for float64), then
     :func:`~gradtrace.grad.quantize.quantize` encodes them: the same function and the same operations on every
     device, so a CPU and a CUDA encoding of the same float32 rows are the same bytes. With ``copy`` the result
     never shares memory with ``rows`` (the caller may reuse them; float32 rows of a float32 store are copied).
+    ``check_finite=False``: no host read of the int8 scales here (:meth:`HostRows.wait` checks them on the host).
     """
     if dtype not in QUANT_MODE:
         raise ValueError(f"storage dtype must be one of {sorted(QUANT_MODE)}, got {dtype!r}")
-    encoded = quantize(rows.to(torch.float32), QUANT_MODE[dtype])
+    encoded = quantize(rows.to(torch.float32), QUANT_MODE[dtype], check_finite=check_finite)
     if copy and encoded.data.data_ptr() == rows.data_ptr() and rows.numel():  # rows kept as they are: a copy
         encoded = QuantizedRows(encoded.data.clone(), encoded.scale, encoded.mode)
     return encoded
@@ -150,13 +151,18 @@ class HostRows:
     slot: int | None = None
 
     def wait(self) -> QuantizedRows:
-        """The encoded rows, once the copy that fills them has completed (the writer thread's side)."""
+        """The encoded rows, once the copy that fills them has completed (the writer thread's side).
+
+        Raises ``ValueError`` when an int8 row is not finite: rows encoded on the device are checked here, on
+        their host copy of the scales, so that the training thread never waits for the check."""
         if self.event is not None:
             self.event.synchronize()
         if self.encoded is None:
             assert self.rows is not None
             self.encoded = encode_rows(self.rows, self.dtype)
             self.rows = None
+        elif self.encoded.scale is not None:
+            check_scales(self.encoded.scale)
         return self.encoded
 
     def release(self) -> None:
@@ -195,7 +201,8 @@ def to_host(rows: Tensor, dtype: str, pool: PinnedPool | None, *, copy: bool = T
         if copy and host.data_ptr() == rows.data_ptr() and rows.numel():
             host = host.clone()  # the caller may reuse its rows
         return HostRows(dtype, rows=host)
-    return stage(encode_rows(rows, dtype, copy=False), pool)  # encoded on the device: only stored bytes move
+    # encoded on the device, only the stored bytes move; the scales are checked on the host (HostRows.wait)
+    return stage(encode_rows(rows, dtype, copy=False, check_finite=False), pool)
 
 
 def stage(encoded: QuantizedRows, pool: PinnedPool) -> HostRows:

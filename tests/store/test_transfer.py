@@ -182,6 +182,37 @@ def test_staged_copy_waits_on_its_event_and_is_never_overwritten_while_held():
     assert torch.equal(fourth.wait().data, encode_rows(batches[2], "int8").data)
 
 
+def test_device_encoding_reads_nothing_on_the_host_and_the_writer_side_refuses_a_non_finite_row():
+    """The CUDA path (encode unchecked, stage, wait) with CPU tensors: no host read while encoding; a row with nan
+    or inf is refused by :meth:`HostRows.wait` (the writer thread), as the checked CPU path refuses it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("host_reads", Path(__file__).resolve().parents[2] / "bench" /
+                                                  "host_reads.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = torch.randn(6, 32)
+    with module.HostReads() as reads:
+        encoded = encode_rows(rows, "int8", copy=False, check_finite=False)
+    assert not reads.sites, reads.sites
+    with module.HostReads() as reads:
+        encode_rows(rows, "int8")
+    assert sum(reads.sites.values()) == 1  # the checked encoding: one read of the scales
+    want = encode_rows(rows, "int8")
+    assert torch.equal(encoded.data, want.data) and torch.equal(encoded.scale, want.scale)
+    pool, _, _ = _pool()
+    assert torch.equal(stage(encoded, pool).wait().data, want.data)
+    for bad in (float("nan"), float("inf")):
+        rows[3, 5] = bad
+        host = stage(encode_rows(rows, "int8", copy=False, check_finite=False), pool)
+        with pytest.raises(ValueError, match="needs finite rows"):
+            host.wait()
+        host.release()
+        with pytest.raises(ValueError, match="needs finite rows"):
+            encode_rows(rows, "int8")
+
+
 def test_cpu_rows_take_no_pool_and_are_encoded_by_the_writer_thread():
     rows = torch.randn(4, 16)
     pool, _, sizes = _pool()
