@@ -76,9 +76,10 @@ CPU_FAST_PATH = True
 off to run the device path on the CPU."""
 
 
-def zero_outside(x: Tensor, outside: Tensor | None) -> Tensor:
+def zero_outside(x: Tensor, outside: Tensor | None, dim: int = 1) -> Tensor:
     """``x`` (``[B, T, ...]``) with every ``outside`` position (``[B, T]``) that holds a NaN/inf set to 0 (the
-    whole position: a position's values summed, a non-finite sum marks it).
+    whole position: a position's values summed, a non-finite sum marks it). ``dim``: the dim of ``x`` holding the
+    positions when it is not 1 (attention weights ``[B, heads, T, keys]``: 2).
 
     Positions inside examples are never changed, nor are finite padding positions (an overflowing sum of finite
     values aside); tensors of another layout (integer ids, other position counts) are returned unchanged.
@@ -89,6 +90,10 @@ def zero_outside(x: Tensor, outside: Tensor | None) -> Tensor:
     the common case -- nothing non-finite -- costs one sum and returns ``x`` itself (:data:`CPU_FAST_PATH`; the
     device path measured 1.14x the CPU time of a padded LoGra ``collect``); the results are the same.
     """
+    if dim != 1 and outside is not None and x.dim() > dim:
+        moved = x.movedim(dim, 1)
+        cleaned = zero_outside(moved, outside)
+        return x if cleaned is moved else cleaned.movedim(1, dim)
     if outside is None or not x.is_floating_point() or x.dim() < 2 or tuple(x.shape[:2]) != tuple(outside.shape):
         return x
     if CPU_FAST_PATH and x.device.type == "cpu" and bool(torch.isfinite(x.sum())):

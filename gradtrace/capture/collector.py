@@ -356,6 +356,8 @@ class Capture:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             tensor = handler.output_tensor(output)
             if tensor is None or not torch.is_grad_enabled():
+                if tensor is None and torch.is_grad_enabled():
+                    self._call_unsupported(handler, output)
                 return None
             if not tensor.requires_grad:
                 trainable = any(getattr(module, role).requires_grad for role in handler.params)
@@ -389,12 +391,12 @@ class Capture:
                 cleaned = zero_outside(viewed, outside)
                 if cleaned is not viewed:
                     output = replacement = tensor = cleaned.view(output.shape)
-            kept = Kept(handler.keep(inputs, args, kwargs, self.projector))  # checkpointing: a placeholder
+            kept = Kept(handler.keep_call(inputs, args, kwargs, output, self.projector))  # checkpointing: a placeholder
             order = next(self._order)
 
             def on_grad(grad: Tensor) -> Tensor | None:
                 rows = rows_of(grad)
-                cleaned = zero_outside(rows, outside)
+                cleaned = zero_outside(rows, outside, handler.position_dim)
                 self._on_layer_grad(handler, context, order, kept, cleaned)
                 return cleaned.view(grad.shape) if cleaned is not rows else None
 
@@ -404,6 +406,14 @@ class Capture:
             return replacement
 
         return hook
+
+    def _call_unsupported(self, handler: LayerHandler, output: Any) -> None:
+        """Report (once) a call ``handler``'s rule cannot capture, when it says why and its parameters are trainable."""
+        reason = handler.call_unsupported(output)
+        trainable = any(getattr(handler.module, role).requires_grad for role in handler.params)
+        if (reason is not None and trainable and self._stack and self._stack[-1] is not None
+                and self._report.skip_runtime(handler.name, reason)):
+            self._left_out(f"gradtrace: {handler.name} is left out: {reason}", " (found while running)")
 
     def _padding_of(self, context: Any) -> Tensor | None:
         """``[B, T]`` positions of a forward call that belong to no example (computed once per call)."""

@@ -215,7 +215,7 @@ def select_layers(model: nn.Module, layers: Iterable[LayerSpec] | None = None,
     order = list(dict.fromkeys(param_names.values()))
     selection.param_order = [n for n in order if n in captured_params]
     if not selection.handlers:
-        kinds = "Linear, Conv1D, Embedding, LayerNorm/RMSNorm, Conv1d/Conv2d, MoE experts and routers"
+        kinds = "Linear, Conv1D, Embedding, LayerNorm/RMSNorm, Conv1d/Conv2d, MoE experts and routers, attention sinks"
         why = f" ({_frozen_advice(inner)})" if selection.frozen else ""
         if selection.unsupported and not why:
             why = " (" + "; ".join(f"{u.module} ({u.type_name}): {u.reason}" for u in selection.unsupported[:3]) + ")"

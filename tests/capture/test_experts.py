@@ -43,8 +43,7 @@ def mixtral():
 
 def gpt_oss():
     """gpt-oss: transposed experts with biases, interleaved clamped GLU, a router with a bias. Its attention's
-    ``sinks`` (a per-head logit used inside the attention function, no module of its own) are frozen here: no rule
-    captures them (the coverage check names them)."""
+    ``sinks`` are captured too (tests/capture/test_attention_sinks.py)."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     cfg = GptOssConfig(vocab_size=tiny.VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
@@ -55,8 +54,6 @@ def gpt_oss():
         for name, p in model.named_parameters():
             if name.endswith("_bias") or name.endswith("router.bias"):
                 p.normal_(0, 0.2)  # biases start at 0: make their gradients' layout matter
-            if name.endswith("sinks"):
-                p.requires_grad_(False)
     return model
 
 

@@ -1,5 +1,6 @@
 """Per-layer gradient math, one file per layer kind; importing this package registers them all."""
 
+from .attention_sinks import AttentionSinksHandler
 from .base import LayerHandler, find_handler, register_layer, registered_handlers
 from .conv import ConvHandler
 from .embedding import EmbeddingHandler
@@ -9,6 +10,7 @@ from .norm import NormHandler
 from .router import RouterHandler
 
 __all__ = [
+    "AttentionSinksHandler",
     "ConvHandler",
     "EmbeddingHandler",
     "ExpertsHandler",

@@ -133,6 +133,9 @@ class LayerHandler:
     activation_side: ClassVar[str | None] = None
     """Which factor of the weight's outer term is the layer input ("rows"/"cols"; None: no outer term).
     Curvature methods append the bias column on that side (K-FAC's ``[a; 1]``)."""
+    position_dim: ClassVar[int] = 1
+    """The dim of :meth:`output_tensor` holding the call's positions (after the batch dim): 1 for ``[B, T, ...]``;
+    attention weights ``[B, heads, T, keys]`` have 2. Padding positions are found along it (``isolate_padding``)."""
 
     def __init__(self, name: str, module: nn.Module, params: dict[str, str]) -> None:
         self.name = name
@@ -191,10 +194,21 @@ class LayerHandler:
         router's logits among its outputs). None: nothing to capture for this call."""
         return output if isinstance(output, Tensor) else None
 
+    def call_unsupported(self, output: Any) -> str | None:
+        """Why a call whose :meth:`output_tensor` is None cannot be captured (None: it has nothing to capture). The
+        capture reports the module as left out while running, with this reason."""
+        return None
+
     def keep(self, inputs: Tensor, args: tuple, kwargs: dict, projector: Projector | None) -> Any:
         """What the forward hook keeps for :meth:`backward`: :meth:`forward` of the batch input by default; rules that
         need more of the call (an experts layer's routing) override this and get its arguments."""
         return self.forward(inputs, projector)
+
+    def keep_call(self, inputs: Tensor, args: tuple, kwargs: dict, output: Any, projector: Projector | None) -> Any:
+        """What the forward hook keeps, given the whole call, its output included: :meth:`keep` by default; a rule
+        that needs more of the output than the tensor whose gradient it gets (attention probabilities) overrides
+        this."""
+        return self.keep(inputs, args, kwargs, projector)
 
     def forward(self, inputs: Tensor, projector: Projector | None) -> Any:
         """Called in the forward hook; returns what :meth:`backward` needs (a tensor, or a tuple, list or dict of
