@@ -29,10 +29,33 @@ the SDPA-trained weights ended 7.9e-2 away, beyond the stated bound -- and fixed
 tinylm recipe with eager attention throughout (training, the retraining ground truth -- its own cache,
 ``tinylm_eager`` -- and the replay), so that the recorded run is the one replayed; everything else as tinylm.
 
+Metasmooth variants (declared 2026-12-03 before any of their results; issue #32; ``bench/metasmooth_tasks.py``):
+MAGIC-style recipes meant to be metasmooth, each a task of its own (its own ground-truth cache, by name) whose
+``train`` runs the variant recipe, so the attributed model, the retraining ground truth and the recorded run are one
+recipe. Digits family: digits_mlp's data, split, pixels ``"unit"``, 1000 training images, 100 queries, 100 LDS
+subsets; tinylm family: 150 subsets; ``LDSOptions`` defaults otherwise, subset seed 0; float32 throughout.
+
+1. ``digits_mlp_smooth``: MLP 64-64-64-10 with exact (erf) GELU (``torch.nn.functional.gelu``) instead of ReLU;
+   SGD momentum 0.9 (no nesterov), coupled weight_decay 1e-4; batches of 100; 30 epochs (300 steps on the full
+   set); lr 0.05 with linear warmup over the first 10% of steps then cosine decay to 0 (a ``LambdaLR`` stepped
+   after each optimizer step).
+2. ``digits_mlp_fullbatch``: the same GELU MLP; full-batch gradient descent (one batch of the whole (sub)set per
+   step, mean loss), SGD momentum 0.9, coupled weight_decay 1e-4, constant lr 0.1, 300 steps.
+3. ``digits_softmax``: linear softmax regression 64 -> 10 (one ``nn.Linear``), full batch, SGD momentum 0.9,
+   constant lr 0.5, coupled weight_decay 1e-3, 300 steps (a convex control).
+4. ``tinylm_smooth``: tinylm with eager attention throughout (as ``tinylm_eager``), batches of 50 (4 steps per
+   epoch on 200 documents), 20 epochs, AdamW lr 1e-3 with linear warmup over the first 10% of steps then cosine
+   decay to 0, weight_decay 0; everything else as tinylm.
+
+Rows for each variant: ``metagradients``, ``grad_dot``, ``ekfac`` and ``kfac`` against both ground truths (LDS
+mean +- s.e.); the metasmoothness check (``gradtrace.replay.metasmoothness``, the first 10 queries, its default
+scales and seed) and the costs (training run, metagradients of all queries, their ratio).
+
 Usage::
 
     python bench/metagrad_quality.py                       # both tasks (~15-25 min on 2 CPU cores)
     python bench/metagrad_quality.py --tasks digits_mlp --subsets 20
+    python bench/metagrad_quality.py --tasks digits_softmax,digits_mlp_fullbatch,digits_mlp_smooth,tinylm_smooth
 """
 
 from __future__ import annotations
@@ -45,9 +68,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from metasmooth_tasks import VARIANTS, Recipe, run_recipe
 
 TOLERANCE_EAGER = 1e-3
-DEFAULT_SUBSETS = {"digits_mlp": 100, "tinylm": 150, "tinylm_eager": 150}
+DEFAULT_SUBSETS = {"digits_mlp": 100, "tinylm": 150, "tinylm_eager": 150, "digits_mlp_smooth": 100,
+                   "digits_mlp_fullbatch": 100, "digits_softmax": 100, "tinylm_smooth": 150}
+SMOOTHNESS_QUERIES = 10  # queries of the variants' metasmoothness check
 
 
 def eager_tinylm() -> Any:
@@ -101,41 +127,40 @@ class Problem:
         return self.loss(forward, query)[0]
 
 
+def recipe_of(task: Any, problem: Problem) -> Recipe:
+    """The task's training recipe: a variant's own (``task.recipe()``), or the bundled tasks' (as they train)."""
+    if hasattr(task, "recipe"):
+        return task.recipe()
+    cfg = task.settings
+    if problem.lm:
+        return Recipe(lambda: task.new_model(),
+                      lambda params: torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
+                      lambda model, rows: problem.loss(model, problem.batch([task.train_ids[i] for i in rows])).mean(),
+                      cfg.batch_size, cfg.epochs)
+    from gradtrace.eval.tasks.digits_mlp import DigitsReLUMLP
+
+    return Recipe(lambda: DigitsReLUMLP(cfg.width, cfg.depth),
+                  lambda params: torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True),
+                  lambda model, rows: F.cross_entropy(model(task.x_train[rows]), task.y_train[rows]),
+                  cfg.batch_size, cfg.epochs)
+
+
 def record(task: Any, problem: Problem, run_dir: Path) -> tuple[Any, float]:
-    """The task's training of its attributed model, again, recorded (``minibatch_epochs``'s loop)."""
-    from gradtrace.eval.tasks.base import fresh_model
+    """The task's training of its attributed model, again, recorded: its recipe (model factory, optimizer, scheduler,
+    batch size, epochs) run by ``run_recipe`` (``minibatch_epochs``'s loop) beside a ``RunRecorder``."""
     from gradtrace.replay import Reduction, RunRecorder
 
-    cfg = task.settings
-    indices = torch.arange(task.num_train)
-    if problem.lm:
-        indices, model = fresh_model(indices, cfg.seed, lambda: task.new_model())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    else:
-        from gradtrace.eval.tasks.digits_mlp import DigitsReLUMLP
+    held: dict[str, Any] = {}
 
-        indices, model = fresh_model(indices, cfg.seed, lambda: DigitsReLUMLP(cfg.width, cfg.depth))
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    recorder = RunRecorder(run_dir, model, optimizer, reduction=Reduction(kind="mean"))
-    generator = torch.Generator().manual_seed(cfg.seed)
-    ids = task.train_ids
-    began = time.perf_counter()
-    model.train()
-    with torch.enable_grad():
-        for _ in range(cfg.epochs):
-            order = indices[torch.randperm(indices.numel(), generator=generator)]
-            for start in range(0, order.numel(), cfg.batch_size):
-                batch_ids = [ids[i] for i in order[start:start + cfg.batch_size].tolist()]
-                batch = problem.batch(batch_ids)  # the task's own batch loss (bit-identical weights)
-                loss = (problem.loss(model, batch).mean() if problem.lm
-                        else F.cross_entropy(model(batch["x"]), batch["y"]))
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                recorder.step(batch_ids)
-    seconds = time.perf_counter() - began
-    recorder.finish(model)
-    return model.eval(), seconds
+    def start(model: Any, optimizer: Any, scheduler: Any) -> Any:
+        recorder = RunRecorder(run_dir, model, optimizer, scheduler=scheduler, reduction=Reduction(kind="mean"))
+        held.update(recorder=recorder, began=time.perf_counter())
+        return lambda rows: recorder.step([task.train_ids[i] for i in rows.tolist()])
+
+    model = run_recipe(recipe_of(task, problem), torch.arange(task.num_train), task.settings.seed, on_start=start)
+    seconds = time.perf_counter() - held["began"]
+    held["recorder"].finish(model)
+    return model, seconds
 
 
 def counterfactual_truth(run: Any, model: Any, problem: Problem, masks: torch.Tensor, tolerance: float | None
@@ -163,9 +188,9 @@ def run_task(name: str, args: argparse.Namespace) -> None:
     from gradtrace.eval.groundtruth import GroundTruth
     from gradtrace.eval.tasks import get_task
     from gradtrace.options import LDSOptions, MetagradOptions
-    from gradtrace.replay import load_run, metagradients
+    from gradtrace.replay import MetaGradients, load_run, metagradients, metasmoothness
 
-    task = eager_tinylm() if name == "tinylm_eager" else get_task(name)
+    task = eager_tinylm() if name == "tinylm_eager" else VARIANTS[name]() if name in VARIANTS else get_task(name)
     problem = Problem(task)
     subsets = args.subsets or DEFAULT_SUBSETS[name]
     print(f"\n### {name}\n\n{task.describe()}")
@@ -190,11 +215,18 @@ def run_task(name: str, args: argparse.Namespace) -> None:
         counterfactual = GroundTruth(truth.masks, counterfactual_truth(run, replay_model, problem, truth.masks,
                                                                        tolerance), {"kind": "counterfactual"})
         truth_seconds = time.perf_counter() - began
+        smooth = None
+        if name in VARIANTS:  # the check on the first queries, reusing their metagradients
+            count = SMOOTHNESS_QUERIES
+            head = MetaGradients(result.scores[:count], result.ids, result.query_losses[:count],
+                                 result.replay_difference, result.checkpoint_every)
+            smooth = metasmoothness(run, replay_model, problem.loss, problem.batch, problem.queries()[:count],
+                                    problem.query_loss, result=head, options=MetagradOptions(tolerance=tolerance))
     print(f"training run {train_seconds:.1f} s; metagradients of {task.num_queries} queries {metagrad_seconds:.1f} s "
           f"({metagrad_seconds / train_seconds:.1f}x the training run); replay difference to the recorded weights "
           f"{result.replay_difference:.2e}; counterfactual ground truth {truth_seconds:.0f} s for {subsets} subsets")
     rows = {"metagradients": result.scores}
-    for method in ("grad_dot", "ekfac"):
+    for method in ("grad_dot", "ekfac") + (("kfac",) if name in VARIANTS else ()):
         row = evaluate(task, [method], truth)[0]
         rows[method] = row  # scores are re-derived below for the counterfactual column
     print("\n| method | LDS, counterfactual (same run, weights 0) | LDS, retraining on the subset |")
@@ -206,6 +238,11 @@ def run_task(name: str, args: argparse.Namespace) -> None:
             b = value.lds
             a = evaluate(task, [method], counterfactual)[0].lds
         print(f"| {method} | {a.mean:.3f} +- {a.se:.3f} | {b.mean:.3f} +- {b.se:.3f} |")
+    if smooth is not None:
+        print(f"\nmetasmoothness ({SMOOTHNESS_QUERIES} queries, one random +-1 direction):\n")
+        print("| eps | relative error of the linear prediction | sign agreement |\n|---|---|---|")
+        for eps, error, agree in zip(smooth.scales, smooth.relative_error, smooth.sign_agreement):
+            print(f"| {eps:g} | {error:.3g} | {agree:.2f} |")
 
 
 def main() -> None:
