@@ -63,6 +63,35 @@ def test_digest_is_independent_of_memory_layout_and_chunking(monkeypatch):
     assert model_fingerprint(model) == want
 
 
+def _lanes_by_hand(words: torch.Tensor, indices: list[int], mask: int) -> list[int]:
+    """The scheme's sums as the module docstring states them, in Python integers."""
+    out = []
+    for prime, (mul, step, add) in zip(wd._PRIMES, wd._MIX):
+        total = 0
+        for v, i in zip(words.tolist(), indices):
+            term = ((v & mask) * mul + i * step + add) % prime
+            total = (total + term * term) % prime
+        out.append(total)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_lanes_equal_the_stated_sums(dtype, monkeypatch):
+    """The in-place, one-remainder computation gives the scheme's sums exactly: word indices from 0, beyond both
+    primes (2^31 + ...), and scattered (a sharded parameter's), over several chunks."""
+    monkeypatch.setattr(wd, "_CHUNK", 37)
+    gen = torch.Generator().manual_seed(3)
+    values = (torch.randn(300, generator=gen) * 1e3).to(dtype)
+    values[:4] = torch.tensor([0.0, -0.0, float("inf"), -1.0]).to(dtype)
+    words, mask = wd._words(values)
+    n = words.numel()
+    for start in (0, 2**31 + 5):
+        assert wd._lanes(words, None, start, mask).tolist() == _lanes_by_hand(words, list(range(start, start + n)),
+                                                                              mask)
+    scattered = torch.randperm(4 * n, generator=gen)[:n] + 2**32
+    assert wd._lanes(words, scattered, 0, mask).tolist() == _lanes_by_hand(words, scattered.tolist(), mask)
+
+
 def _changed(model: nn.Module, change) -> str:
     other = copy.deepcopy(model)
     with torch.no_grad():
