@@ -7,7 +7,10 @@ of 128 tokens in batches of 8, fp32 on the CPU, the default experts implementati
 ``collect`` is ``gradtrace.collect`` with ``LoGra(rank=16)`` into a store, every parameter captured (experts and
 routers included). The two take turns for ``--rounds`` rounds; the best round of each is kept. Usage::
 
-    python bench/moe_capture.py [--rounds 3] [--threads 2] [--profile]
+    python bench/moe_capture.py [--rounds 3] [--threads 2] [--profile] [--breakdown]
+
+``--breakdown`` (a diagnostic, after the timed rounds) prints the CPU time of both and, for one more collection,
+the wall time spent in the experts' gradient hooks, in all capture hooks and in the model fingerprint.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="print where collection's time goes (diagnostic)")
     args = parser.parse_args()
     import transformers
 
@@ -70,20 +74,62 @@ def main() -> None:
         captured = {n for n, _ in store.spec.params}
         share = sum(p.numel() for n, p in model.named_parameters() if n in captured) / total
         best = {"train": float("inf"), "collect": float("inf")}
+        cpu = dict(best)
         for _ in range(args.rounds):
             for name, fn in (("train", train), ("collect", collect)):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - start)
+                cpu[name] = min(cpu[name], time.process_time() - start_cpu)
         print(f"captured {share:.1%} of the parameters; row width {store.spec.dim:,}")
         ratio = best["collect"] / best["train"]
         print(f"train {best['train']:.2f} s, collect {best['collect']:.2f} s, ratio {ratio:.3f}")
+        if args.breakdown:
+            print(f"cpu time: train {cpu['train']:.2f} s, collect {cpu['collect']:.2f} s, ratio "
+                  f"{cpu['collect'] / cpu['train']:.3f}")
+            for part, seconds in _breakdown(collect).items():
+                print(f"  collect: {part} {seconds:.3f} s")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 collect()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def _breakdown(collect) -> dict[str, float]:
+    """Wall seconds of one ``collect()`` and of its parts, timed by wrapping them (a diagnostic, not a timed round)."""
+    import importlib
+
+    from gradtrace.capture.layers import ExpertsHandler
+
+    collector = importlib.import_module("gradtrace.capture.collector")
+    digest = importlib.import_module("gradtrace.store.weights_digest")
+    spent = {"total": 0.0, "experts hooks": 0.0, "all capture hooks": 0.0, "model fingerprint's weights digest": 0.0}
+    wrapped = [(ExpertsHandler, "backward", "experts hooks"),
+               (collector.Capture, "_on_layer_grad", "all capture hooks"),
+               (digest, "weights_digest", "model fingerprint's weights digest")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+
+    def timed(fn, part):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return run
+
+    for (owner, name, part), (_, _, fn) in zip(wrapped, saved):
+        setattr(owner, name, timed(fn, part))
+    try:
+        start = time.perf_counter()
+        collect()
+        spent["total"] = time.perf_counter() - start
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return spent
 
 
 if __name__ == "__main__":

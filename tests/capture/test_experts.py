@@ -6,6 +6,7 @@ from torch import nn
 
 import gradtrace
 from gradtrace.capture.layers import ExpertsHandler, RouterHandler, find_handler
+from gradtrace.capture.layers import experts as ex
 from gradtrace.options import CaptureOptions, Loss
 from gradtrace.projection.logra import Projector
 from tests import tiny
@@ -96,13 +97,15 @@ def test_experts_and_router_match_loop(arch, pad_side):
     assert torch.equal(batch.per_example_grads()[down].flatten(2).abs().sum(-1) == 0, per_expert == 0)
 
 
+@pytest.mark.parametrize("ranks", [(3, 2), (16, 8)], ids=["blocks", "grouped"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
-def test_logra_projects_each_expert_block(arch):
-    """Projected rows equal each expert's block of the exact rows projected with the parameter's two matrices."""
+def test_logra_projects_each_expert_block(arch, ranks):
+    """Projected rows equal each expert's block of the exact rows projected with the parameter's two matrices. Ranks
+    3 x 2 sum the pairs' outer products by blocks (widths the grouped kernel refuses); 16 x 8 by one grouped product."""
     torch.manual_seed(1)
     model = MODELS[arch]()
     _, ids, mask, labels, pos = _lm_batch([6, 4, 8])
-    spec = gradtrace.LoGra(rank=3, rank_cols=2, vector_rank=3, seed=5)
+    spec = gradtrace.LoGra(rank=ranks[0], rank_cols=ranks[1], vector_rank=3, seed=5)
 
     def run(options):
         with gradtrace.capture(model, loss=Loss(reduction="sum"), options=options) as cap:
@@ -112,7 +115,7 @@ def test_logra_projects_each_expert_block(arch):
 
     exact = run(CaptureOptions()).per_example_grads()
     proj = run(CaptureOptions(projection=spec, verify=True))
-    tokens = run(CaptureOptions(projection=gradtrace.LoGra(rank=3, rank_cols=2, vector_rank=3, seed=5,
+    tokens = run(CaptureOptions(projection=gradtrace.LoGra(rank=ranks[0], rank_cols=ranks[1], vector_rank=3, seed=5,
                                                            keep_tokens=True)))
     projector = Projector(spec)
     handlers = {h.params[r]: h for h in gradtrace.capture(model).handlers for r in h.params
@@ -172,6 +175,79 @@ def test_every_experts_implementation_is_captured_alike(implementation):
         tiny.lm_example_loss(out.logits, labels).mean().backward()
     assert cap.report().ok
     tiny.assert_grads_close(cap.batches[0].per_example_grads(), ref, names=_expert_params(model))
+
+
+def _routing(rows, tokens, experts, k, seed):
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.rand(rows, tokens, experts, generator=gen).argsort(-1)[..., :k]
+    return ex.Routing(index, experts), index
+
+
+@pytest.mark.parametrize("widths", [(16, 8), (3, 2)], ids=["grouped", "blocks"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_segment_outer_sums_equal_a_loop_over_rows_and_experts(widths, dtype):
+    """Each (row, expert) group's sum of outer products (the grouped product, or blocks where the kernel refuses the
+    widths or dtype) equals the loop over groups; experts without a pair of a row give exact zeros."""
+    rows, tokens, experts, k = 3, 5, 6, 2
+    routing, index = _routing(rows, tokens, experts, k, seed=7)
+    segment, ends = routing.segments(rows)
+    assert bool((segment[1:] >= segment[:-1]).all()) and int(ends[-1]) == rows * tokens * k
+    gen = torch.Generator().manual_seed(8)
+    r = torch.randn(rows * tokens * k, widths[0], generator=gen).to(dtype)
+    c = torch.randn(rows * tokens * k, widths[1], generator=gen).to(dtype)
+    got = ex._segment_outer_sums(r, c, segment, ends)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert got.dtype == acc and got.shape == (experts * rows, *widths)
+    row_of = routing.token // tokens
+    empty = 0
+    for e in range(experts):
+        for b in range(rows):
+            mine = (routing.expert == e) & (row_of == b)
+            want = r[mine].to(acc).t() @ c[mine].to(acc)
+            assert torch.allclose(got[e * rows + b], want, rtol=1e-6, atol=1e-6), (e, b)
+            empty += int(not bool(mine.any()))
+    assert empty > 0, "some expert receives no pair of some row"
+
+
+def test_segment_outer_sums_fall_back_to_blocks_alike(monkeypatch):
+    """Without the grouped kernel the blocks give the same sums (a block smaller than the pairs: several blocks)."""
+    routing, _ = _routing(4, 6, 5, 2, seed=9)
+    segment, ends = routing.segments(4)
+    gen = torch.Generator().manual_seed(10)
+    r, c = torch.randn(48, 16, generator=gen), torch.randn(48, 8, generator=gen)
+    grouped = ex._segment_outer_sums(r, c, segment, ends)
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", None, raising=False)
+    monkeypatch.setattr(ex, "_PAIR_BLOCK", 16 * 8 * 5)
+    blocks = ex._segment_outer_sums(r, c, segment, ends)
+    assert torch.allclose(grouped, blocks, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("projection", [None, gradtrace.LoGra(rank=16, rank_cols=8),
+                                        gradtrace.LoGra(rank=16, rank_cols=8, keep_tokens=True)],
+                         ids=["exact", "logra", "logra-tokens"])
+def test_experts_hook_reads_nothing_back_to_the_host(projection, monkeypatch):
+    """The experts' gradient hook (recomputation, per-token projections, grouped sums) makes no host read (counted
+    by ``bench/host_reads.py``), with biases (gpt-oss) and padding, on the device path (``CPU_FAST_PATH`` off)."""
+    from gradtrace.capture import assemble
+    from tests.capture.test_host_reads import _counter
+
+    monkeypatch.setattr(assemble, "CPU_FAST_PATH", False)
+    model = gpt_oss()
+    _, ids, mask, labels, pos = _lm_batch([6, 4, 8])
+    calls = []
+    backward = ExpertsHandler.backward
+
+    def counted(self, *args):
+        with _counter()() as reads:
+            out = backward(self, *args)
+        calls.append(sum(n for (_, where), n in reads.sites.items() if "layers/experts.py" in where))
+        return out
+
+    monkeypatch.setattr(ExpertsHandler, "backward", counted)
+    with gradtrace.capture(model, loss=Loss(reduction="sum"), options=CaptureOptions(projection=projection)):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        tiny.lm_example_loss(out.logits, labels).sum().backward()
+    assert calls == [0, 0]
 
 
 def test_experts_forward_other_than_the_rule_is_reported():

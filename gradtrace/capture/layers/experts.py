@@ -17,9 +17,13 @@ of each: ``experts(x [N, d], top_k_index [N, k], top_k_weights [N, k])``. For a 
 Experts that receive no token of an example get zero. The handler recomputes ``h_p`` and ``z_p`` in the gradient
 hook for the routed pairs only (the cost of the experts' own forward, not ``E`` times the tokens) and takes the
 gate's vector-Jacobian product through the module's own gate (``_apply_gate``: SwiGLU, gpt-oss's clamped GLU, ...),
-so the rule holds for every gate the interface allows. A module whose forward does not compute the expression above
-(a post-expert norm, expert parallelism, an override) is reported, never captured wrongly: it is checked on a copy
-with random weights and routing before capture.
+so the rule holds for every gate the interface allows. These two products (``W1 x``, ``W2^T dy``) are the floor of
+its cost: the same work as the two weight gradients a training step computes and capture does not. Under LoGra the
+factors of the tokens (``x_t``, ``g_t``) are projected once per token and then gathered per pair (``N`` rows, not
+``k N``), the routing weight multiplies the projected factors (the vjp is linear), and each (row, expert) sum of outer
+products is one grouped product over the pairs, which the sort by expert leaves in contiguous runs. A module whose
+forward does not compute the expression above (a post-expert norm, expert parallelism, an override) is reported,
+never captured wrongly: it is checked on a copy with random weights and routing before capture.
 
 Layout of the captured gradient: a parameter ``[E, R, C]`` is the matrix ``[E*R, C]`` (expert-major, as it is
 stored), a bias ``[E, R]`` the vector ``[E*R]``. Under LoGra each expert's block is projected with the parameter's
@@ -62,6 +66,17 @@ class Routing:
         counts = torch.zeros(experts, dtype=torch.int32, device=index.device)
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         self.offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def segments(self, rows: int) -> tuple[Tensor, Tensor]:
+        """The pairs' (expert, row) groups for ``rows`` rows of equal length: ``segment [P]`` (``expert * rows +
+        row`` of each sorted pair) and ``ends [E*rows]`` int32, the end of each group. The sort is stable and the
+        pairs token-major, so each expert's pairs are in row order: ``segment`` is nondecreasing and every group a
+        contiguous run of pairs."""
+        groups = self.offsets.shape[0] * rows
+        segment = self.expert * rows + self.token // max(1, self.token.shape[0] // (rows * self.k))
+        counts = torch.zeros(groups, dtype=torch.int32, device=segment.device)
+        counts.index_add_(0, segment, torch.ones_like(segment, dtype=torch.int32))
+        return segment, torch.cumsum(counts, 0, dtype=torch.int32)
 
     def unsort(self, values: Tensor) -> Tensor:
         """Per-pair values ``[P, ...]`` from sorted order back to the original (token-major) order."""
@@ -115,16 +130,30 @@ def _accumulation(x: Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _outer_sums(rows: Tensor, cols: Tensor, group: Tensor, groups: int) -> Tensor:
-    """``out[g] = sum_{p: group_p = g} rows_p (x) cols_p``: ``[groups, R, C]`` (float32, or float64 for float64
-    factors) from ``[P, R]``, ``[P, C]``."""
+def _segment_outer_sums(rows: Tensor, cols: Tensor, segment: Tensor, ends: Tensor) -> Tensor:
+    """``out[s] = sum_{p in group s} rows_p (x) cols_p``: ``[S, R, C]`` (float32, or float64 for float64 factors)
+    from ``[P, R]``, ``[P, C]`` whose groups are contiguous runs of pairs (group ``s`` ends at ``ends[s]``; ``segment
+    [P]``: each pair's group).
+
+    One grouped product over the pairs (``grouped_mm`` of ``rows^T`` and ``cols`` split along the pairs, as a weight
+    gradient is computed; 16-bit factors multiplied into float32, which is exact) where the kernel takes the dtype and
+    widths; else blocks of per-pair outer products added into their groups' rows (at most :data:`_PAIR_BLOCK` numbers
+    at a time)."""
     dtype = _accumulation(rows)
-    out = rows.new_zeros(groups, rows.shape[1], cols.shape[1], dtype=dtype)
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None)
+    key = ("segments", rows.device.type, rows.dtype, rows.shape[1], cols.shape[1])
+    if grouped_mm is not None and key not in _NO_GROUPED and rows.dtype == cols.dtype and dtype == torch.float32:
+        try:
+            out_dtype = None if rows.dtype == dtype else dtype
+            return grouped_mm(rows.t(), cols, offs=ends, out_dtype=out_dtype)
+        except (RuntimeError, NotImplementedError):
+            _NO_GROUPED.add(key)
+    out = rows.new_zeros(ends.shape[0], rows.shape[1] * cols.shape[1], dtype=dtype)  # 2-D: a row-wise index_add
     step = max(1, _PAIR_BLOCK // max(rows.shape[1] * cols.shape[1], 1))
     for start in range(0, rows.shape[0], step):  # blocks of pairs
         r, c = rows[start:start + step].to(dtype), cols[start:start + step].to(dtype)
-        out.index_add_(0, group[start:start + step], r.unsqueeze(2) * c.unsqueeze(1))
-    return out
+        out.index_add_(0, segment[start:start + step], (r.unsqueeze(2) * c.unsqueeze(1)).flatten(1))
+    return out.view(ends.shape[0], rows.shape[1], cols.shape[1])
 
 
 def _blocks(values: Tensor, expert: Tensor, experts: int) -> Tensor:
@@ -252,46 +281,69 @@ class ExpertsHandler(LayerHandler):
         grads = grad_output.to(dtype) * scale(tokens, grad_output.device).unsqueeze(-1)  # [B, T, d]
         routing = Routing(index, experts)  # the pairs sorted by expert: every per-pair tensor below is in its order
         expert, token = routing.expert, routing.token
-        x_p = x.reshape(rows * tokens, -1).index_select(0, token)
-        w_p = weights.reshape(-1).index_select(0, routing.order).unsqueeze(1).to(dtype)
-        g_p = grads.reshape(rows * tokens, -1).index_select(0, token)  # [P, d]
-        dy = w_p * g_p  # the gradient reaching y_p
+        x_tokens, g_tokens = x.reshape(rows * tokens, -1), grads.reshape(rows * tokens, -1)  # [N, d]
+        w_p = weights.reshape(-1).index_select(0, routing.order).unsqueeze(1).to(dtype)  # [P, 1]
+        g_p = g_tokens.index_select(0, token)  # [P, d]: g_t of each pair (dy_p = w_p g_t reaches y_p)
+        if projector is None:
+            g_p.mul_(w_p)  # dy_p, a factor itself; under LoGra w_p multiplies the projected factors instead
+        x_p = x_tokens.index_select(0, token)  # [P, d]
         with torch.enable_grad():
             h = self._hidden(module, x_p.detach(), routing).detach().requires_grad_(True)
             z = self._gate(module, h)
+        if projector is not None:
+            x_p = None  # its factor is projected per token below: freed before the per-pair tensors of the gradient
         _, _, w2, _ = self._weights(module)
-        dz = expert_linear(dy.to(w2.dtype), w2, routing, not self.transposed)
+        # dz_p = W2[e]^T dy_p and dh_p = J^T dz_p; under LoGra without the routing weight w_p (the vjp is linear in
+        # dz), which then multiplies the [P, k] projected factors, not [P, R] full-width ones
+        dz = expert_linear(g_p.to(w2.dtype), w2, routing, not self.transposed)
+        if projector is not None:
+            g_p = None  # as x_p
         dh = torch.autograd.grad(z, h, dz.to(z.dtype))[0]
         z = z.detach()
+        del h, dz
+
+        def factor(role: str, axis: str, source: str) -> Tensor:
+            """A factor of ``role``'s per-pair term, projected to ``axis`` under LoGra (float32 there). The factors
+            of the tokens (``x_t``, and ``g_t`` of ``dy_p = w_p g_t``) are projected per token and then gathered
+            (projection is linear): ``N`` rows projected, not ``P = k N``."""
+            if projector is None:
+                return {"x": x_p, "dy": g_p, "dh": dh, "z": z}[source]
+            name = self.params[role]
+            if source == "x":
+                return projector.project(name, axis, x_tokens).index_select(0, token)
+            if source == "dy":
+                return projector.project(name, axis, g_tokens).index_select(0, token).mul_(w_p)
+            if source == "dh":
+                return projector.project(name, axis, dh).mul_(w_p)
+            return projector.project(name, axis, z)
+
         # the factors of each parameter's per-pair outer product, in its stored layout [E, R, C]
-        factors = {self.up: (x_p, dh) if self.transposed else (dh, x_p),
-                   "down_proj": (z, dy) if self.transposed else (dy, z)}
-        vectors = {f"{self.up}_bias": dh, "down_proj_bias": dy}
+        sources = {self.up: ("x", "dh") if self.transposed else ("dh", "x"),
+                   "down_proj": ("z", "dy") if self.transposed else ("dy", "z")}
+        vectors = {f"{self.up}_bias": "dh", "down_proj_bias": "dy"}
         summed = getattr(scale, "rows", None) is not None and not (projector is not None
                                                                    and projector.spec.keep_tokens)
-        group = (token // tokens) * experts + expert  # (row, expert) of each pair
+        if summed:
+            segment, ends = routing.segments(rows)  # (expert, row) groups, contiguous in the sorted order
         terms: dict[str, Term] = {}
-        for role, (r, c) in factors.items():
+        for role, (row_source, col_source) in sources.items():
             if role not in self.params:
                 continue
-            name = self.params[role]
-            if projector is not None:
-                r, c = projector.project(name, "rows", r), projector.project(name, "cols", c)
+            r, c = factor(role, "rows", row_source), factor(role, "cols", col_source)
             if summed:
-                total = _outer_sums(r, c, group, rows * experts)  # [B*E, R, C]
-                terms[role] = VectorTerm(total.reshape(rows, 1, -1))
+                total = _segment_outer_sums(r, c, segment, ends)  # [E*B, R, C], expert-major
+                terms[role] = VectorTerm(total.view(experts, rows, -1).transpose(0, 1).reshape(rows, 1, -1))
             else:
                 terms[role] = self._slot_terms(routing.unsort(r), routing.unsort(c), routing.unsort(expert),
                                                rows, tokens, k)
-        for role, v in vectors.items():
+        for role, source in vectors.items():
             if role not in self.params:
                 continue
-            if projector is not None:
-                v = projector.project(self.params[role], "vector", v)
+            v = factor(role, "vector", source)
             v = v.to(_accumulation(v))
             if summed:
-                total = v.new_zeros(rows * experts, v.shape[1]).index_add_(0, group, v)
-                terms[role] = VectorTerm(total.reshape(rows, 1, -1))
+                total = v.new_zeros(experts * rows, v.shape[1]).index_add_(0, segment, v)  # [E*B, n]
+                terms[role] = VectorTerm(total.view(experts, rows, -1).transpose(0, 1).reshape(rows, 1, -1))
             else:
                 per_pair = _blocks(routing.unsort(v), routing.unsort(expert), experts)  # [P, E*n]
                 terms[role] = VectorTerm(per_pair.view(rows, tokens, k, -1).sum(2))
