@@ -23,6 +23,31 @@ is 1 when any row is ``fail`` or ``error``.
    same model and batches, after warm-up, synchronised around the timings.
 7. DDP over 2 GPUs (NCCL): per-example rows captured under DDP on two ranks against one process (needs two CUDA
    devices; ``--ddp-backend gloo`` runs the same launch on two CPU processes, which is how it is tested).
+8. MoE experts (a random-init Qwen3-MoE, transformers' fused experts, every layer sparse): exact capture in float32
+   of the experts, the routers and the rest against the brute-force loop on the same device (the row's notes say
+   whether gradtrace's experts products ran as ``torch.nn.functional.grouped_mm`` or fell back to blocks, read from
+   the kernel refusals ``gradtrace.capture.layers.experts`` records); LoGra rows (rank 8) of the bfloat16 model
+   against the float32 rows of the same weights, over the rows whose every token is routed alike in both dtypes (a
+   token whose top-k differs takes other experts: a jump, not round-off; those rows are reported apart); the time
+   of ``gradtrace.collect`` (LoGra rank 16) against a training pass of the same model, against issue #31's 1.0x.
+9. gpt-oss attention sinks (eager attention, trainable ``sinks``): per-example ``sinks`` gradients in float32
+   against the brute-force loop, and 100% coverage in the capture's report and in a ``collect`` store's manifest.
+10. metagradients: a tiny Llama trained on the device under ``gradtrace.replay.RunRecorder`` (SGD with momentum,
+    weight decay, clipping); the replay's difference to the recorded final weights (0 where the kernels are
+    deterministic), ``gradtrace.replay.metagradients`` on the device against the same recorded run replayed in
+    float64 on the CPU, and the time of the metagradients over the training run's (informative).
+
+Sizes (full; ``--quick`` in brackets), chosen so that the whole ``--device cuda`` run takes about 8 minutes on one
+H200 by design (not yet measured on one): 1 Llama h=128 L=4 V=1,024, 8 rows <= 64 tokens (h=64 L=2 V=256, 4 rows
+<= 16); 2 GPT-2 h=32, 2 and 8 layers; 3 bf16 Llama h=256 L=4 V=128,000, 8 x 1,024 tokens (L=2 V=32,000, 4 x 512);
+4, 5 Llama h=128 L=4 V=1,024, 64 examples <= 64 tokens (h=64 L=2 V=256, 16 <= 24); 6 bf16 Llama h=512 L=4
+V=32,000, 10 batches of 8 x 1,024 (h=256 L=2, 3 of 4 x 512); 7 GPT-2 h=32 L=2, 8 examples; 8 Qwen3-MoE h=128 L=2
+V=1,024, 8 experts top-2, 8 rows <= 64 tokens (h=32 V=256, 6 experts, 4 rows <= 16), timed at bench/moe_capture.py's
+workload in bf16: h=256 L=4 V=8,192, 16 experts top-4, 64 x 128 tokens in batches of 8 (L=2, 32 x 128); 9 gpt-oss
+h=64 L=4 V=1,024, 8 rows <= 64 tokens (h=32 L=2 V=256, 4 rows <= 16); 10 Llama h=64 L=2 V=256, 32 examples of 32
+tokens, 12 steps of 8, 3 queries (h=16 L=1 V=64, 8 of 8 tokens, 4 steps of 4). Checks 8-10 are small next to 3
+and 6: under a minute together on a GPU, most of it check 10's float64 CPU reference (about a minute on 2 CPU
+cores).
 
 Usage::
 
@@ -69,6 +94,8 @@ FP32_RTOL = 1e-4  # max |a - b| / max |b| between two float32 computations of th
 BF16_COSINE = 0.999  # per-row cosine of bfloat16 LoGra rows with float32 ones (about 4.5% relative error)
 MEMORY_RATIO = 1.10
 SPEED_RATIO = 0.5  # collect's tokens/s over a training step's: a regression guard, not a measured target
+META_RTOL = FP32_RTOL  # metagradients of a float32 run vs float64: round-off only (CPU: 2e-7 to 5e-7, 4 to 12 steps)
+MOE_TARGET = 1.0  # issue #31: LoGra collection of a fused-experts model within 1.0x a training pass
 
 
 @dataclass
@@ -144,6 +171,56 @@ def gpt2(layers: int, *, vocab: int = 128, hidden: int = 32, seed: int = 0):
     return GPT2LMHeadModel(config).float()
 
 
+def _sharpen(model, hidden: int, seed: int = 11):
+    """Expert and router weights of std ``0.3 * sqrt(16 / hidden)`` (``tests/capture/test_experts.py``'s 0.3 at width
+    16), larger than the default init, so that the routers' and the experts' gradients are not tiny."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 3 or ".gate.weight" in name or ".router." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 * (16 / hidden) ** 0.5)
+    return model
+
+
+def qwen3_moe(vocab: int, hidden: int, layers: int, experts: int, top_k: int, *, seed: int = 0):
+    """A random-init Qwen3-MoE (transformers' fused experts, every layer sparse, no load-balancing loss)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                            moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=hidden // 4, num_experts=experts,
+                            num_experts_per_tok=top_k, max_position_embeddings=2048, norm_topk_prob=True,
+                            router_aux_loss_coef=0.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                            pad_token_id=0, attn_implementation="sdpa")
+    return _sharpen(Qwen3MoeForCausalLM(config).float(), hidden)
+
+
+SINKS = (-3.0, 0.0, 1.5, 4.0)  # per head: sink probabilities from small to large (as test_attention_sinks.py)
+
+
+def gpt_oss(vocab: int, hidden: int, layers: int, *, seed: int = 0):
+    """A random-init gpt-oss: eager attention with trainable ``sinks`` (4 heads, far from 0), sliding-window and full
+    layers alternating, 4 experts top-2 with biases."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(seed)
+    config = GptOssConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden // 2,
+                          num_hidden_layers=layers, num_attention_heads=len(SINKS), num_key_value_heads=2,
+                          head_dim=hidden // len(SINKS), num_local_experts=4, num_experts_per_tok=2,
+                          max_position_embeddings=2048, sliding_window=8, router_aux_loss_coef=0.0,
+                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                          attn_implementation="eager")
+    model = _sharpen(GptOssForCausalLM(config).float(), hidden)
+    assert model.config._attn_implementation == "eager", model.config._attn_implementation
+    gen = torch.Generator().manual_seed(31)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.tensor(SINKS) + 0.3 * torch.randn(p.shape, generator=gen))
+    return model
+
+
 def padded_batch(lengths: list[int], vocab: int, seed: int = 1) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Rows of random tokens (``rows[i]``: ``[lengths[i]]``) and their right-padded batch with labels."""
     gen = torch.Generator().manual_seed(seed)
@@ -187,14 +264,28 @@ def brute_force(model, rows: list[torch.Tensor], device: torch.device) -> dict[s
     return {n: torch.stack(v) for n, v in out.items()}
 
 
-def captured(model, batch: dict[str, torch.Tensor], projection: gradtrace.LoGra | None):
-    """The one ``GradientBatch`` of a training step (token-mean loss) under ``gradtrace.capture``."""
+def capture_step(model, batch: dict[str, torch.Tensor], projection: gradtrace.LoGra | None):
+    """The ``gradtrace.capture`` of one training step (token-mean loss): its one batch, report and coverage."""
     with gradtrace.capture(model, Loss(reduction="token_mean"),
                            options=CaptureOptions(projection=projection)) as cap:
         model(**batch, use_cache=False).loss.backward()
     model.zero_grad(set_to_none=True)
     assert len(cap.batches) == 1 and cap.report().ok, str(cap.report())
-    return cap.batches[0]
+    return cap
+
+
+def captured(model, batch: dict[str, torch.Tensor], projection: gradtrace.LoGra | None):
+    """The one ``GradientBatch`` of a training step (token-mean loss) under ``gradtrace.capture``."""
+    return capture_step(model, batch, projection).batches[0]
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Wall seconds of ``fn()``, synchronised before and after."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------- 1. exactness
@@ -488,6 +579,20 @@ def check_scores(ctx: Context) -> Iterator[Row]:
 
 
 # ---------------------------------------------------------------------------------------------- 6. tokens/s
+def train_and_collect(model, batches: list, on_device: list, options: CaptureOptions, dev: torch.device):
+    """``(train, collect)``: a plain training pass over ``on_device`` (forward + backward, no optimizer) and
+    ``gradtrace.collect`` of ``batches`` with ``options`` on ``dev`` -- the two sides of a throughput check."""
+    def train() -> None:
+        for batch in on_device:
+            model(**batch, use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+
+    def collect() -> None:
+        gradtrace.collect(model, batches, options=options, run=RunOptions(device=dev))
+
+    return train, collect
+
+
 def check_throughput(ctx: Context) -> Iterator[Row]:
     dev = ctx.device
     if ctx.cuda:
@@ -506,20 +611,7 @@ def check_throughput(ctx: Context) -> Iterator[Row]:
     on_device = [to({k: v for k, v in b.items() if k != "id"}, dev) for b in batches]
     options = CaptureOptions(projection=gradtrace.LoGra(rank=8))
 
-    def train() -> None:
-        for batch in on_device:
-            model(**batch, use_cache=False).loss.backward()
-            model.zero_grad(set_to_none=True)
-
-    def collect() -> None:
-        gradtrace.collect(model, batches, options=options, run=RunOptions(device=dev))
-
-    def timed(fn: Callable[[], None]) -> float:
-        sync(dev)
-        start = time.perf_counter()
-        fn()
-        sync(dev)
-        return time.perf_counter() - start
+    train, collect = train_and_collect(model, batches, on_device, options, dev)
 
     model.train()
     train()  # warm-up
@@ -527,8 +619,8 @@ def check_throughput(ctx: Context) -> Iterator[Row]:
     best = {"train": float("inf"), "collect": float("inf")}
     for _ in range(2):  # alternate, best of two: machine drift hits both alike
         model.train()
-        best["train"] = min(best["train"], timed(train))
-        best["collect"] = min(best["collect"], timed(collect))
+        best["train"] = min(best["train"], timed(train, dev))
+        best["collect"] = min(best["collect"], timed(collect, dev))
     tokens = steps * rows * length
     train_rate, collect_rate = tokens / best["train"], tokens / best["collect"]
     ratio = collect_rate / train_rate
@@ -627,9 +719,294 @@ def check_ddp(ctx: Context) -> Iterator[Row]:
               "token-mean loss")
 
 
+# ---------------------------------------------------------------------------------------------- 8. MoE experts
+def _by_kind(report, names) -> dict[str, list[str]]:
+    """The captured parameter names grouped as ``experts``, ``router`` and ``rest`` by their handler's kind."""
+    kind_of = {param: kind for _, kind, params in report.layers for param in params}
+    groups: dict[str, list[str]] = {"experts": [], "router": [], "rest": []}
+    for name in names:
+        kind = kind_of.get(name, "")
+        groups["experts" if kind.startswith("experts(") else "router" if kind == "router" else "rest"].append(name)
+    return groups
+
+
+def _grouped_refusals() -> set:
+    """The (device, dtype, shapes) keys for which gradtrace's experts products found ``grouped_mm`` refusing."""
+    from gradtrace.capture.layers import experts as moe
+
+    return set(getattr(moe, "_NO_GROUPED", ()))
+
+
+def _top_k(model, batch: dict[str, torch.Tensor], routers: list[str]) -> torch.Tensor:
+    """``[routers, B, T, k]``: each router's chosen experts per token (sorted; -1 at padding), one forward pass."""
+    chosen = []
+
+    def keep(module, args, out) -> None:
+        chosen.append(next(o for o in reversed(out) if not o.is_floating_point()).detach().sort(-1).values)
+
+    handles = [model.get_submodule(name).register_forward_hook(keep) for name in routers]
+    try:
+        with torch.no_grad():
+            model(**batch, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    shape = (*batch["input_ids"].shape, -1)
+    return torch.stack([c.view(shape).masked_fill(batch["attention_mask"][..., None] == 0, -1) for c in chosen])
+
+
+def _products_path(before: set) -> str:
+    """Which path gradtrace's experts products took since ``before`` (the refusals then), as far as the record says."""
+    new = _grouped_refusals() - before
+    if new:
+        return f"blocks where grouped_mm refused {', '.join(sorted(map(str, new)))}"
+    return "grouped_mm available, no refusal recorded" if hasattr(F, "grouped_mm") else "blocks (no grouped_mm)"
+
+
+def check_moe(ctx: Context) -> Iterator[Row]:
+    dev = ctx.device
+    vocab, hidden, layers, experts, top_k = (256, 32, 2, 6, 2) if ctx.quick else (1024, 128, 2, 8, 2)
+    lengths = [12, 16, 7, 10] if ctx.quick else [48, 64, 17, 33, 64, 25, 40, 9]
+    rows, batch = padded_batch(lengths, vocab, seed=6)
+    batch = to(batch, dev)
+    refused = _grouped_refusals()
+    model32 = qwen3_moe(vocab, hidden, layers, experts, top_k).to(dev)
+    model32.train()
+    setup = (f"Qwen3-MoE h={hidden} L={layers} V={vocab}, {experts} experts top-{top_k}, experts implementation "
+             f"{model32.config._experts_implementation!r}, batch {len(lengths)} ragged to {max(lengths)} tokens, "
+             f"on {dev}")
+    cap = capture_step(model32, batch, None)
+    got = cap.batches[0].per_example_grads()
+    ref = brute_force(model32, rows, dev)
+    groups = _by_kind(cap.report(), ref)
+    assert groups["experts"] and groups["router"], groups
+    errs = {n: rel_err(got[n], ref[n]) for n in ref}
+    worst = {g: max(names, key=errs.get) for g, names in groups.items()}
+    top = max(errs.values())
+    path = _products_path(refused)
+    yield Row("8a", "MoE exact capture vs brute force, float32", f"{top:.1e}",
+              f"<= {FP32_RTOL:g} (max abs err / max abs ref, worst parameter)", verdict(top <= FP32_RTOL),
+              f"{setup}; worst per group: " + ", ".join(f"{g} {errs[n]:.1e} ({n})" for g, n in worst.items())
+              + f"; gradtrace's experts products: {path}")
+
+    logra = gradtrace.LoGra(rank=8, seed=0)
+    rows32 = captured(model32, batch, logra).flat()  # [E, D]
+    model16 = qwen3_moe(vocab, hidden, layers, experts, top_k).to(dev, torch.bfloat16)
+    model16.load_state_dict(model32.state_dict())
+    model16.train()
+    batch16 = captured(model16, batch, logra)
+    rows16 = batch16.flat()
+    cos32 = F.cosine_similarity(rows16.float(), rows32.float(), dim=1)  # [E]
+    experts_dims = sum(batch16.params[n].flat().shape[1] for n in groups["experts"])
+    # a token whose top-k differs in bf16 takes other experts: a jump, not round-off; such rows are reported apart
+    routers = [module for module, kind, _ in cap.report().layers if kind == "router"]
+    flips = (_top_k(model32, batch, routers) != _top_k(model16, batch, routers)).any(-1).sum((0, 2))  # [E]
+    same = flips == 0
+    note = (f"LoGra rank 8, {rows32.shape[1]} dims ({experts_dims} of the experts, each expert's block projected), "
+            f"routers included; the same weights cast to bf16; {int(same.sum())} of {len(same)} rows route every "
+            f"token alike in bf16 (the bound's rows); the others ({', '.join(map(str, flips[~same].tolist())) or '-'}"
+            f" token(s) routed differently) are at min cos {float(cos32[~same].min()) if (~same).any() else 1:.5f}")
+    if not bool(same.any()):
+        yield Row("8b", "MoE bf16 LoGra rows vs float32 rows", "-", f">= {BF16_COSINE} per row", "skip",
+                  f"every row has a token routed differently in bf16: nothing to hold to round-off; {note}")
+    else:
+        low = float(cos32[same].min())
+        yield Row("8b", "MoE bf16 LoGra rows vs float32 rows", f"min cos {low:.5f}",
+                  f">= {BF16_COSINE} per row (rows routed alike)", verdict(low >= BF16_COSINE), note)
+    del model16, ref, got
+    yield from _moe_timing(ctx)
+
+
+def _moe_timing(ctx: Context) -> Iterator[Row]:
+    """8c: LoGra collection (rank 16, in memory) of a fused-experts model against a training pass of it."""
+    dev = ctx.device
+    if ctx.cuda:  # full: bench/moe_capture.py's workload (Qwen3-MoE 4x256, 16 experts top-4, V 8,192, 64 x 128)
+        vocab, hidden, layers, experts, top_k, rows, length, dtype = \
+            (8192, 256, 2, 16, 4, 32, 128, torch.bfloat16) if ctx.quick else (8192, 256, 4, 16, 4, 64, 128,
+                                                                               torch.bfloat16)
+    else:
+        vocab, hidden, layers, experts, top_k, rows, length, dtype = \
+            (512, 64, 2, 8, 2, 16, 64, torch.float32) if ctx.quick else (8192, 256, 4, 16, 4, 64, 128, torch.float32)
+    per_batch = 8
+    model = qwen3_moe(vocab, hidden, layers, experts, top_k).to(dev, dtype)
+    gen = torch.Generator().manual_seed(4)
+    tokens = torch.randint(3, vocab, (rows, length), generator=gen)  # [N, T]
+    batches = [{"id": [f"t{j}" for j in range(i, i + per_batch)], "input_ids": tokens[i:i + per_batch]}
+               for i in range(0, rows, per_batch)]
+    on_device = [to({"input_ids": b["input_ids"], "labels": b["input_ids"]}, dev) for b in batches]
+    options = CaptureOptions(projection=gradtrace.LoGra(rank=16))
+
+    train, collect = train_and_collect(model, batches, on_device, options, dev)
+
+    model.train()
+    train()  # warm-up
+    refused = _grouped_refusals()
+    collect()
+    path = _products_path(refused)
+    best = {"train": float("inf"), "collect": float("inf")}
+    for _ in range(2):  # alternate, best of two
+        model.train()
+        best["train"] = min(best["train"], timed(train, dev))
+        best["collect"] = min(best["collect"], timed(collect, dev))
+    ratio = best["collect"] / best["train"]
+    setup = (f"{str(dtype).removeprefix('torch.')} Qwen3-MoE h={hidden} L={layers} V={vocab:,}, {experts} experts "
+             f"top-{top_k}, {rows} x {length} tokens in batches of {per_batch}, LoGra rank 16 in memory, every "
+             f"parameter; training pass: forward + backward, no optimizer; best of 2 after warm-up, on {dev}; "
+             f"gradtrace's experts products: {path}")
+    if ctx.cuda:
+        yield Row("8c", "MoE time: collect / training pass", f"{ratio:.2f}x ({best['collect']:.3f} / "
+                  f"{best['train']:.3f} s)", f"<= {MOE_TARGET}x (issue #31's target)", verdict(ratio <= MOE_TARGET),
+                  setup)
+    else:
+        yield Row("8c", "MoE time: collect / training pass", f"{ratio:.2f}x ({best['collect']:.3f} / "
+                  f"{best['train']:.3f} s)", f"<= {MOE_TARGET}x on CUDA", "skip",
+                  f"{setup}; the target is the device's (the CPU's: bench/moe_capture.py, at full size and with "
+                  "a store); at --quick shapes a CPU time is mostly per-call overhead")
+
+
+# ---------------------------------------------------------------------------------------------- 9. attention sinks
+def check_sinks(ctx: Context) -> Iterator[Row]:
+    from gradtrace.capture.coverage import recorded_coverage
+
+    dev = ctx.device
+    vocab, hidden, layers = (256, 32, 2) if ctx.quick else (1024, 64, 4)
+    lengths = [12, 16, 7, 10] if ctx.quick else [48, 64, 17, 33, 64, 25, 40, 9]
+    rows, batch = padded_batch(lengths, vocab, seed=7)
+    model = gpt_oss(vocab, hidden, layers).to(dev)
+    model.train()
+    setup = (f"gpt-oss h={hidden} L={layers} V={vocab}, eager attention, {len(SINKS)} heads with sinks, sliding "
+             f"window 8 on alternate layers, batch {len(lengths)} ragged to {max(lengths)} tokens, on {dev}")
+    cap = capture_step(model, to(batch, dev), None)
+    got = cap.batches[0].per_example_grads()
+    ref = brute_force(model, rows, dev)
+    sinks = [n for n in ref if n.endswith("sinks")]
+    assert len(sinks) == layers, sinks
+    errs = {n: rel_err(got[n], ref[n]) for n in ref}
+    worst = max(sinks, key=errs.get)
+    rest = max((n for n in ref if n not in sinks), key=errs.get)
+    yield Row("9a", "gpt-oss sinks exact vs brute force, float32", f"{errs[worst]:.1e}",
+              f"<= {FP32_RTOL:g} (max abs err / max abs ref, worst sinks)", verdict(errs[worst] <= FP32_RTOL),
+              f"{setup}; worst: {worst}; every other parameter: worst {errs[rest]:.1e} ({rest})")
+
+    coverage = cap.coverage()
+    kinds = sorted({kind for _, kind, _ in cap.report().layers})
+    store = _collect(model, id_batches(8, 24, vocab, per_batch=4, seed=8), dev, ctx.tmp / "sinks")
+    stored = recorded_coverage(store.manifest)
+    ok = (coverage.share == 1.0 and not coverage.uncovered and stored is not None and stored.share == 1.0
+          and "attention-sinks" in kinds)
+    yield Row("9b", "gpt-oss coverage: capture and collect's store",
+              f"capture {coverage.percent}, store {stored.percent if stored is not None else 'not recorded'}",
+              "100% of the trainable parameters per example", verdict(ok),
+              f"capture of 9a ({coverage.captured:,} of {coverage.trainable:,} elements) and gradtrace.collect of 8 "
+              f"examples into a float32 store (LoGra rank 8), on {dev}; handler kinds: {', '.join(kinds)}")
+
+
+# ---------------------------------------------------------------------------------------------- 10. metagradients
+def _lm_losses(forward, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Per-example mean next-token loss ``[B]`` in the model's dtype (unpadded rows of one length)."""
+    logits = forward(input_ids=batch["input_ids"]).logits[:, :-1]  # [B, T-1, V]
+    targets = batch["input_ids"][:, 1:]
+    return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(1)
+
+
+def _query_loss(forward, query: dict[str, torch.Tensor]) -> torch.Tensor:
+    return _lm_losses(forward, query).mean()
+
+
+def _in_float64(run):
+    """A recorded run's floating tensors (and the manifest's record of them) in float64, in memory, as
+    ``gradtrace metagrad --dtype float64`` replays a float32 run."""
+    import copy
+
+    def convert(tensors):
+        return {k: v.double() if v.is_floating_point() else v for k, v in tensors.items()}
+
+    run.initial = convert(run.initial)
+    run.final = convert(run.final) if run.final is not None else None
+    run.manifest = copy.deepcopy(run.manifest)
+    for info in run.manifest["params"].values():
+        info["dtype"] = "float64" if info["dtype"] in ("float16", "bfloat16", "float32") else info["dtype"]
+    return run
+
+
+def check_metagrad(ctx: Context) -> Iterator[Row]:
+    import copy
+    import math
+
+    from gradtrace.options import MetagradOptions
+    from gradtrace.replay import RunRecorder, load_run, metagradients, replay
+    from gradtrace.replay.replay import DEFAULT_TOLERANCE
+
+    dev = ctx.device
+    vocab, hidden, layers, examples, length, per_step, epochs = \
+        (64, 16, 1, 8, 8, 4, 2) if ctx.quick else (256, 64, 2, 32, 32, 8, 3)
+    gen = torch.Generator().manual_seed(10)
+    tokens = torch.randint(3, vocab, (examples + 3, length), generator=gen)  # [N + Q, T]: training rows, queries
+    order = [torch.randperm(examples, generator=gen).tolist() for _ in range(epochs)]
+    steps = [epoch[s:s + per_step] for epoch in order for s in range(0, examples, per_step)]
+    queries = [{"input_ids": tokens[examples + q:examples + q + 1]} for q in range(3)]
+    base = llama(vocab, hidden, layers, heads=4, kv_heads=2, seed=3)
+    base.set_attn_implementation("eager")  # differentiated twice: not every SDPA kernel has a double backward
+    base.train()
+
+    def batches_on(device: torch.device) -> Callable[[list], dict[str, torch.Tensor]]:
+        return lambda ids: {"input_ids": tokens[ids].to(device)}
+
+    def train(model, record: Path | None) -> None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False)
+        rec = RunRecorder(record, model, opt, grad_clip=1.0) if record is not None else None
+        batches = batches_on(dev)
+        for ids in steps:
+            _lm_losses(model, batches(ids)).mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=False)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if rec is not None:
+                rec.step(ids)
+        if rec is not None:
+            rec.finish(model)
+
+    run_dir = ctx.tmp / "metagrad-run"
+    train(copy.deepcopy(base).to(dev), run_dir)
+    fresh = copy.deepcopy(base).to(dev)
+    train_s = timed(lambda: train(fresh, None), dev)  # after the recorded run: warm
+    setup = (f"Llama h={hidden} L={layers} V={vocab}, eager attention, float32, {examples} examples of {length} "
+             f"tokens, {len(steps)} SGD steps (momentum 0.9, weight decay 0.01, clipping 1.0, foreach=False) of "
+             f"{per_step}, recorded on {dev}")
+    run = load_run(run_dir)
+    model = copy.deepcopy(base).to(dev)
+    difference = replay(run, model, _lm_losses, batches_on(dev), tolerance=math.inf).difference
+    bound = DEFAULT_TOLERANCE[torch.float32]
+    yield Row("10a", "replay difference on the device, float32", f"{difference:.1e}" if difference else "0 (bit-exact)",
+              f"<= {bound:g} (the replay's float32 default; 0 where the kernels are deterministic)",
+              verdict(difference <= bound),
+              f"{setup}; max |theta - theta_rec| / max(1, max |theta_rec|) over the parameters")
+
+    start = time.perf_counter()
+    got = metagradients(run, model, _lm_losses, batches_on(dev), [{k: v.to(dev) for k, v in q.items()}
+                                                                  for q in queries],
+                        _query_loss, train_ids=list(range(examples)))
+    sync(dev)
+    meta_s = time.perf_counter() - start
+    run64 = _in_float64(load_run(run_dir))
+    ref = metagradients(run64, copy.deepcopy(base).double(), _lm_losses, batches_on(torch.device("cpu")), queries,
+                        _query_loss, train_ids=list(range(examples)),
+                        options=MetagradOptions(tolerance=bound))  # the float32 run's bound: the coarser precision
+    err = rel_err(got.scores, ref.scores)
+    yield Row("10b", "metagradients: device float32 vs CPU float64", f"{err:.1e}",
+              f"<= {META_RTOL:g} (max abs err / max abs ref)", verdict(err <= META_RTOL),
+              f"3 queries x {examples} examples; the reference replays the recorded run in float64 on the CPU (its "
+              f"replay difference {ref.replay_difference:.1e}: the float32 run's round-off); float32 round-off "
+              f"carried through {len(steps)} steps of Hessian-vector products")
+    yield Row("10c", "time: metagradients / training run", f"{meta_s / train_s:.1f}x ({meta_s:.2f} / {train_s:.2f} s)",
+              "none (informative)", "pass",
+              f"3 queries in one vectorised reverse pass, checkpoints every {got.checkpoint_every} steps; training: "
+              f"the same {len(steps)} steps without the recorder, on {dev}")
+
+
 CHECKS: dict[str, Callable[[Context], Iterator[Row]]] = {
     "1": check_exactness, "2": check_host_syncs, "3": check_memory, "4": check_int8, "5": check_scores,
-    "6": check_throughput, "7": check_ddp,
+    "6": check_throughput, "7": check_ddp, "8": check_moe, "9": check_sinks, "10": check_metagrad,
 }
 
 

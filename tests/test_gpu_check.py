@@ -2,6 +2,9 @@
 passes the checks that run on a CPU; the CUDA-only checks are skipped with their reason; a check that raises is an
 ``error`` row, the others still run, and the exit status says so.
 
+Checks 8-10 (MoE experts, gpt-oss attention sinks, metagradients) run at their ``--quick`` sizes: every row passes
+except 8c, the MoE collection time, whose 1.0x bound is the device's target: on the CPU it is reported and skipped.
+
 The subprocess run adds ``--self-compare`` (the device-vs-CPU comparisons 4b and 5, CPU against CPU) and
 ``--ddp-backend gloo`` (check 7's two-rank launch on CPU processes), so that every code path the GPU run takes,
 except the CUDA calls themselves, has run here once.
@@ -21,8 +24,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_check.py"
-ROWS = ["1a", "1b", "1c", "2a", "2b", "2c", "2d", "3", "4a", "4b", "5", "6", "7"]
+ROWS = ["1a", "1b", "1c", "2a", "2b", "2c", "2d", "3", "4a", "4b", "5", "6", "7", "8a", "8b", "8c", "9a", "9b", "10a",
+        "10b", "10c"]
 CUDA_ONLY = {"2a", "2b", "3"}  # skipped on the CPU whatever the flags
+DEVICE_TARGET = {"8c"}  # measured on the CPU too, but its bound is the device's target: skipped, with the number
 
 
 def _module():
@@ -64,11 +69,19 @@ def test_cpu_quick_run_reports_every_check(tmp_path):
     rows = _rows(text)
     assert list(rows) == ROWS, proc.stdout
     for check, row in rows.items():
-        expected = "skip" if check in CUDA_ONLY else "pass"
+        expected = "skip" if check in CUDA_ONLY | DEVICE_TARGET else "pass"
         assert row["status"] == expected, (check, row)
         assert row["notes"], (check, row)  # the setup, or the reason for a skip
     assert all("needs CUDA" in rows[c]["notes"] for c in CUDA_ONLY)
     assert "gloo" in rows["7"]["notes"]
+    # the new device paths: MoE experts, attention sinks, metagradients (values and what the notes must say)
+    assert all("experts products: " in rows[c]["notes"] for c in ("8a", "8c")), (rows["8a"], rows["8c"])
+    assert "rows route every token alike" in rows["8b"]["notes"]
+    assert re.fullmatch(r"\d+\.\d\dx \(.* s\)", rows["8c"]["value"]) and "1.0x on CUDA" in rows["8c"]["bound"]
+    assert rows["9b"]["value"] == "capture 100.0%, store 100.0%" and "attention-sinks" in rows["9b"]["notes"]
+    assert rows["10a"]["value"] == "0 (bit-exact)", rows["10a"]  # the CPU's single-tensor kernels replay bit for bit
+    assert float(rows["10b"]["value"]) <= 1e-4 and "float64" in rows["10b"]["notes"]
+    assert rows["10c"]["bound"] == "none (informative)"
 
 
 def test_skips_name_their_reason_on_the_cpu(tmp_path):
@@ -87,18 +100,18 @@ def test_a_raising_check_is_an_error_row_and_the_others_run(tmp_path, monkeypatc
     gpu_check = _module()
 
     def raises(ctx):
-        yield gpu_check.Row("8a", "first", "1", "-", "pass", "done before the error")
+        yield gpu_check.Row("98a", "first", "1", "-", "pass", "done before the error")
         raise RuntimeError("out of memory")
 
     def fails(ctx):
-        yield gpu_check.Row("9", "fails", "2", "<= 1", "fail", "too big")
+        yield gpu_check.Row("99", "fails", "2", "<= 1", "fail", "too big")
 
     ctx = gpu_check.Context(device=torch.device("cpu"), quick=True, tmp=tmp_path, ddp_backend="auto")
-    rows = gpu_check.run_checks(ctx, {"8": raises, "3": gpu_check.check_memory})
-    assert [(r.check, r.status) for r in rows] == [("8a", "pass"), ("8", "error"), ("3", "skip")]
+    rows = gpu_check.run_checks(ctx, {"98": raises, "3": gpu_check.check_memory})
+    assert [(r.check, r.status) for r in rows] == [("98a", "pass"), ("98", "error"), ("3", "skip")]
     assert "RuntimeError: out of memory" in rows[1].notes
-    monkeypatch.setitem(gpu_check.CHECKS, "9", fails)
+    monkeypatch.setitem(gpu_check.CHECKS, "99", fails)  # not one of the real checks
     assert gpu_check.main(["--device", "cpu", "--only", "3"]) == 0
-    assert gpu_check.main(["--device", "cpu", "--only", "3,9", "--out", str(tmp_path / "new.md")]) == 1
-    assert "failing: 9" in capsys.readouterr().out
-    assert _rows((tmp_path / "new.md").read_text()).keys() == {"3", "9"}
+    assert gpu_check.main(["--device", "cpu", "--only", "3,99", "--out", str(tmp_path / "new.md")]) == 1
+    assert "failing: 99" in capsys.readouterr().out
+    assert _rows((tmp_path / "new.md").read_text()).keys() == {"3", "99"}
