@@ -16,11 +16,32 @@ Setup, fixed before any result was seen (issue #29, item 3):
 * diagnostics (:mod:`gradtrace.score.diagnostics`) of each single-model scoring: the gradient ratio and the share
   of queries whose top-1 is within noise; whether the memorisation warning fires.
 
-Seeds 0, 1, 2 (``--seeds``); seed 0 set the diagnostics' thresholds, 1 and 2 check them. Usage::
+Seeds 0, 1, 2 (``--seeds``); seed 0 set the diagnostics' thresholds, 1 and 2 check them.
+
+Variant ``--metagrad`` (declared 2026-12-03 before any of its results; issue #32):
+
+* the same setup (data, tokenizer, model size, AdamW lr 3e-3 no weight decay, linear decay, batch 16, epochs, seed
+  0 only by default -- metagradients cost many times the run), except that the model uses eager attention
+  (``attn_implementation="eager"``: the CPU SDPA kernel has no double backward) for the whole run and every row,
+  so the rows compare like for like;
+* the training loop is recorded with :class:`gradtrace.replay.RunRecorder`, with the reduction that matches the
+  HF GPT-2 loss on the batch (the mean over the batch's shifted label tokens: ``Reduction("token_mean")``, the
+  loss returning each document's summed token loss and its count of shifted labels); the replay must reproduce
+  the recorded final weights bit for bit or within the replay's default bound, and the difference is printed; a
+  run that fails the check is reported, not scored;
+* rows: all the rows above (final ``grad_dot``, ``grad_cos``; epoch-k ``grad_cos``; ensembles last 4 / all),
+  recomputed on this eager run, plus ``metagradients``: :func:`gradtrace.replay.metagradients` of each of the 8
+  queries' summed token loss through the whole recorded run w.r.t. every training document's weight (all queries
+  vectorised, default options), scores positive = helps; recall@1 of each row out of 8, as above;
+* also printed: training seconds, metagradient seconds and their ratio, the replay difference, and the
+  metasmoothness check (:func:`gradtrace.replay.metasmoothness`, default scales, on the 8 queries).
+
+Usage::
 
     python bench/converged_sft.py                  # 3 seeds, 40 epochs (~10 min on 2 CPU cores)
     python bench/converged_sft.py --seeds 0 --epochs 20 --docs 200
     python bench/converged_sft.py --seeds 0 --save runs/converged   # then: gradtrace attribute runs/converged/...
+    python bench/converged_sft.py --metagrad --seeds 0               # eager attention, + metagradients
 """
 
 from __future__ import annotations
@@ -28,6 +49,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,8 +59,61 @@ from gradtrace.options import CaptureOptions
 KEEP = (2, 5, 10, 20, 30, 40)
 
 
+def token_losses(forward, batch: dict):
+    """Each row's summed next-token loss and its count of shifted labels: ``Reduction("token_mean")`` of these is
+    the HF GPT-2 loss of the batch (the mean over its shifted label tokens), the same ops as ``ForCausalLMLoss``."""
+    import torch.nn.functional as F
+
+    from gradtrace.loss import lm_labels
+
+    logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    shifted = F.pad(lm_labels(batch), (0, 1), value=-100)[:, 1:]  # [B, T]: labels[t + 1], as HF shifts them
+    per_token = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100,
+                                reduction="none").view(shifted.shape)
+    return per_token.sum(1), (shifted != -100).sum(1)
+
+
+def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_s: float) -> dict:
+    """The ``--metagrad`` rows: the replay check, metagradients of the 8 queries, their recall@1, metasmoothness."""
+    import numpy as np
+
+    from gradtrace.replay import ReplayError, load_run, metagradients, metasmoothness
+
+    recorded = load_run(run_dir)
+    index = {ident: i for i, ident in enumerate(train.ids)}
+
+    def batches(ids: list) -> dict:
+        return train.rows(np.asarray([index[i] for i in ids], dtype=np.int64))
+
+    query_batches = [queries.rows(np.asarray([q], dtype=np.int64)) for q in range(queries.num_examples)]
+
+    def query_loss(forward, batch: dict):
+        return token_losses(forward, batch)[0].sum()
+
+    started = time.perf_counter()
+    try:
+        result = metagradients(recorded, model, token_losses, batches, query_batches, query_loss,
+                               train_ids=list(train.ids))
+    except ReplayError as err:  # reported, not scored
+        return {"replay": f"FAILED: {err}", "train_s": round(train_s, 1)}
+    metagrad_s = time.perf_counter() - started
+    order = result.scores.argsort(dim=1, descending=True)  # [Q, N]
+    ranks = [int((order[q] == result.ids.index(truth[q])).nonzero()[0, 0]) + 1 for q in range(len(truth))]
+    started = time.perf_counter()
+    smooth = metasmoothness(recorded, model, token_losses, batches, query_batches, query_loss, result=result)
+    smooth_s = time.perf_counter() - started
+    print(smooth.table(), flush=True)
+    return {"replay_difference": result.replay_difference, "steps": len(recorded.steps),
+            "checkpoint_every": result.checkpoint_every, "train_s": round(train_s, 1),
+            "metagrad_s": round(metagrad_s, 1), "metagrad_x_training": round(metagrad_s / train_s, 1),
+            "metagradients": {"recall@1": sum(r == 1 for r in ranks), "planted_ranks": ranks,
+                              "nonfinite_scores": int((~result.scores.isfinite()).sum())},  # > 0: ranks meaningless
+            "metasmoothness": {"scales": smooth.scales, "relative_error": smooth.relative_error,
+                               "sign_agreement": smooth.sign_agreement, "seconds": round(smooth_s, 1)}}
+
+
 def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, batch_size: int = 16,
-        max_length: int = 96, lr: float = 3e-3, save: str | None = None) -> dict:
+        max_length: int = 96, lr: float = 3e-3, save: str | None = None, metagrad: bool = False) -> dict:
     import torch
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -57,6 +133,8 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
                         n_head=max(1, width // 32), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
+    if metagrad:  # eager attention for the whole run and every row (the CPU SDPA kernel has no double backward)
+        config._attn_implementation = "eager"
     model = GPT2LMHeadModel(config)
     read = ReadOptions(max_length=max_length, truncate=True)
     train = gd.load([{"id": d.id, "text": d.text} for d in corpus], tokenizer, read_options=read,
@@ -76,6 +154,12 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
     kept: dict[int, dict] = {}
     losses: dict[int, float] = {}
     rng = random.Random(seed)
+    recorder = None
+    if metagrad:
+        from gradtrace.replay import Reduction, RunRecorder
+
+        run_dir = Path(tempfile.mkdtemp(prefix="converged-metagrad-")) / "run"
+        recorder = RunRecorder(run_dir, model, optimizer, scheduler=schedule, reduction=Reduction("token_mean"))
     started = time.perf_counter()
     model.train()
     for epoch in range(1, epochs + 1):
@@ -89,6 +173,8 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
+            if recorder is not None:
+                recorder.step(batch["id"])
             total, count = total + loss.item(), count + 1
         if epoch in keep:
             kept[epoch] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -98,6 +184,8 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
                 model.save_pretrained(target)
                 tokenizer.save_pretrained(target)
     train_s = time.perf_counter() - started
+    if recorder is not None:
+        recorder.finish(model)
     projection = gradtrace.LoGra(rank=rank, seed=0)
     truth = [p.id for p in PLANTED]
     grads = {}
@@ -132,20 +220,28 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
         out[f"epoch {epoch} grad_cos"] = single("grad_cos", epoch)
     out["ensemble last 4"] = ensemble(keep[-4:])
     out["ensemble all"] = ensemble(keep)
+    if metagrad:
+        out["attention"] = model.config._attn_implementation
+        print(json.dumps({"rows so far": out}), flush=True)  # the metagradients take many times the rest
+        out["metagrad"] = metagrad_rows(run_dir, model, train, queries, truth, train_s)
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--seeds", type=int, nargs="+", help="default: 0 1 2 (0 with --metagrad)")
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--docs", type=int, default=400)
     parser.add_argument("--save", help="also save each seed's run as DIR/seed-S/run/checkpoint-N (+ train.jsonl, "
                         "queries.jsonl): the input of gradtrace attribute")
+    parser.add_argument("--metagrad", action="store_true", help="the declared variant: eager attention, the run "
+                        "recorded, + metagradients and the metasmoothness check (issue #32)")
     args = parser.parse_args()
-    for seed in args.seeds:
+    seeds = args.seeds or ([0] if args.metagrad else [0, 1, 2])
+    for seed in seeds:
         save = None if args.save is None else str(Path(args.save) / f"seed-{seed}")
-        print(json.dumps(run(seed, args.epochs, args.docs, save=save)), flush=True)
+        print(json.dumps(run(seed, args.epochs, args.docs, save=save, metagrad=args.metagrad)), flush=True)
 
 
 if __name__ == "__main__":

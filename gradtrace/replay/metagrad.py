@@ -199,4 +199,24 @@ def _reverse(steps: StepFunction, store: CheckpointStore, every: int, cotangent:
                     index = torch.tensor([position[i] for i in ids], device=device)
                     dw.index_add_(1, index, grad.to(dtype))
         del segment
+        _check_finite(cotangent, dw, start, min(start + every, total), total)  # one host read per segment
     return dw
+
+
+def _check_finite(cotangent: dict[Key, Tensor], dw: Tensor, start: int, stop: int, total: int) -> None:
+    """Raise :class:`ReplayError` when the reverse pass, after pulling the cotangents back through steps
+    ``start .. stop - 1``, holds a NaN or inf (in a cotangent or in a weight's derivative)."""
+    finite = torch.stack([torch.isfinite(dw).all(), *(torch.isfinite(c).all() for c in cotangent.values())])
+    if bool(finite.all()):
+        return
+    queries = ~torch.isfinite(dw).all(dim=1)
+    for c in cotangent.values():
+        queries |= ~torch.isfinite(c.reshape(c.shape[0], -1)).all(dim=1)
+    which = queries.nonzero().flatten().tolist()
+    raise ReplayError(
+        f"metagradients: the reverse pass overflowed (NaN/inf) between steps {start} and {stop - 1} of {total} "
+        f"(counted from the start of the run) for {len(which)} of the {queries.numel()} queries of this pass (in "
+        f"it: {which[:8]}): the derivative through the later steps grew beyond the dtype's range, which happens "
+        "when the training run is not metasmooth (check it with gradtrace.replay.metasmoothness on a short "
+        "stretch); replay in float64 (gradtrace metagrad --dtype float64, or the model and the recorded run cast "
+        "to float64) to reach further, or attribute with a method of gradtrace.fit")

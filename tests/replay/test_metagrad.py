@@ -92,3 +92,30 @@ def test_sign_positive_means_helpful(tmp_path):
     got = metagradients(run, make_model("linear"), loss_fn, batcher(data), queries, query_loss,
                         train_ids=list(range(12)))
     assert got.scores[0, 3] > 0 and got.scores[0, 3] == got.scores[0].max()
+
+
+def test_a_reverse_pass_that_overflows_is_refused_naming_the_steps(tmp_path, monkeypatch):
+    """A NaN/inf reaching the cotangents (here injected at step 7 of 12, into query 1 only) stops the pass with
+    the segment's steps and the queries it hit, instead of returning NaN scores."""
+    import gradtrace.replay.metagrad as mg
+    from gradtrace.replay.spec import ReplayError
+
+    data = make_data()
+    run, _ = _record(tmp_path, "mlp", "adamw_cosine_clip", data)
+    args = (run, make_model("mlp"), loss_fn, batcher(data), QUERIES, query_loss)
+    real = mg._reverse_step
+
+    def overflowing(steps, t, state, cotangent, batched):
+        previous, weight_grads = real(steps, t, state, cotangent, batched)
+        if t == 7:
+            key = next(iter(previous))
+            previous[key] = previous[key].clone()
+            previous[key][1].view(-1)[0] = float("inf")
+        return previous, weight_grads
+
+    monkeypatch.setattr(mg, "_reverse_step", overflowing)
+    total = len(run.steps)
+    with pytest.raises(ReplayError, match=r"overflowed \(NaN/inf\) between steps 6 and 8 of (\d+).*1 of the 3 "
+                                          r"queries of this pass \(in it: \[1\]\).*float64") as err:
+        metagradients(*args, options=MetagradOptions(checkpoint_every=3))
+    assert f"of {total} " in str(err.value)
