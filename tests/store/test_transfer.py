@@ -213,16 +213,24 @@ def test_device_encoding_reads_nothing_on_the_host_and_the_writer_side_refuses_a
             encode_rows(rows, "int8")
 
 
-def test_cpu_rows_take_no_pool_and_are_encoded_by_the_writer_thread():
+def test_cpu_rows_take_no_pool_and_are_encoded_on_the_calling_thread():
+    """Encoded where they are (a parallel op on the writer thread would start a second OpenMP team competing with
+    the training threads): the encoding is the reference's, never aliases the caller's rows unless it lets them go."""
     rows = torch.randn(4, 16)
     pool, _, sizes = _pool()
     host = to_host(rows, "int8", pool)
-    assert host.rows is not None and host.encoded is None and host.event is None and not sizes
-    assert host.rows.data_ptr() != rows.data_ptr()  # copied: the caller may reuse its rows
-    assert to_host(rows, "int8", pool, copy=False).rows.data_ptr() == rows.data_ptr()
-    rows.zero_()
+    assert host.rows is None and host.encoded is not None and host.event is None and not sizes
+    codes, scales = _reference_int8(rows)
+    rows.zero_()  # the caller reuses its rows: the encoded ones are unchanged
     got = host.wait()
-    assert isinstance(got, QuantizedRows) and got.mode == "int8" and bool(got.data.abs().sum() > 0)
+    assert isinstance(got, QuantizedRows) and got.mode == "int8"
+    assert got.data.numpy().tobytes() == codes.tobytes() and got.scale.numpy().tobytes() == scales.tobytes()
+    fresh = torch.randn(4, 16)
+    kept = to_host(fresh, "float32", pool)
+    assert kept.wait().data.data_ptr() != fresh.data_ptr() and torch.equal(kept.wait().data, fresh)
+    assert to_host(fresh, "float32", pool, copy=False).wait().data.data_ptr() == fresh.data_ptr()  # let go: as is
+    bf16 = to_host(fresh, "bfloat16", pool).wait()
+    assert bf16.data.dtype == torch.bfloat16 and torch.equal(bf16.data, fresh.to(torch.bfloat16))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
