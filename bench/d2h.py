@@ -2,8 +2,8 @@
 
 1. put: a training-like loop hands ``[batch, dim]`` float32 rows (on ``--device``) to a ``ShardWriter`` of an int8
    store; reports the time the loop spends in ``put`` (what the backward pass waits for), the total until the
-   store is closed, and, on CUDA, how many copies went through a pinned buffer. CPU rows are copied and encoded on
-   the writer thread; CUDA rows are encoded on the device and copied to a pinned buffer without blocking.
+   store is closed, and, on CUDA, how many copies went through a pinned buffer. CPU rows are encoded on the calling
+   thread (in ``put``); CUDA rows are encoded on the device and copied to a pinned buffer without blocking.
 2. score: ``Attributor("grad_dot" / "grad_cos", store).score(queries, topk=100)`` over an int8 store of ``--rows``
    x ``--dim`` (default 200,000 x 1,024), with the next block read ahead on a thread (``prefetch``) and without,
    for 1 and 2 torch threads (``--threads``); best of ``--repeat`` runs; checks the scores are bit-identical.
