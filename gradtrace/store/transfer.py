@@ -17,7 +17,7 @@ stored bytes cross the bus (a quarter of the float32 rows for int8).
 * CPU rows are encoded here, on the calling thread, with its intra-op threads. Encoding them on the writer thread
   instead (as before) ran its parallel ops (a copy, int8's absmax and rounding) in a second OpenMP team, which
   competes with the training threads for the cores: ``bench/moe_capture.py`` at 2 threads on 2 cores took 3.11 s
-  per collection into a float32 store and 3.08 s into an int8 one, against 2.25 s into memory; encoded here, 2.38 s.
+  per collection into a float32 store and 3.08 s into an int8 one, against 2.25 s into memory; encoded here, 2.30 s.
 """
 
 from __future__ import annotations
@@ -141,16 +141,17 @@ class HostRows:
     """Encoded rows on their way to the writer thread: :meth:`wait` gives them (on the host), :meth:`release`
     after they are written hands their buffer back.
 
-    ``rows``: float32 CPU rows still to encode (the CPU path), or None; ``encoded``: host rows already encoded on
-    the device (the CUDA path); ``event``: what :meth:`wait` synchronises on; ``pool``/``slot``: the buffer.
+    ``encoded``: the rows in the store's dtype, on the host (or being copied there); ``event``: what :meth:`wait`
+    synchronises on; ``pool``/``slot``: the buffer; ``checked``: whether int8 scales were checked finite when
+    encoded (rows encoded on a device are checked by :meth:`wait`).
     """
 
     dtype: str
-    rows: Tensor | None = None
-    encoded: QuantizedRows | None = None
+    encoded: QuantizedRows
     event: Any = None
     pool: PinnedPool | None = None
     slot: int | None = None
+    checked: bool = False
 
     def wait(self) -> QuantizedRows:
         """The encoded rows, once the copy that fills them has completed (the writer thread's side).
@@ -159,12 +160,9 @@ class HostRows:
         their host copy of the scales, so that the training thread never waits for the check."""
         if self.event is not None:
             self.event.synchronize()
-        if self.encoded is None:
-            assert self.rows is not None
-            self.encoded = encode_rows(self.rows, self.dtype, copy=False)  # rows handed over: this HostRows' own
-            self.rows = None
-        elif self.encoded.scale is not None:
+        if not self.checked and self.encoded.scale is not None:
             check_scales(self.encoded.scale)
+        self.checked = True
         return self.encoded
 
     def release(self) -> None:
@@ -201,7 +199,8 @@ def to_host(rows: Tensor, dtype: str, pool: PinnedPool | None, *, copy: bool = T
     """
     if not rows.is_cuda or pool is None:
         host = rows.to("cpu")
-        return HostRows(dtype, encoded=encode_rows(host, dtype, copy=copy and host.data_ptr() == rows.data_ptr()))
+        encoded = encode_rows(host, dtype, copy=copy and host.data_ptr() == rows.data_ptr())  # scales checked
+        return HostRows(dtype, encoded, checked=True)
     # encoded on the device, only the stored bytes move; the scales are checked on the host (HostRows.wait)
     return stage(encode_rows(rows, dtype, copy=False, check_finite=False), pool)
 
