@@ -62,6 +62,8 @@ def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         module, attribute = _EXPORTS[name]
         value = getattr(importlib.import_module(module, __name__), attribute)
+        if name == "LoGra":  # LoGra.pca fits its basis with the curvature stage, which registers itself on import
+            importlib.import_module(".fit.curvature.pca", __name__)
         types.ModuleType.__setattr__(sys.modules[__name__], name, value)
         return value
     if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:

@@ -146,16 +146,16 @@ def test_less_features_in_a_store_equal_those_in_memory_and_record_their_objects
 
     model, optimizer = _adam_mlp()
     sketch, ids = DenseProjection(16, seed=2), [f"t{i}" for i in range(7)]
-    capture, store = CaptureOptions(layers=["net.3"]), StoreOptions(shard_rows=2)
-    stored = less_features(model, optimizer, _mlp_batches(), sketch, store=tmp_path / "s", options=capture,
+    capture, store = CaptureOptions(layers=["net.3"], projection=sketch), StoreOptions(shard_rows=2)
+    stored = less_features(model, optimizer, _mlp_batches(), store=tmp_path / "s", options=capture,
                            store_options=store, run=RunOptions(ids=ids))
-    in_memory = less_features(model, optimizer, _mlp_batches(), sketch, options=capture, run=RunOptions(ids=ids))
+    in_memory = less_features(model, optimizer, _mlp_batches(), options=capture, run=RunOptions(ids=ids))
     assert stored.ids == in_memory.ids == ids
     assert torch.equal(stored.read(0, 7), in_memory.vectors) and stored.spec == in_memory.spec
     recorded = stored.manifest["config"]["gradtrace"]["options"]
     assert recorded == {"capture": record(capture), "store": record(StoreOptions(dtype="float32", shard_rows=2)),
                         "loss": record(Loss(example_loss="mean"))}  # LESS's default: the per-token mean
-    summed = less_query_features(model, _mlp_batches(), sketch, Loss(example_loss="sum"), options=capture)
+    summed = less_query_features(model, _mlp_batches(), Loss(example_loss="sum"), options=capture)
     assert summed.spec.convention["example_loss"] == "sum"
 
 
@@ -166,13 +166,25 @@ def test_less_features_refuse_what_they_fix(tmp_path):
     model, optimizer = _adam_mlp()
     sketch = DenseProjection(8, seed=0)
     # LESS captures exact gradients of each example's own loss: its projection is the sketch, never a LoGra spec
-    with pytest.raises(ValueError, match=r"leave CaptureOptions.projection None"):
-        less_query_features(model, _mlp_batches(), sketch, store=tmp_path / "q",
+    with pytest.raises(TypeError, match=r"got projection=LoGra \(LoGra projects each layer"):
+        less_query_features(model, _mlp_batches(), store=tmp_path / "q",
                             options=CaptureOptions(projection=gradtrace.LoGra(rank=2)))
     with pytest.raises(ValueError, match=r"leave Loss.reduction and Loss.scale unset"):
-        less_features(model, optimizer, _mlp_batches(), sketch, Loss(reduction="mean"))
-    with pytest.raises(TypeError, match=r"sketch must be a gradtrace.projection.sketch.DenseProjection"):
-        less_features(model, optimizer, _mlp_batches(), gradtrace.LoGra(rank=2))
+        less_features(model, optimizer, _mlp_batches(), Loss(reduction="mean"),
+                      options=CaptureOptions(projection=sketch))
+    with pytest.raises(TypeError, match=r"got projection=None"):
+        less_features(model, optimizer, _mlp_batches(), options=CaptureOptions())
+    # the sketch is LESS's alone: everything that projects per layer refuses it, before any gradient
+    for run_it in (lambda o: gradtrace.collect(model, _mlp_batches(), options=o, store=tmp_path / "c"),
+                   lambda o: gradtrace.capture(model, options=o),
+                   lambda o: fit_curvature(model, _mlp_batches(), options=o)):
+        with pytest.raises(ValueError, match=r"CaptureOptions.projection is a DenseProjection.*less_features"):
+            run_it(CaptureOptions(projection=sketch))
+    assert not (tmp_path / "c").exists()
+    # recorded as its spec, and rebuilt from it
+    assert record(CaptureOptions(projection=sketch))["projection"] == sketch.to_dict()
+    rebuilt = CaptureOptions(projection=sketch.to_dict()).projection
+    assert isinstance(rebuilt, DenseProjection) and rebuilt.to_dict() == sketch.to_dict()
     assert not (tmp_path / "q").exists()  # refused before anything was written
 
 

@@ -43,6 +43,7 @@ from ..common.paths import why_missing
 from ..common.provenance import record_paths
 from ..options import CaptureOptions, RunOptions, StoreOptions
 from ..options.base import option_object
+from ..projection.logra import per_layer
 from ..store import GradientStore, model_fingerprint
 from ..store.writer import resolved_store_options
 from .collect import check_finite_parameters, check_resumable, collect
@@ -205,7 +206,7 @@ def collect_checkpoints(checkpoints: Sequence[Any] | Mapping[str, Any], data: It
     names = None
     if isinstance(checkpoints, Mapping):
         names, checkpoints = [str(n) for n in checkpoints], list(checkpoints.values())
-    projection, dtype = options.projection, store_options.store_dtype
+    projection, dtype = per_layer(options.projection, WHAT), store_options.store_dtype
     resume, overwrite = store_options.resume, store_options.overwrite
     if out is None and (resume or overwrite):
         raise UsageError(f"{WHAT}: resume/overwrite apply to stores: pass out=DIR")

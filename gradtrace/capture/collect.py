@@ -22,7 +22,7 @@ from torch import nn
 from ..loss.functions import LossFn
 from ..options import CaptureOptions, Loss, RunOptions, StoreOptions, with_record
 from ..options.base import option_object
-from ..projection.logra import LoGra
+from ..projection.logra import LoGra, per_layer
 from ..store import GradientStore, ShardWriter, SpecMismatch, model_fingerprint
 from ..store.spec import GradientSpec, resume_mismatch
 from ..store.writer import resolved_store_options
@@ -168,7 +168,7 @@ def collect(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None = 
     if store is None and (store_options.resume or store_options.overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
     check_finite_parameters(model)
-    projection = options.projection
+    projection = per_layer(options.projection, "collect()")
     config = with_record(store_options.config, capture=options, store=store_options, loss=loss)
     writer = StoreWriter(store, replace(store_options, config=config)) if store is not None else None
     stored: set[str] = set()

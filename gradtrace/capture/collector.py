@@ -37,7 +37,7 @@ from ..grad.batch import GradientBatch
 from ..loss.functions import LossConvention
 from ..options import CaptureOptions, Loss
 from ..options.base import option_object
-from ..projection.logra import Projector, check_projection_size, unmatched_ranks
+from ..projection.logra import Projector, check_projection_size, per_layer, unmatched_ranks
 from .assemble import SiteResult, build_batch, outside_examples, zero_outside
 from .callbacks import CaptureCallback, as_callback
 from .context import BatchInfo, ContextSettings, ForwardContext, call_context
@@ -91,7 +91,7 @@ class Capture:
             raise ValueError("capture(): the training loop computes the loss; leave Loss.fn None (it is for the "
                              "passes gradtrace runs itself: collect, fit_curvature)")
         self.loss = replace(loss, reduction=loss.reduction or "mean", scale=1.0 if loss.scale is None else loss.scale)
-        projection = options.projection
+        projection = per_layer(options.projection, "capture")
         if projection is not None and options.keep_tokens and not projection.keep_tokens:
             projection = replace(projection, keep_tokens=True)
             options = replace(options, projection=projection)

@@ -17,7 +17,7 @@ def _choice(value: Any, name: str, allowed: Sequence[Any]) -> None:
 
 
 def record(options: Any) -> dict[str, Any]:
-    """The JSON form of a resolved option object (``dataclasses.asdict``; a LoGra spec as its ``to_dict()``,
+    """The JSON form of a resolved option object (``dataclasses.asdict``; a projection as its ``to_dict()``,
     classes and callables by name), as artifacts record it; a field whose metadata says ``"record": False`` (the
     user's own configuration, recorded beside it) is left out."""
     return {f.name: _plain(getattr(options, f.name)) for f in fields(options) if f.metadata.get("record", True)}
@@ -26,6 +26,9 @@ def record(options: Any) -> dict[str, Any]:
 def _plain(value: Any) -> Any:
     logra = sys.modules.get("gradtrace.projection.logra")  # not imported yet: no value can be a LoGra spec
     if logra is not None and isinstance(value, logra.LoGra):
+        return value.to_dict()
+    sketch = sys.modules.get("gradtrace.projection.sketch")
+    if sketch is not None and isinstance(value, sketch.Sketch):
         return value.to_dict()
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]

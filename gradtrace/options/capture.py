@@ -7,18 +7,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
-class _LoGraModule:
-    """:mod:`gradtrace.projection.logra`, imported on first attribute access: the annotation ``_logra.LoGra``
+class _ProjectionModule:
+    """:mod:`gradtrace.projection`, imported on first attribute access: the annotation ``_projection.LoGra``
     resolves (``typing.get_type_hints``) while importing this module imports no torch (the command line builds its
     ``--help`` from these classes)."""
 
     def __getattr__(self, name: str) -> Any:
-        from ..projection import logra
+        from .. import projection
 
-        return getattr(logra, name)
+        return getattr(projection, name)
 
 
-_logra = _LoGraModule()
+_projection = _ProjectionModule()
 
 GRAD_DTYPES = ("float32", "activation")
 
@@ -31,8 +31,11 @@ class CaptureOptions:
         layers: module name globs or classes to capture (default: every supported module).
         exclude: module name globs or classes to leave out.
         include_frozen: also capture parameters with ``requires_grad=False``.
-        projection: ``gradtrace.LoGra(...)`` (or its dict form) to project at capture time, or None for exact
-            gradients.
+        projection: ``gradtrace.LoGra(...)`` (or its dict form) to project each layer at capture time, or None for
+            exact gradients. A whole-gradient sketch (:class:`~gradtrace.projection.DenseProjection`,
+            :class:`~gradtrace.projection.SparseProjection`) is the projection of
+            :func:`gradtrace.less_features` / :func:`gradtrace.less_query_features` (applied to the exact gradients
+            they form per batch); capture, collect and the fits refuse it.
         keep_tokens: keep token-level factors (in memory) for per-token scores.
         packing: split packed rows into documents using ``position_ids`` restarts.
         multi_forward: when the model runs several forward calls before one backward: ``"concat"``
@@ -67,7 +70,7 @@ class CaptureOptions:
     layers: Sequence[Any] | None = None
     exclude: Sequence[Any] | None = None
     include_frozen: bool = False
-    projection: _logra.LoGra | None = None
+    projection: _projection.LoGra | _projection.Sketch | None = None
     keep_tokens: bool = False
     packing: bool = True
     multi_forward: str = "concat"
@@ -90,7 +93,8 @@ class CaptureOptions:
         if self.projection is None:
             return
         if isinstance(self.projection, dict):  # a spec's dict form (a store's manifest records it so)
-            object.__setattr__(self, "projection", _logra.LoGra.from_dict(self.projection))
-        if not isinstance(self.projection, _logra.LoGra):
-            raise TypeError(f"projection must be a gradtrace.LoGra spec or None, got "
-                            f"{type(self.projection).__name__}")
+            kind = _projection.LoGra if self.projection.get("kind") == "logra" else _projection.Sketch
+            object.__setattr__(self, "projection", kind.from_dict(self.projection))
+        if not isinstance(self.projection, (_projection.LoGra, _projection.Sketch)):
+            raise TypeError("projection must be a gradtrace.LoGra spec, a DenseProjection/SparseProjection sketch "
+                            f"(less_features) or None, got {type(self.projection).__name__}")

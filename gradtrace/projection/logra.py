@@ -26,7 +26,8 @@ from torch import Tensor
 
 from .base import register_projection
 
-__all__ = ["LoGra", "PCABasis", "Projector", "check_projection_size", "gaussian_matrix", "register_pca", "stable_seed"]
+__all__ = ["LoGra", "PCABasis", "Projector", "check_projection_size", "gaussian_matrix", "per_layer", "register_pca",
+           "stable_seed"]
 
 _SCHEME = "gradtrace/logra/v1"
 
@@ -54,8 +55,23 @@ def register_pca(*, fit: Callable[..., LoGra], basis: Callable[[Any], PCABasis])
 
 def _pca(name: str) -> Callable[..., Any]:
     if name not in _PCA:
-        raise RuntimeError("PCA-initialised LoGra needs gradtrace.fit.curvature (import gradtrace)")
+        raise RuntimeError("PCA-initialised LoGra needs gradtrace.fit.curvature: import it first (gradtrace.LoGra, "
+                           "the top-level name, does)")
     return _PCA[name]
+
+
+def per_layer(projection: Any, what: str) -> LoGra | None:
+    """``projection`` (``CaptureOptions.projection``) when ``what`` can apply it: a :class:`LoGra` spec or None.
+
+    Raises ValueError for a whole-gradient sketch (``DenseProjection``/``SparseProjection``), which only the LESS
+    features apply (to the exact gradients they form), naming the two ways out.
+    """
+    if projection is None or isinstance(projection, LoGra):
+        return projection
+    raise ValueError(f"{what} projects each layer's gradient with gradtrace.LoGra(...), but CaptureOptions.projection "
+                     f"is a {type(projection).__name__}, a sketch of the whole gradient: pass LoGra(rank=...) "
+                     "(or None for exact gradients), or use the sketch with gradtrace.less_features / "
+                     "less_query_features, which apply it")
 
 
 @register_projection("logra")

@@ -63,7 +63,8 @@ def test_all_frozen_model_points_at_include_frozen():
     ("multi_forward", "stack", ValueError, r"multi_forward must be 'concat' or 'sum', got 'stack'"),
     ("broadcast", "tile", ValueError, r"broadcast must be 'expand' or 'skip', got 'tile'"),
     ("nonfinite", "ignore", ValueError, r"nonfinite must be 'flag' or 'raise', got 'ignore'"),
-    ("projection", "x", TypeError, r"projection must be a gradtrace.LoGra spec or None, got str"),
+    ("projection", "x", TypeError, r"projection must be a gradtrace.LoGra spec, a DenseProjection/SparseProjection "
+                                   r"sketch \(less_features\) or None, got str"),
 ])
 def test_invalid_option_values(option, value, error, says):
     with pytest.raises(error, match=says):

@@ -177,8 +177,8 @@ def test_checkpoints_are_recorded_in_the_store(tmp_path):
     for group in state["param_groups"]:
         named["param_groups"].append({**group, "param_names": names[start:start + len(group["params"])]})
         start += len(group["params"])
-    features = less_features(GPT2LMHeadModel.from_pretrained(last["path"]), named, [batch], DenseProjection(8),
-                             options=CaptureOptions(layers=["transformer.h.0.mlp.*"]))
+    features = less_features(GPT2LMHeadModel.from_pretrained(last["path"]), named, [batch],
+                             options=CaptureOptions(layers=["transformer.h.0.mlp.*"], projection=DenseProjection(8)))
     assert features.read(0, 4).shape == (4, 8)
 
     # TrackStar over the saved checkpoints, an ensemble: each member reads its own checkpoint's optimizer.pt (the

@@ -24,7 +24,7 @@ from ...capture.driver import run_capture
 from ...loss.functions import LossFn
 from ...options import CaptureOptions, FitOptions, Loss, RunOptions, with_record
 from ...options.base import option_object
-from ...projection.logra import LoGra
+from ...projection.logra import LoGra, per_layer
 from ...store.spec import GradientSpec, model_fingerprint
 from .blocks import DenseBlock, KronBlock, blocks_for
 from .covariance import CovarianceCallback, DenseStats, EigenCorrectionCallback, KronStats
@@ -128,7 +128,7 @@ def fit_curvature(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | N
     run_options = option_object(run, RunOptions, "run")
     loss = Loss.of(loss).summed("fit_curvature()")
     loss_fn, likelihood = loss.fn, loss.likelihood
-    projection, layers = options.projection, options.layers
+    projection, layers = per_layer(options.projection, "fit_curvature()"), options.layers
     kind, fisher, samples, seed = fit_options.kind, fit_options.fisher, fit_options.samples, fit_options.seed
     max_dense, join_bias = fit_options.max_dense, fit_options.join_bias
     if iter(data) is data:  # an iterator can be read once; the fit needs several passes

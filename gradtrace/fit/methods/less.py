@@ -252,13 +252,20 @@ def _check_store_side(path: Path, spec: GradientSpec, overwrite: bool) -> None:
                                f"run makes {key}={spec.convention.get(key)!r}; write them to another store")
 
 
-def _run(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None, projection: Sketch, states: Any,
-         features: str, store: str | Path | None, options: CaptureOptions | None,
-         store_options: StoreOptions | None, run: RunOptions | None) -> GradientSet | GradientStore:
+def _run(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None, states: Any, features: str,
+         store: str | Path | None, options: CaptureOptions | None, store_options: StoreOptions | None,
+         run: RunOptions | None) -> GradientSet | GradientStore:
     """Capture ``data``'s exact gradients as ``options`` say and turn them into LESS features (Adam directions
-    when ``states`` resolves an optimizer state), kept in memory or written to ``store`` as ``store_options`` say
-    (the store records the option objects)."""
+    when ``states`` resolves an optimizer state), sketched with ``options.projection``, kept in memory or written
+    to ``store`` as ``store_options`` say (the store records the option objects)."""
     options = option_object(options, CaptureOptions, "options")
+    projection = options.projection
+    if not isinstance(projection, Sketch):
+        got = "None" if projection is None else type(projection).__name__
+        raise TypeError("LESS features are sketched as a whole: give CaptureOptions(projection=DenseProjection(k) or "
+                        f"SparseProjection(k)) (gradtrace.projection), the same for both sides; got projection={got}"
+                        + (" (LoGra projects each layer, but LESS's Adam map needs exact gradients)"
+                           if projection is not None else ""))
     store_options = option_object(store_options, StoreOptions, "store_options")
     shard_rows = store_options.shard_rows or (4096 if store_options.shard_bytes is None else None)
     store_options = replace(resolved_store_options(store, store_options), shard_rows=shard_rows)
@@ -267,12 +274,6 @@ def _run(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None, proj
     if loss.reduction is not None or loss.scale is not None:
         raise ValueError("the LESS features sum each example's own loss themselves: leave Loss.reduction and "
                          "Loss.scale unset")
-    if options.projection is not None:
-        raise ValueError("LESS captures exact gradients and projects them with its sketch: leave "
-                         "CaptureOptions.projection None")
-    if not isinstance(projection, Sketch):
-        raise TypeError("sketch must be a gradtrace.projection.sketch.DenseProjection or SparseProjection (LESS "
-                        f"projects the whole feature vector), got {type(projection).__name__}")
     if store is None and (store_options.resume or store_options.overwrite):
         raise ValueError("resume/overwrite apply to a store: pass store=...")
     path = Path(store) if store is not None else None
@@ -283,7 +284,7 @@ def _run(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None, proj
                                                         loss=loss))
     # each gradient is that of the example's own loss (the loss function reduces its tokens: example_loss)
     cap = capture(model, replace(loss, fn=None, likelihood=None, reduction="sum", example_loss="sum"),
-                  options=options, callbacks=[], keep_batches=False)
+                  options=replace(options, projection=None), callbacks=[], keep_batches=False)
     example_loss = loss.example_loss
     convention: dict[str, Any] = {"reduction": "sum", "example_loss": example_loss, "features": features}
     if states is not None:  # resolve the optimizer state before computing anything
@@ -316,9 +317,9 @@ def _run(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None, proj
 
 
 def less_features(model: nn.Module, optimizer_state: torch.optim.Optimizer | dict[str, Any], data: Iterable[Any],
-                  sketch: Sketch, loss: Loss | LossFn | None = None, *, store: str | Path | None = None,
-                  options: CaptureOptions | None = None, store_options: StoreOptions | None = None,
-                  run: RunOptions | None = None) -> GradientSet | GradientStore:
+                  loss: Loss | LossFn | None = None, *, options: CaptureOptions, store: str | Path | None = None,
+                  store_options: StoreOptions | None = None, run: RunOptions | None = None
+                  ) -> GradientSet | GradientStore:
     """LESS training features at one checkpoint: projected Adam updates of each example's exact gradient.
 
     Args:
@@ -328,34 +329,34 @@ def less_features(model: nn.Module, optimizer_state: torch.optim.Optimizer | dic
             record its parameters' names takes them as each param group's ``"param_names"``, as torch records
             them for an optimizer made from ``model.named_parameters()``).
         data: batches, as for :func:`gradtrace.collect`.
-        sketch: a :class:`~gradtrace.projection.sketch.DenseProjection` or
-            :class:`~gradtrace.projection.sketch.SparseProjection` to ``k`` dims, applied to the concatenated
-            features of all captured parameters (matrix key ``"less"``). Queries must use the same one.
         loss: the per-example loss (:class:`gradtrace.Loss` or its ``fn``); default: the causal-LM loss (the mean
             over target tokens, ``Loss(example_loss="mean")``, as LESS does) or cross-entropy. ``example_loss`` is
             recorded in the spec; queries must use the same.
+        options: what is captured and how it is sketched (:class:`gradtrace.CaptureOptions`): ``projection`` a
+            :class:`~gradtrace.projection.DenseProjection` or :class:`~gradtrace.projection.SparseProjection` to
+            ``k`` dims, applied to the concatenated features of all captured parameters (matrix key ``"less"``;
+            queries must use the same one); ``layers`` typically the LoRA adapters (``["*lora_*"]``): the exact
+            per-example gradients of the captured parameters are formed per batch, so keep them small.
         store: write to a gradient store instead of returning a :class:`~gradtrace.GradientSet`.
-        options: which modules to capture (:class:`gradtrace.CaptureOptions`; typically the LoRA adapters:
-            ``layers=["*lora_*"]``; no projection: the exact per-example gradients of the captured parameters are
-            formed per batch, so keep them small).
         store_options: how the store is written (:class:`gradtrace.StoreOptions`; shards of 4096 rows by default).
         run: ids, device, progress (:class:`gradtrace.RunOptions`).
     """
     def resolve(names: list[str]) -> dict[str, AdamState]:
         return adam_states(model, optimizer_state, names)
 
-    return _run(model, data, _less_loss(loss), sketch, resolve, "adam", store, options, store_options, run)
+    return _run(model, data, _less_loss(loss), resolve, "adam", store, options, store_options, run)
 
 
-def less_query_features(model: nn.Module, data: Iterable[Any], sketch: Sketch, loss: Loss | LossFn | None = None,
-                        *, store: str | Path | None = None, options: CaptureOptions | None = None,
+def less_query_features(model: nn.Module, data: Iterable[Any], loss: Loss | LossFn | None = None, *,
+                        options: CaptureOptions, store: str | Path | None = None,
                         store_options: StoreOptions | None = None, run: RunOptions | None = None
                         ) -> GradientSet | GradientStore:
     """LESS query (validation) features: plain per-example gradients, projected with the same sketch.
 
-    Same arguments as :func:`less_features` without the optimizer state; capture the same layers.
+    Same arguments as :func:`less_features` without the optimizer state; capture the same layers with the same
+    ``options.projection``.
     """
-    return _run(model, data, _less_loss(loss), sketch, None, "sgd", store, options, store_options, run)
+    return _run(model, data, _less_loss(loss), None, "sgd", store, options, store_options, run)
 
 
 def _less_loss(loss: Loss | LossFn | None) -> Loss:
@@ -391,8 +392,9 @@ class Less(Method):
         projection = spec.projection or {}
         if projection.get("kind") != "less":
             raise SpecMismatch("less scores LESS features: compute the training side with "
-                               "gradtrace.fit.methods.less.less_features(model, optimizer, data, sketch) and the "
-                               "queries with less_query_features(model, data, sketch); these training gradients are "
+                               "gradtrace.less_features(model, optimizer, data, options=CaptureOptions(projection="
+                               "sketch)) and the queries with less_query_features(model, data, options=...), the "
+                               "same sketch; these training gradients are "
                                f"{'exact' if spec.projection is None else projection.get('kind')} gradients")
         if spec.convention.get("features") != "adam":
             raise SpecMismatch("less: the training side holds query features (plain gradients, "

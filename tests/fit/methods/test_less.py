@@ -69,7 +69,7 @@ def test_less_features_equal_brute_force_adam():
     _train(model, optimizer, steps=3)
     x, y = _data(7, seed=1)
     sketch = DenseProjection(24, seed=3)
-    feats = less_features(model, optimizer, _batches(x, y), sketch=sketch,
+    feats = less_features(model, optimizer, _batches(x, y), options=CaptureOptions(projection=sketch),
                           run=RunOptions(ids=[f"t{i}" for i in range(7)]))
     names = [n for n, _ in feats.spec.projection["inputs"]]
     assert names == [n for n, _ in model.named_parameters()]
@@ -82,7 +82,7 @@ def test_less_features_equal_brute_force_adam():
     assert spec.convention["features"] == "adam"
     assert spec.convention["optimizer"]["betas"] == [0.8, 0.99] and spec.convention["optimizer"]["step"] == 3.0
     # the state dict gives the same features (parameters matched by position, then shapes checked)
-    again = less_features(model, optimizer.state_dict(), _batches(x, y, 4), sketch=sketch)
+    again = less_features(model, optimizer.state_dict(), _batches(x, y, 4), options=CaptureOptions(projection=sketch))
     assert torch.allclose(again.vectors, feats.vectors, rtol=1e-5, atol=1e-6)
 
 
@@ -95,8 +95,8 @@ def test_less_features_state_dict_of_trainable_subset_amsgrad_sparse_sketch(tmp_
     _train(model, optimizer, steps=4)
     x, y = _data(5, seed=2)
     sketch = SparseProjection(40, seed=1, nnz=2)
-    store = less_features(model, optimizer.state_dict(), _batches(x, y, 2), sketch=sketch, store=tmp_path / "less",
-                          options=CaptureOptions(layers=["net.3", "net.6"]))
+    store = less_features(model, optimizer.state_dict(), _batches(x, y, 2), store=tmp_path / "less",
+                          options=CaptureOptions(layers=["net.3", "net.6"], projection=sketch))
     names = [n for n, _ in store.spec.projection["inputs"]]
     assert names == ["net.3.weight", "net.3.bias", "net.6.weight", "net.6.bias"]
     want = _sketched(_adam_by_hand(_example_grads(model, x, y, names), optimizer, dict(model.named_parameters()),
@@ -116,8 +116,8 @@ def test_less_scores_equal_the_formula():
     lrs = [0.01, 0.004]
     for lr in lrs:
         _train(model, optimizer, steps=2, seed=int(lr * 1000))
-        train.append(less_features(model, optimizer, _batches(x, y), sketch=sketch))
-        queries.append(less_query_features(model, _batches(qx, qy, 2), sketch=sketch))
+        train.append(less_features(model, optimizer, _batches(x, y), options=CaptureOptions(projection=sketch)))
+        queries.append(less_query_features(model, _batches(qx, qy, 2), options=CaptureOptions(projection=sketch)))
         names = [n for n, _ in train[-1].spec.projection["inputs"]]
         gamma = _sketched(_adam_by_hand(_example_grads(model, x, y, names), optimizer, params, names), sketch)
         q = _example_grads(model, qx, qy, names)
@@ -143,22 +143,22 @@ def test_less_refuses_other_gradients_and_missing_adam_state(tmp_path):
     sketch = DenseProjection(8)
     fresh = torch.optim.Adam(model.parameters())
     with pytest.raises(ValueError, match=r"has no Adam state.*not stepped"):
-        less_features(model, fresh, _batches(x, y), sketch=sketch)
+        less_features(model, fresh, _batches(x, y), options=CaptureOptions(projection=sketch))
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _train(model, sgd, steps=1)
     with pytest.raises(ValueError, match="not an Adam state"):
-        less_features(model, sgd, _batches(x, y), sketch=sketch)
+        less_features(model, sgd, _batches(x, y), options=CaptureOptions(projection=sketch))
     partial = torch.optim.Adam(model.net[6].parameters())
     _train(model, partial, steps=1)
     with pytest.raises(ValueError, match="not optimized by this optimizer"):
-        less_features(model, partial, _batches(x, y), sketch=sketch)
-    with pytest.raises(TypeError, match="DenseProjection or SparseProjection"):
-        less_features(model, partial, _batches(x, y), sketch=gradtrace.LoGra(rank=2),
-                      options=CaptureOptions(layers=["net.6"]))
+        less_features(model, partial, _batches(x, y), options=CaptureOptions(projection=sketch))
+    with pytest.raises(TypeError, match=r"DenseProjection\(k\) or SparseProjection\(k\).*got projection=None"):
+        less_features(model, partial, _batches(x, y), options=CaptureOptions(layers=["net.6"]))
 
-    feats = less_features(model, partial, _batches(x, y), sketch=sketch, store=tmp_path / "train",
-                          options=CaptureOptions(layers=["net.6"]), run=RunOptions(ids=[f"e{i}" for i in range(4)]))
-    queries = less_query_features(model, _batches(x, y), sketch=sketch, options=CaptureOptions(layers=["net.6"]))
+    feats = less_features(model, partial, _batches(x, y), store=tmp_path / "train",
+                          options=CaptureOptions(layers=["net.6"], projection=sketch),
+                          run=RunOptions(ids=[f"e{i}" for i in range(4)]))
+    queries = less_query_features(model, _batches(x, y), options=CaptureOptions(layers=["net.6"], projection=sketch))
     plain = gradtrace.collect(model, _batches(x, y), options=CaptureOptions(layers=["net.6"]))
     with pytest.raises(SpecMismatch, match="less_features"):  # plain gradients as the training side
         gradtrace.Attributor("less", [plain]).score([queries])
@@ -167,15 +167,17 @@ def test_less_refuses_other_gradients_and_missing_adam_state(tmp_path):
     with pytest.raises(SpecMismatch, match="different projections"):  # plain queries against LESS features
         gradtrace.Attributor("less", [feats]).score([plain])
     with pytest.raises(SpecMismatch, match="features='adam'"):  # query features into a training-feature store
-        less_query_features(model, _batches(x, y), sketch=sketch, store=tmp_path / "train",
-                            options=CaptureOptions(layers=["net.6"]), store_options=StoreOptions(resume=True))
+        less_query_features(model, _batches(x, y), store=tmp_path / "train",
+                            options=CaptureOptions(layers=["net.6"], projection=sketch),
+                            store_options=StoreOptions(resume=True))
     with pytest.raises(SpecMismatch, match=r"collected with projection \{'kind': 'less'.*this run asks for None"):
         # plain gradients into a LESS store: refused before any gradient
         gradtrace.collect(model, _batches(x, y), store=tmp_path / "train", options=CaptureOptions(layers=["net.6"]),
                           store_options=StoreOptions(resume=True))
     # resuming with every example stored computes nothing and leaves the store complete
-    again = less_features(model, partial, _batches(x, y), sketch=sketch, store=tmp_path / "train",
-                          options=CaptureOptions(layers=["net.6"]), store_options=StoreOptions(resume=True),
+    again = less_features(model, partial, _batches(x, y), store=tmp_path / "train",
+                          options=CaptureOptions(layers=["net.6"], projection=sketch),
+                          store_options=StoreOptions(resume=True),
                           run=RunOptions(ids=[f"e{i}" for i in range(4)]))
     assert len(again) == 4 and again.complete
 
@@ -197,7 +199,8 @@ def test_less_features_of_lora_adapters_with_token_mean_loss():
     batches = [{"input_ids": ids[i:i + 2], "attention_mask": mask[i:i + 2], "position_ids": pos[i:i + 2],
                 "labels": labels[i:i + 2]} for i in (0, 2)]
     sketch = DenseProjection(16, seed=2)
-    feats = less_features(model, optimizer.state_dict(), batches, sketch=sketch)  # default: token-mean loss
+    # default: token-mean loss
+    feats = less_features(model, optimizer.state_dict(), batches, options=CaptureOptions(projection=sketch))
     names = [n for n, _ in feats.spec.projection["inputs"]]
     assert names == [n for n, p in model.named_parameters() if p.requires_grad] and len(names) == 8
 
