@@ -35,6 +35,24 @@ Variant ``--metagrad`` (declared 2026-12-03 before any of its results; issue #32
   vectorised, default options), scores positive = helps; recall@1 of each row out of 8, as above;
 * also printed: training seconds, metagradient seconds and their ratio, the replay difference, and the
   metasmoothness check (:func:`gradtrace.replay.metasmoothness`, default scales, on the 8 queries).
+* also printed (added 2026-12-03, before the float64 variant below was run): the growth of the reverse pass
+  (``MetaGradients.growth``: per checkpoint segment, the step and the norm of the parameters' cotangent, the largest
+  over the queries), and on an overflow the :class:`gradtrace.replay.ReplayError` text (which states the growth per
+  step and how far float64 would reach at that rate) with the trace up to the overflow.
+
+Variant ``--metagrad --metagrad-dtype float64`` (declared 2026-12-03 before any of its results; issue #32):
+
+* the ``--metagrad`` variant unchanged up to the end of training (the run trained and recorded in float32), then the
+  recorded run (initial and final weights, the manifest's dtypes) and the model cast to float64 in memory, as
+  ``gradtrace metagrad --dtype float64`` does, the replay check's bound that of the coarsest precision involved
+  (float32's, ``DEFAULT_TOLERANCE[torch.float32]``), the token losses kept in float64; the same rows, the growth
+  trace and the metasmoothness check in float64. The question: does float64 reach the start of the run where
+  float32 overflows, and are the metagradients' recall@1 then better than the single-model rows'.
+* amended 2026-12-03, after a 2-epoch, 20-document smoke test of this code showed the float64 replay of the float32
+  run 6.4e-5 away (relative) after 4 steps, before any result of the 40-epoch run: if the replay check refuses the
+  float64 replay, that is this variant's result; a second run with ``--metagrad-tolerance 1e30`` (the check
+  disabled, the difference printed) then gives the float64 growth trace and rows, reported as metagradients of the
+  float64 replay -- a different trajectory from the recorded run, not the recorded run's.
 
 Usage::
 
@@ -42,6 +60,7 @@ Usage::
     python bench/converged_sft.py --seeds 0 --epochs 20 --docs 200
     python bench/converged_sft.py --seeds 0 --save runs/converged   # then: gradtrace attribute runs/converged/...
     python bench/converged_sft.py --metagrad --seeds 0               # eager attention, + metagradients
+    python bench/converged_sft.py --metagrad --metagrad-dtype float64 --keep-run /tmp/run   # reverse in float64
 """
 
 from __future__ import annotations
@@ -62,24 +81,53 @@ KEEP = (2, 5, 10, 20, 30, 40)
 def token_losses(forward, batch: dict):
     """Each row's summed next-token loss and its count of shifted labels: ``Reduction("token_mean")`` of these is
     the HF GPT-2 loss of the batch (the mean over its shifted label tokens), the same ops as ``ForCausalLMLoss``."""
+    import torch
     import torch.nn.functional as F
 
     from gradtrace.loss import lm_labels
 
-    logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logits = forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    logits = logits if logits.dtype == torch.float64 else logits.float()  # float64 stays (--metagrad-dtype)
     shifted = F.pad(lm_labels(batch), (0, 1), value=-100)[:, 1:]  # [B, T]: labels[t + 1], as HF shifts them
     per_token = F.cross_entropy(logits.flatten(0, 1), shifted.flatten(), ignore_index=-100,
                                 reduction="none").view(shifted.shape)
     return per_token.sum(1), (shifted != -100).sum(1)
 
 
-def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_s: float) -> dict:
-    """The ``--metagrad`` rows: the replay check, metagradients of the 8 queries, their recall@1, metasmoothness."""
-    import numpy as np
+def in_dtype(recorded, model, dtype):
+    """The recorded run's floating tensors, its manifest's dtypes and the model cast to ``dtype`` in memory (as
+    ``gradtrace metagrad --dtype`` does)."""
+    import copy
 
+    convert = lambda tensors: {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    recorded.initial = convert(recorded.initial)
+    recorded.final = convert(recorded.final) if recorded.final is not None else None
+    recorded.manifest = copy.deepcopy(recorded.manifest)
+    for info in recorded.manifest["params"].values():
+        if info["dtype"] in ("float16", "bfloat16", "float32", "float64"):
+            info["dtype"] = str(dtype).removeprefix("torch.")
+    return model.to(dtype)
+
+
+def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_s: float,
+                  dtype: str = "float32", tolerance: float | None = None) -> dict:
+    """The ``--metagrad`` rows: the replay check, metagradients of the 8 queries, their recall@1, metasmoothness,
+    the growth of the reverse pass; in ``dtype`` (the run recorded in float32)."""
+    import numpy as np
+    import torch
+
+    from gradtrace.options import MetagradOptions
     from gradtrace.replay import ReplayError, load_run, metagradients, metasmoothness
+    from gradtrace.replay.growth import growth_rate
+    from gradtrace.replay.replay import DEFAULT_TOLERANCE
 
     recorded = load_run(run_dir)
+    options = None
+    if dtype != "float32":
+        model = in_dtype(recorded, model, getattr(torch, dtype))
+        options = MetagradOptions(tolerance=DEFAULT_TOLERANCE[torch.float32])  # the coarsest precision involved
+    if tolerance is not None:
+        options = MetagradOptions(tolerance=tolerance)
     index = {ident: i for i, ident in enumerate(train.ids)}
 
     def batches(ids: list) -> dict:
@@ -93,17 +141,23 @@ def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_
     started = time.perf_counter()
     try:
         result = metagradients(recorded, model, token_losses, batches, query_batches, query_loss,
-                               train_ids=list(train.ids))
+                               train_ids=list(train.ids), options=options)
     except ReplayError as err:  # reported, not scored
-        return {"replay": f"FAILED: {err}", "train_s": round(train_s, 1)}
+        return {"dtype": dtype, "replay": f"FAILED: {err}", "train_s": round(train_s, 1),
+                "failed_after_s": round(time.perf_counter() - started, 1),
+                "growth": [[s, f"{n:.4g}"] for s, n in getattr(err, "growth", [])]}
     metagrad_s = time.perf_counter() - started
+    print(json.dumps({"growth": [[s, f"{n:.4g}"] for s, n in result.growth]}), flush=True)
+    fitted = growth_rate(result.growth)
     order = result.scores.argsort(dim=1, descending=True)  # [Q, N]
     ranks = [int((order[q] == result.ids.index(truth[q])).nonzero()[0, 0]) + 1 for q in range(len(truth))]
     started = time.perf_counter()
     smooth = metasmoothness(recorded, model, token_losses, batches, query_batches, query_loss, result=result)
     smooth_s = time.perf_counter() - started
     print(smooth.table(), flush=True)
-    return {"replay_difference": result.replay_difference, "steps": len(recorded.steps),
+    return {"dtype": dtype, "replay_difference": result.replay_difference, "steps": len(recorded.steps),
+            "growth_per_step": None if fitted is None else fitted[-1],
+            "growth": [[s, f"{n:.4g}"] for s, n in result.growth],
             "checkpoint_every": result.checkpoint_every, "train_s": round(train_s, 1),
             "metagrad_s": round(metagrad_s, 1), "metagrad_x_training": round(metagrad_s / train_s, 1),
             "metagradients": {"recall@1": sum(r == 1 for r in ranks), "planted_ranks": ranks,
@@ -113,7 +167,8 @@ def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_
 
 
 def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, batch_size: int = 16,
-        max_length: int = 96, lr: float = 3e-3, save: str | None = None, metagrad: bool = False) -> dict:
+        max_length: int = 96, lr: float = 3e-3, save: str | None = None, metagrad: bool = False,
+        metagrad_dtype: str = "float32", keep_run: str | None = None, metagrad_tolerance: float | None = None) -> dict:
     import torch
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -186,6 +241,9 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
     train_s = time.perf_counter() - started
     if recorder is not None:
         recorder.finish(model)
+        if keep_run is not None:  # the recorded run, before the reverse pass writes its checkpoints beside it
+            shutil.copytree(run_dir, keep_run, dirs_exist_ok=True)
+            print(json.dumps({"kept run": str(keep_run)}), flush=True)
     projection = gradtrace.LoGra(rank=rank, seed=0)
     truth = [p.id for p in PLANTED]
     grads = {}
@@ -223,7 +281,8 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
     if metagrad:
         out["attention"] = model.config._attn_implementation
         print(json.dumps({"rows so far": out}), flush=True)  # the metagradients take many times the rest
-        out["metagrad"] = metagrad_rows(run_dir, model, train, queries, truth, train_s)
+        out["metagrad"] = metagrad_rows(run_dir, model, train, queries, truth, train_s, metagrad_dtype,
+                                        metagrad_tolerance)
         shutil.rmtree(run_dir.parent, ignore_errors=True)
     return out
 
@@ -237,11 +296,22 @@ def main() -> None:
                         "queries.jsonl): the input of gradtrace attribute")
     parser.add_argument("--metagrad", action="store_true", help="the declared variant: eager attention, the run "
                         "recorded, + metagradients and the metasmoothness check (issue #32)")
+    parser.add_argument("--metagrad-dtype", choices=["float32", "float64"], default="float32", help="dtype of the "
+                        "metagradients' replay (the run is trained and recorded in float32; float64: the declared "
+                        "float64 variant)")
+    parser.add_argument("--keep-run", metavar="DIR", help="with --metagrad: copy the recorded run to DIR (default: "
+                        "deleted at the end)")
+    parser.add_argument("--metagrad-tolerance", type=float, help="the replay check's bound (default: the "
+                        "declared one; 1e30: no check in effect, the difference printed)")
     args = parser.parse_args()
     seeds = args.seeds or ([0] if args.metagrad else [0, 1, 2])
     for seed in seeds:
         save = None if args.save is None else str(Path(args.save) / f"seed-{seed}")
-        print(json.dumps(run(seed, args.epochs, args.docs, save=save, metagrad=args.metagrad)), flush=True)
+        keep = None if args.keep_run is None else str(Path(args.keep_run) if len(seeds) == 1
+                                                      else Path(args.keep_run) / f"seed-{seed}")
+        print(json.dumps(run(seed, args.epochs, args.docs, save=save, metagrad=args.metagrad,
+                             metagrad_dtype=args.metagrad_dtype, keep_run=keep,
+                             metagrad_tolerance=args.metagrad_tolerance)), flush=True)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,8 @@ def run(opts: MetagradCommand) -> None:
     out.print(f"Saved metagradient scores of {len(setup.query_ids):,} queries against {len(result.ids):,} training "
               f"examples to {opts.out} (replay difference {difference:.2e}, relative)." if difference is not None
               else f"Saved metagradient scores to {opts.out}.", markup=False, highlight=False)
+    if result.growth:
+        out.print(_growth_line(result.growth), markup=False, highlight=False)
     out.print(f"Show them: gradtrace topk {opts.out}", markup=False, highlight=False)
     if opts.progress:
         out.print(phases.table())
@@ -307,6 +309,18 @@ def _print_plan(setup: Setup, opts: MetagradCommand) -> None:
         out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
 
 
+def _growth_line(growth: list[tuple[int, float]]) -> str:
+    """How the reverse pass grew (``MetaGradients.growth``): the cotangent's norm at the run's end and start."""
+    from ..replay.growth import growth_rate
+
+    fitted = growth_rate(growth)
+    if fitted is None:
+        return f"Reverse pass: the parameters' cotangent had norm {growth[0][1]:.3g} at step {growth[0][0]}."
+    first_step, first, last_step, last, rate = fitted
+    return (f"Reverse pass: the parameters' cotangent norm went from {first:.3g} at step {first_step} (the end of the "
+            f"run) to {last:.3g} at step {last_step}, x{rate:.4g} per step on average (the largest over the queries).")
+
+
 def _duration(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
         f"{seconds / 3600:.1f} h"
@@ -324,6 +338,7 @@ def _save(opts: MetagradCommand, setup: Setup, result: Any) -> None:
     meta = {"config": config, "metagradients": {
         "run_dir": str(run.run_dir.absolute()), "steps": len(run.steps), "dtype": opts.replay_flags.dtype,
         "replay_difference": result.replay_difference, "checkpoint_every": result.checkpoint_every,
+        "growth": [list(pair) for pair in result.growth],
         "options": {k: v for k, v in asdict(setup.options).items() if k not in ("scales", "seed")},
         "query_loss": "summed token loss", "query_losses": result.query_losses.tolist(),
         "score": "-dL_q/dw_i: the derivative of the query's final loss in each training example's weight"}}

@@ -18,12 +18,16 @@ the query loss, the example helps).
 Queries are handled together: the cotangents carry a leading query axis and each reverse step is one batched
 vector-Jacobian product (``torch.autograd.grad(..., is_grads_batched=True)``, a vmap over the backward pass);
 ``query_batch`` bounds how many go at once (1: one plain reverse pass per query).
+
+After each segment the pass checks that it is finite and notes the norm of the parameters' cotangent (one host
+read per segment, :mod:`gradtrace.replay.growth`): ``MetaGradients.growth``, and on an overflow an error that says
+how fast the cotangent grew and whether float64 would reach the start of the run at that rate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,7 @@ from torch import Tensor
 from ..options.base import option_object
 from ..options.replay import MetagradOptions
 from .checkpoints import CheckpointStore, default_interval
+from .growth import Growth, merge, overflow_summary
 from .optim import OptimState
 from .replay import check_final
 from .run import RecordedRun, load_run
@@ -54,6 +59,9 @@ class MetaGradients:
     query_losses: Tensor  # [Q]: L_q(theta_T)
     replay_difference: float | None  # the replay's relative difference to the recorded final weights
     checkpoint_every: int
+    # (step, norm) from the end of the run (step T: the query gradients) to step 0, once per checkpoint segment: the
+    # 2-norm of the cotangent of the parameters of s_step, the largest over the queries (how the reverse pass grows)
+    growth: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _query_cotangents(steps: StepFunction, params: dict[str, Tensor], queries: Sequence[Any],
@@ -173,21 +181,26 @@ def metagradients(run: RecordedRun | str | Path, model: torch.nn.Module, loss_fn
         chunk = query_batch or max(count, 1)
         dtype = query_losses.dtype
         dw = torch.zeros(count, len(ids), dtype=dtype, device=steps.device)
+        traces = []
         for start in range(0, count, chunk):
             part = {key: c[start:start + chunk] for key, c in cotangents.items()}
-            dw[start:start + chunk] = _reverse(steps, store, every, part, chunk > 1, position, len(ids))
+            growth = Growth()
+            dw[start:start + chunk] = _reverse(steps, store, every, part, chunk > 1, position, len(ids), growth)
+            traces.append(growth.trace)
     finally:
         store.close()
-    return MetaGradients(-dw, ids, query_losses, difference, every)
+    return MetaGradients(-dw, ids, query_losses, difference, every, merge(traces))
 
 
 def _reverse(steps: StepFunction, store: CheckpointStore, every: int, cotangent: dict[Key, Tensor],
-             batched: bool, position: dict[Any, int], width: int) -> Tensor:
-    """One reverse pass over the whole run for a block of queries: ``dL_q/dw`` as ``[Q_block, N]``."""
+             batched: bool, position: dict[Any, int], width: int, growth: Growth) -> Tensor:
+    """One reverse pass over the whole run for a block of queries: ``dL_q/dw`` as ``[Q_block, N]``; the
+    cotangent's norm at the end of the run and after each segment goes to ``growth``."""
     count = next(iter(cotangent.values())).shape[0]
     dtype, device = next(iter(cotangent.values())).dtype, steps.device
     dw = torch.zeros(count, width, dtype=dtype, device=device)
     total = len(steps.run.steps)
+    growth.add(total, cotangent)
     for start in reversed(range(0, total, every)):
         segment = [store.get(start)]
         for t in range(start, min(start + every, total) - 1):
@@ -199,24 +212,30 @@ def _reverse(steps: StepFunction, store: CheckpointStore, every: int, cotangent:
                     index = torch.tensor([position[i] for i in ids], device=device)
                     dw.index_add_(1, index, grad.to(dtype))
         del segment
-        _check_finite(cotangent, dw, start, min(start + every, total), total)  # one host read per segment
+        growth.add(start, cotangent)
+        _check_finite(cotangent, dw, start, min(start + every, total), total, growth)  # one host read per segment
     return dw
 
 
-def _check_finite(cotangent: dict[Key, Tensor], dw: Tensor, start: int, stop: int, total: int) -> None:
+def _check_finite(cotangent: dict[Key, Tensor], dw: Tensor, start: int, stop: int, total: int,
+                  growth: Growth) -> None:
     """Raise :class:`ReplayError` when the reverse pass, after pulling the cotangents back through steps
-    ``start .. stop - 1``, holds a NaN or inf (in a cotangent or in a weight's derivative)."""
+    ``start .. stop - 1``, holds a NaN or inf (in a cotangent or in a weight's derivative); the error says how the
+    cotangent grew (``growth``, read in the same host read) and carries the trace as its ``growth`` attribute."""
     finite = torch.stack([torch.isfinite(dw).all(), *(torch.isfinite(c).all() for c in cotangent.values())])
-    if bool(finite.all()):
+    if growth.read(finite.all())[0]:
         return
     queries = ~torch.isfinite(dw).all(dim=1)
     for c in cotangent.values():
         queries |= ~torch.isfinite(c.reshape(c.shape[0], -1)).all(dim=1)
     which = queries.nonzero().flatten().tolist()
-    raise ReplayError(
+    error = ReplayError(
         f"metagradients: the reverse pass overflowed (NaN/inf) between steps {start} and {stop - 1} of {total} "
         f"(counted from the start of the run) for {len(which)} of the {queries.numel()} queries of this pass (in "
         f"it: {which[:8]}): the derivative through the later steps grew beyond the dtype's range, which happens "
         "when the training run is not metasmooth (check it with gradtrace.replay.metasmoothness on a short "
-        "stretch); replay in float64 (gradtrace metagrad --dtype float64, or the model and the recorded run cast "
-        "to float64) to reach further, or attribute with a method of gradtrace.fit")
+        f"stretch). Growth: {overflow_summary(growth.trace, dw.dtype, start, stop)}. Replay in float64 (gradtrace "
+        "metagrad --dtype float64, or the model and the recorded run cast to float64) to reach further, or "
+        "attribute with a method of gradtrace.fit")
+    error.growth = growth.trace
+    raise error
