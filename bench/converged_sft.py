@@ -94,21 +94,6 @@ def token_losses(forward, batch: dict):
     return per_token.sum(1), (shifted != -100).sum(1)
 
 
-def in_dtype(recorded, model, dtype):
-    """The recorded run's floating tensors, its manifest's dtypes and the model cast to ``dtype`` in memory (as
-    ``gradtrace metagrad --dtype`` does)."""
-    import copy
-
-    convert = lambda tensors: {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    recorded.initial = convert(recorded.initial)
-    recorded.final = convert(recorded.final) if recorded.final is not None else None
-    recorded.manifest = copy.deepcopy(recorded.manifest)
-    for info in recorded.manifest["params"].values():
-        if info["dtype"] in ("float16", "bfloat16", "float32", "float64"):
-            info["dtype"] = str(dtype).removeprefix("torch.")
-    return model.to(dtype)
-
-
 def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_s: float,
                   dtype: str = "float32", tolerance: float | None = None) -> dict:
     """The ``--metagrad`` rows: the replay check, metagradients of the 8 queries, their recall@1, metasmoothness,
@@ -124,7 +109,8 @@ def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_
     recorded = load_run(run_dir)
     options = None
     if dtype != "float32":
-        model = in_dtype(recorded, model, getattr(torch, dtype))
+        recorded.cast(getattr(torch, dtype))  # as gradtrace metagrad --dtype does
+        model = model.to(getattr(torch, dtype))
         options = MetagradOptions(tolerance=DEFAULT_TOLERANCE[torch.float32])  # the coarsest precision involved
     if tolerance is not None:
         options = MetagradOptions(tolerance=tolerance)

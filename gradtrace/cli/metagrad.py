@@ -178,7 +178,7 @@ def _load(opts: MetagradCommand) -> Setup:
     tolerance = opts.replay_flags.tolerance
     if tolerance is None:  # the bound of the coarsest precision involved
         tolerance = max(DEFAULT_TOLERANCE.get(d, 1e-4) for d in recorded | {dtype})
-    _in_dtype(run, dtype)
+    run.cast(dtype)
     model = _model(run_dir / "model", dtype, device)
     tokenizer_path = opts.tokenizer or run_dir / "model"
     if opts.tokenizer is None and not any((tokenizer_path / name).is_file() for name in TOKENIZER_FILES):
@@ -200,19 +200,6 @@ def _tokenizer(path: Path) -> Any:
         return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as err:
         raise CliError(f"no tokenizer could be read from {path}: {err}") from None
-
-
-def _in_dtype(run: Any, dtype: Any) -> None:
-    """Make the run's floating tensors (and the manifest's record of them) ``dtype``, in memory."""
-    import copy
-
-    convert = lambda tensors: {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    run.initial = convert(run.initial)
-    run.final = convert(run.final) if run.final is not None else None
-    run.manifest = copy.deepcopy(run.manifest)
-    for info in run.manifest["params"].values():
-        if info["dtype"] in ("float16", "bfloat16", "float32", "float64"):
-            info["dtype"] = str(dtype).removeprefix("torch.")
 
 
 def _model(config_dir: Path, dtype: Any, device: str) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,17 @@ class RecordedRun:
             for micro in step.micro_batches:
                 seen.update(dict.fromkeys(micro))
         return list(seen)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Make the run's floating tensors (initial and final) and the manifest's record of their dtypes ``dtype``,
+        in memory (a float32 run replayed in float64; the files are not touched)."""
+        convert = lambda tensors: {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        self.initial = convert(self.initial)
+        self.final = convert(self.final) if self.final is not None else None
+        self.manifest = copy.deepcopy(self.manifest)
+        for info in self.manifest["params"].values():
+            if info["dtype"] in ("float16", "bfloat16", "float32", "float64"):
+                info["dtype"] = str(dtype).removeprefix("torch.")
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Refuse a model whose parameters are not the recorded ones (names, shapes, dtypes).
