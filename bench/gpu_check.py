@@ -732,7 +732,7 @@ def _by_kind(report, names) -> dict[str, list[str]]:
 
 def _grouped_refusals() -> set:
     """The (device, dtype, shapes) keys for which gradtrace's experts products found ``grouped_mm`` refusing."""
-    from gradtrace.capture.layers import experts as moe
+    from gradtrace.capture.layers import experts_ops as moe
 
     return set(getattr(moe, "_NO_GROUPED", ()))
 
@@ -753,6 +753,26 @@ def _top_k(model, batch: dict[str, torch.Tensor], routers: list[str]) -> torch.T
             handle.remove()
     shape = (*batch["input_ids"].shape, -1)
     return torch.stack([c.view(shape).masked_fill(batch["attention_mask"][..., None] == 0, -1) for c in chosen])
+
+
+def _reads_forward(collect: Callable[[], Any]) -> str:
+    """Runs ``collect()`` once and says whether the experts' hooks read the forward's values (h, z, and dh from
+    autograd: ``gradtrace.capture.layers.experts_forward``) or recomputed them."""
+    import importlib
+
+    experts = importlib.import_module("gradtrace.capture.layers.experts")
+    on_grad, calls = experts._Later.on_grad, []
+
+    def counted(self, grad):
+        calls.append(1)
+        return on_grad(self, grad)
+
+    experts._Later.on_grad = counted
+    try:
+        collect()
+    finally:
+        experts._Later.on_grad = on_grad
+    return f"forward's values read in {len(calls)} experts calls" if calls else "experts' hidden values recomputed"
 
 
 def _products_path(before: set) -> str:
@@ -841,8 +861,8 @@ def _moe_timing(ctx: Context) -> Iterator[Row]:
     model.train()
     train()  # warm-up
     refused = _grouped_refusals()
-    collect()
-    path = _products_path(refused)
+    read = _reads_forward(collect)
+    path = f"{_products_path(refused)}; {read}"
     best = {"train": float("inf"), "collect": float("inf")}
     for _ in range(2):  # alternate, best of two
         model.train()

@@ -32,7 +32,26 @@ from .example_ids import ExampleIds
 if TYPE_CHECKING:
     from .collector import Capture
 
-__all__ = ["SiteResult", "build_batch", "join_terms", "nonfinite_examples", "outside_examples", "zero_outside"]
+__all__ = ["LaterTerm", "SiteResult", "build_batch", "join_terms", "nonfinite_examples", "outside_examples",
+           "zero_outside"]
+
+
+class LaterTerm:
+    """A layer's term that a hook further down the same backward pass delivers (the fused experts' up-projection,
+    from the gradient autograd computes at its hidden values); resolved when the batch is built."""
+
+    __slots__ = ("term", "what")
+
+    def __init__(self, what: str) -> None:
+        self.what, self.term = what, None
+
+    def deliver(self, term: Term) -> None:
+        self.term = term
+
+    def resolve(self) -> Term:
+        if self.term is None:
+            raise RuntimeError(f"gradtrace: the gradient term of {self.what} was not delivered in its backward pass")
+        return self.term
 
 
 @dataclass
@@ -154,6 +173,8 @@ def build_batch(capture: Capture, results: list[SiteResult], step: int, conventi
                 ids: ExampleIds) -> GradientBatch:
     """The :class:`GradientBatch` of backward pass ``step`` from its layer ``results`` (``capture``'s layers,
     projection and settings; ``convention``: the loss convention in force, a side pass's own one included)."""
+    results = [SiteResult(r.context, r.order, {n: t.resolve() if isinstance(t, LaterTerm) else t
+                                               for n, t in r.terms.items()}) for r in results]
     contexts = sorted({id(r.context): r.context for r in results}.values(), key=lambda c: c.index)
     sum_contexts = capture.multi_forward == "sum" and len(contexts) > 1
     if sum_contexts and len({c.num_examples for c in contexts}) != 1:

@@ -43,6 +43,7 @@ from .callbacks import CaptureCallback, as_callback
 from .context import BatchInfo, ContextSettings, ForwardContext, call_context
 from .coverage import CaptureReport, Coverage, coverage_of, enforce
 from .example_ids import ExampleIds
+from .forward_watch import watch_hooks
 from .layer_selection import select_layers
 from .layers import LayerHandler
 from .saved import Kept
@@ -189,6 +190,7 @@ class Capture:
         for handler in self.handlers:
             hook = self._make_layer_hook(handler)
             self._handles.append(handler.module.register_forward_hook(hook, with_kwargs=True))
+            self._handles += watch_hooks(handler)  # its leaving hook is prepended: it runs before the layer hook
         # last, so that when the model is itself a captured layer its layer hook still sees the context
         self._handles.append(root.register_forward_hook(self._root_post, with_kwargs=True))
         for handler in self.handlers:

@@ -7,6 +7,7 @@ Stdlib only (plus torch's version string), so any layer may import it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -30,7 +31,9 @@ _NESTED = ("gradtrace", "checkpoint")  # blocks searched for path keys too: the 
 # checkpoint a store was collected at (gradtrace.collect_checkpoints)
 
 
+@functools.cache
 def _version(package: str) -> str | None:
+    """The installed version (read once per process: the code this process runs is the one imported then)."""
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:

@@ -7,6 +7,7 @@ from torch import nn
 import gradtrace
 from gradtrace.capture.layers import ExpertsHandler, RouterHandler, find_handler
 from gradtrace.capture.layers import experts as ex
+from gradtrace.capture.layers import experts_ops as ops
 from gradtrace.options import CaptureOptions, Loss
 from gradtrace.projection.logra import Projector
 from tests import tiny
@@ -195,7 +196,7 @@ def test_segment_outer_sums_equal_a_loop_over_rows_and_experts(widths, dtype):
     gen = torch.Generator().manual_seed(8)
     r = torch.randn(rows * tokens * k, widths[0], generator=gen).to(dtype)
     c = torch.randn(rows * tokens * k, widths[1], generator=gen).to(dtype)
-    got = ex._segment_outer_sums(r, c, segment, ends)
+    got = ops.segment_outer_sums(r, c, segment, ends)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     assert got.dtype == acc and got.shape == (experts * rows, *widths)
     row_of = routing.token // tokens
@@ -215,10 +216,10 @@ def test_segment_outer_sums_fall_back_to_blocks_alike(monkeypatch):
     segment, ends = routing.segments(4)
     gen = torch.Generator().manual_seed(10)
     r, c = torch.randn(48, 16, generator=gen), torch.randn(48, 8, generator=gen)
-    grouped = ex._segment_outer_sums(r, c, segment, ends)
+    grouped = ops.segment_outer_sums(r, c, segment, ends)
     monkeypatch.setattr(torch.nn.functional, "grouped_mm", None, raising=False)
-    monkeypatch.setattr(ex, "_PAIR_BLOCK", 16 * 8 * 5)
-    blocks = ex._segment_outer_sums(r, c, segment, ends)
+    monkeypatch.setattr(ops, "_PAIR_BLOCK", 16 * 8 * 5)
+    blocks = ops.segment_outer_sums(r, c, segment, ends)
     assert torch.allclose(grouped, blocks, rtol=1e-6, atol=1e-6)
 
 
@@ -226,8 +227,9 @@ def test_segment_outer_sums_fall_back_to_blocks_alike(monkeypatch):
                                         gradtrace.LoGra(rank=16, rank_cols=8, keep_tokens=True)],
                          ids=["exact", "logra", "logra-tokens"])
 def test_experts_hook_reads_nothing_back_to_the_host(projection, monkeypatch):
-    """The experts' gradient hook (recomputation, per-token projections, grouped sums) makes no host read (counted
-    by ``bench/host_reads.py``), with biases (gpt-oss) and padding, on the device path (``CPU_FAST_PATH`` off)."""
+    """The experts' gradient hooks (the output's and the forward h's: per-token projections, grouped sums) make no
+    host read (counted by ``bench/host_reads.py``), with biases (gpt-oss) and padding, on the device path
+    (``CPU_FAST_PATH`` off)."""
     from gradtrace.capture import assemble
     from tests.capture.test_host_reads import _counter
 
@@ -243,11 +245,19 @@ def test_experts_hook_reads_nothing_back_to_the_host(projection, monkeypatch):
         calls.append(sum(n for (_, where), n in reads.sites.items() if "layers/experts.py" in where))
         return out
 
+    on_grad = ex._Later.on_grad  # the part of the rule that runs at the forward's h (its gradient from autograd)
+
+    def counted_later(self, grad):
+        with _counter()() as reads:
+            on_grad(self, grad)
+        calls.append(sum(n for (_, where), n in reads.sites.items() if "layers/experts.py" in where))
+
     monkeypatch.setattr(ExpertsHandler, "backward", counted)
+    monkeypatch.setattr(ex._Later, "on_grad", counted_later)
     with gradtrace.capture(model, loss=Loss(reduction="sum"), options=CaptureOptions(projection=projection)):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
         tiny.lm_example_loss(out.logits, labels).sum().backward()
-    assert calls == [0, 0]
+    assert calls == [0, 0, 0, 0]  # two layers, each hook
 
 
 def test_experts_forward_other_than_the_rule_is_reported():

@@ -210,6 +210,12 @@ class LayerHandler:
         this."""
         return self.keep(inputs, args, kwargs, projector)
 
+    def watch_forward(self, args: tuple, kwargs: dict) -> Any:
+        """A context manager to run around this call's forward (entered in the module's forward pre-hook, left before
+        the forward hook: ``gradtrace.capture.forward_watch``), for a rule that reads values computed inside the
+        forward; None (the default) watches nothing."""
+        return None
+
     def forward(self, inputs: Tensor, projector: Projector | None) -> Any:
         """Called in the forward hook; returns what :meth:`backward` needs (a tensor, or a tuple, list or dict of
         them: the collector keeps each through the saved-tensor hooks in force, so non-reentrant checkpointing
