@@ -227,8 +227,10 @@ def _config_rows(config: dict[str, Any]) -> list[tuple[str, str]]:
     config = dict(config)
     meta = config.pop(META_KEY, None)
     rows = []
-    if isinstance(meta, dict):
+    if isinstance(meta, dict) and meta.get("command"):
         rows.append(("written by", f"gradtrace {meta.get('version')} {meta.get('command')} ({meta.get('written')})"))
+    elif isinstance(meta, dict):  # the Python API and the Trainer callback record their options, not a command
+        rows.append(("written by", "gradtrace's Python API or Trainer callback (no command line recorded)"))
     rows += [(f"config.{key}", _short(value)) for key, value in config.items()]
     return rows
 

@@ -92,6 +92,15 @@ def test_inspect_store(store, runner):
         assert word in table
 
 
+def test_inspect_says_who_wrote_a_store_of_the_python_api(ws, runner, fresh):
+    """A store of ``gradtrace.collect`` records its options but no command line: inspect says so (not "None")."""
+    texts = [json.loads(line)["text"] for line in ws.train.read_text().splitlines()][:6]
+    gradtrace.collect(_model(ws.model), _api_batches(ws, texts, [f"r{i}" for i in range(6)], 3), store=fresh / "api")
+    table = invoke(runner, "inspect", fresh / "api").stdout
+    line = next(row for row in table.splitlines() if row.startswith("written by"))
+    assert "Python API" in line and "None" not in line
+
+
 def test_score_matches_python_api(ws, store, scores_dir):
     scores = gradtrace.Scores.load(scores_dir)
     queries = [line for line in ws.queries.read_text().splitlines() if line.strip()]
