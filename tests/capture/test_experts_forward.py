@@ -224,3 +224,22 @@ def test_a_term_never_delivered_is_an_error_that_names_it():
 
     with pytest.raises(RuntimeError, match="gate_up_proj was not delivered"):
         LaterTerm("model.layers.0.mlp.experts.gate_up_proj").resolve()
+
+
+def test_a_forward_that_raises_leaves_no_watch_behind():
+    """An experts call that fails inside its forward (here in a pre-hook after the capture's): the watch's function
+    mode is popped all the same, and the next step captures exactly."""
+    torch.manual_seed(7)
+    model = qwen3_moe()
+    _, ids, mask, labels, pos = _batch()
+    experts = model.model.layers[0].mlp.experts
+    with gradtrace.capture(model) as cap:
+        handle = experts.register_forward_pre_hook(lambda module, args: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        handle.remove()
+        assert torch._C._len_torch_function_stack() == 0
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        tiny.lm_example_loss(out.logits, labels).mean().backward()
+    ref = tiny.reference_grads(model, _batch()[0], _lm_single_loss)
+    tiny.assert_grads_close(cap.batches[-1].per_example_grads(), ref, names=_expert_params(model))
