@@ -145,6 +145,7 @@ class ExpertsHandler(LayerHandler):
             self.num_experts > _PROBE_EXPERTS and self._probe_with(self.num_experts))
 
     def _probe_with(self, experts: int) -> bool:
+        """:meth:`_probe` on a copy of the module's first ``experts`` experts."""
         module = self.module
         gen = torch.Generator().manual_seed(4321)
         params = {k: torch.randn((experts, *p.shape[1:]) if p.shape[:1] == (self.num_experts,) else p.shape,
@@ -227,7 +228,7 @@ class ExpertsHandler(LayerHandler):
             z = call.clean(read[2].index_select(0, at))
             terms: dict[str, Any] = self._terms(call, {"z": z}, exclude=up)
             call.g_tokens = None  # the rest needs only dh
-            pending = {role: LaterTerm(f"{self.name}.{self.params[role]}") for role in up}
+            pending = {role: LaterTerm(self.params[role]) for role in up}  # named by its parameter
             later.pending = lambda grad: _deliver(self._terms(call, {"dh": call.graph_dh(grad, at)}, only=up),
                                                   pending)
             return {**terms, **pending}
