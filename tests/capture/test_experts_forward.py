@@ -243,3 +243,18 @@ def test_a_forward_that_raises_leaves_no_watch_behind():
         tiny.lm_example_loss(out.logits, labels).mean().backward()
     ref = tiny.reference_grads(model, _batch()[0], _lm_single_loss)
     tiny.assert_grads_close(cap.batches[-1].per_example_grads(), ref, names=_expert_params(model))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_transformers_fallback_kernel_is_read_too(arch, monkeypatch):
+    """Where transformers cannot use ``grouped_mm`` (older torch, older GPUs) it calls its own fallback op, which
+    writes its output in place; its values are read as well (the in-place check counts from the op's return)."""
+    import transformers.integrations.moe as hf_moe
+
+    monkeypatch.setattr(hf_moe, "_can_use_grouped_mm", lambda *args, **kwargs: False)
+    torch.manual_seed(8)
+    model = MODELS[arch]()
+    got, calls = _run(model)
+    assert calls == {"_hidden": 0, "_gate": 0}
+    ref = tiny.reference_grads(model, _batch()[0], _lm_single_loss)
+    tiny.assert_grads_close(got, ref, names=_expert_params(model))

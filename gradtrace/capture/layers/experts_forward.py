@@ -70,7 +70,7 @@ class GroupedForward(TorchFunctionMode):
         self.perm: Tensor | None = None
         self.h: Tensor | None = None
         self.z: Tensor | None = None
-        self._z_version = 0
+        self._h_version = self._z_version = 0
         self.unexpected = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -83,7 +83,7 @@ class GroupedForward(TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs.get("mat_b", kwargs.get("weight"))
             at = _storage(weight)
             if at == self._w1_at and self.h is None and isinstance(out, Tensor):
-                self.h = out
+                self.h, self._h_version = out, out._version  # a fallback kernel may have written it in place
             elif at == self._w2_at and self.z is None and args and isinstance(args[0], Tensor):
                 self.z = args[0]
                 self._z_version = self.z._version
@@ -93,13 +93,14 @@ class GroupedForward(TorchFunctionMode):
 
     def values(self, pairs: int, h_version: int) -> tuple[Tensor, Tensor, Tensor] | None:
         """``(perm [P], h [P, R], z [P, I])`` in the forward's order of pairs, or None where the call was not the
-        one probed: ``h_version`` is how many times the probe's ``h`` was changed in place (its bias added)."""
+        one probed: ``h_version`` is how many times ``h`` may have been changed in place after its product returned
+        it (1: its bias added; 0 without a bias)."""
         perm, h, z = self.perm, self.h, self.z
         if self.unexpected or perm is None or h is None or z is None:
             return None
         if perm.shape != (pairs,) or h.dim() != 2 or z.dim() != 2 or h.shape[0] != pairs or z.shape[0] != pairs:
             return None
-        if h._version != h_version or z._version != self._z_version:
+        if h._version - self._h_version != h_version or z._version != self._z_version:
             return None
         return perm, h, z  # as the forward made them (the caller detaches what it keeps)
 
