@@ -12,7 +12,8 @@ decoded text of every training example goes beside them (``train_texts.jsonl``) 
 ``gradtrace report``.
 
 Before any replay a plan is printed: steps, parameters, checkpoint spacing, memory, disk and a time estimate from
-one timed replay step; ``--dry-run`` stops there.
+one timed replay step and one timed reverse step of a block of queries (its peak memory too, on a CUDA device);
+``--dry-run`` stops there.
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ __all__ = ["OPTIONS", "MetagradCommand", "run"]
 TEXTS_FILE = "train_texts.jsonl"
 TEXT_CHARS = 2000
 """Characters of each training example's decoded text kept beside the scores (topk and report cut them further)."""
-REVERSE_STEPS = 3
-"""A reverse step's cost in replay steps: a forward, a backward with ``create_graph`` and a double backward."""
 
 
 @dataclass(kw_only=True)
@@ -240,7 +239,17 @@ def _queries(opts: MetagradCommand, tokenizer: Any, model: Any, device: str) -> 
     return queries, [str(i) for i in data.ids]
 
 
-def plan_lines(setup: Setup, seconds: float, state_bytes: int) -> list[str]:
+@dataclass
+class Timing:
+    """What the plan measured: one replay step (forward, backward, update) and one reverse step of a block of
+    queries, in seconds; the reverse step's peak memory above what was allocated before it (CUDA only, else None)."""
+
+    step: float
+    reverse: float
+    reverse_peak: int | None = None
+
+
+def plan_lines(setup: Setup, timing: Timing, state_bytes: int) -> list[str]:
     """The plan, one line each: steps, parameters, checkpoint spacing, memory, disk and time."""
     from ..replay.checkpoints import default_interval
 
@@ -255,8 +264,11 @@ def plan_lines(setup: Setup, seconds: float, state_bytes: int) -> list[str]:
     in_memory = min(checkpoints, options.memory_limit // max(state_bytes, 1))
     memory = (in_memory + every + block) * state_bytes
     disk = (checkpoints - in_memory) * state_bytes
-    factor = 1 + blocks * (1 + REVERSE_STEPS)
+    per_step = timing.step + blocks * (timing.step + timing.reverse)
     dtype = str(setup.dtype).removeprefix("torch.")
+    graph = (f"plus one reverse step's graph, measured: {human_bytes(timing.reverse_peak)} (peak above the states "
+             f"then), so about {human_bytes(memory + timing.reverse_peak)} in all" if timing.reverse_peak is not None
+             else "plus one reverse step's graph (measured on CUDA devices only)")
     return [
         f"Run {run.run_dir}: {total:,} optimizer steps ({run.optimizer.kind}, accumulation {run.accumulation}), "
         f"{len(run.example_ids()):,} training examples, {params:,} parameters in {dtype}.",
@@ -264,35 +276,57 @@ def plan_lines(setup: Setup, seconds: float, state_bytes: int) -> list[str]:
         f"Checkpoints every k = {every:,} steps: {checkpoints:,} checkpoints + {every:,} states of one segment; one "
         f"state (weights and optimizer buffers) is {human_bytes(state_bytes)}.",
         f"Memory: ({in_memory:,} checkpoints in memory + k = {every:,} segment states + {block:,} query cotangents) x "
-        f"{human_bytes(state_bytes)} = {human_bytes(memory)}, plus one step's graph.",
+        f"{human_bytes(state_bytes)} = {human_bytes(memory)}, {graph}.",
         f"Disk: {checkpoints - in_memory:,} checkpoints beyond --memory-limit {human_bytes(options.memory_limit)}: "
         f"{human_bytes(disk)} under {run.run_dir} (removed at the end).",
-        f"Time: T x t_step x (1 forward replay + {blocks:,} pass(es) x (1 recomputation + ~{REVERSE_STEPS} for a "
-        f"reverse step)) = {total:,} x {seconds:.3g} s x {factor} = about {_duration(total * seconds * factor)} "
-        "(t_step: one timed replay step, forward + backward + update; a vectorised pass of many queries costs more).",
+        f"Time: T x (t_step for the forward replay + {blocks:,} pass(es) x (t_step to recompute + t_reverse)) = "
+        f"{total:,} x ({timing.step:.3g} + {blocks:,} x ({timing.step:.3g} + {timing.reverse:.3g})) s = about "
+        f"{_duration(total * per_step)} (t_step: one timed replay step, forward + backward + update; t_reverse: one "
+        f"timed reverse step of {block:,} quer{'y' if block == 1 else 'ies'}, {timing.reverse / timing.step:.1f} "
+        "t_step).",
     ]
 
 
 def _print_plan(setup: Setup, opts: MetagradCommand) -> None:
-    """Time one replay step (the second, after a warm-up) and print :func:`plan_lines`."""
+    """Time one replay step (the second, after a warm-up) and one reverse step of a block of queries (random
+    cotangents: its cost does not depend on their values), and print :func:`plan_lines`."""
     import torch
 
     from ..replay.checkpoints import state_bytes
+    from ..replay.metagrad import reverse_step
     from ..replay.step import StepFunction
 
     if not setup.run.steps:
         raise CliError(f"{opts.run_dir} records no optimizer step: nothing to differentiate")
+    cuda = setup.device != "cpu"
+
+    def timed(fn: Any) -> tuple[Any, float]:
+        start = time.perf_counter()
+        out = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        return out, time.perf_counter() - start
+
     steps = StepFunction(setup.run, setup.model, setup.loss_fn, setup.batches)
-    state = steps.step(0, steps.initial_state())  # the first call also warms up: the second one is timed
-    timed = min(1, len(setup.run.steps) - 1)
-    start = time.perf_counter()
-    state = steps.step(timed, state) if timed else steps.step(0, steps.initial_state())
-    if setup.device != "cpu":
+    first = steps.step(0, steps.initial_state())  # the first call also warms up: the second one is timed
+    index = min(1, len(setup.run.steps) - 1)
+    state = first if index else steps.initial_state()
+    _, seconds = timed(lambda: steps.step(index, state))
+    count = len(setup.queries)
+    block = min(setup.options.query_batch or count, count)
+    gen = torch.Generator(device=setup.device).manual_seed(0)
+    cotangent = {("param", name): torch.randn((block, *p.shape), generator=gen, dtype=p.dtype, device=p.device)
+                 for name, p in state.params.items()}
+    before = 0
+    if cuda:
         torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    _, reverse = timed(lambda: reverse_step(steps, index, state, cotangent, block > 1))
+    peak = torch.cuda.max_memory_allocated() - before if cuda else None
     out = console()
     out.print("Plan:", markup=False, highlight=False)
-    for line in plan_lines(setup, seconds, state_bytes(state)):
+    for line in plan_lines(setup, Timing(seconds, reverse, peak), state_bytes(state)):
         out.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
 
 

@@ -83,7 +83,7 @@ def _query_cotangents(steps: StepFunction, params: dict[str, Tensor], queries: S
     return {("param", n): torch.stack(grads[n]) for n in names}, torch.stack(losses)
 
 
-def _reverse_step(steps: StepFunction, t: int, state: OptimState, cotangent: dict[Key, Tensor],
+def reverse_step(steps: StepFunction, t: int, state: OptimState, cotangent: dict[Key, Tensor],
                   batched: bool) -> tuple[dict[Key, Tensor], list[Tensor | None]]:
     """Pull the cotangent of ``s_{t+1}`` back through step ``t``: the cotangent of ``s_t`` and ``dL/dw`` per
     micro-batch (``[Q, B_m]``, None where the weights do not reach the outputs)."""
@@ -206,7 +206,7 @@ def _reverse(steps: StepFunction, store: CheckpointStore, every: int, cotangent:
         for t in range(start, min(start + every, total) - 1):
             segment.append(steps.step(t, segment[-1]))
         for t in reversed(range(start, min(start + every, total))):
-            cotangent, weight_grads = _reverse_step(steps, t, segment[t - start], cotangent, batched)
+            cotangent, weight_grads = reverse_step(steps, t, segment[t - start], cotangent, batched)
             for ids, grad in zip(steps.run.steps[t].micro_batches, weight_grads):
                 if grad is not None:
                     index = torch.tensor([position[i] for i in ids], device=device)

@@ -76,7 +76,10 @@ def test_metagrad_equals_the_python_api_and_topk_shows_texts(ws, runner, recorde
     out = fresh / "scores"
     result = invoke(runner, "metagrad", recorded, ws.queries, "--out", out, "--no-progress")
     text = flat(result.output)
-    assert "Plan:" in text and "Time: T x t_step" in text and "Saved metagradient scores of 3 queries" in text
+    assert "Plan:" in text and "Time: T x (t_step for the forward replay + 1 pass(es)" in text
+    assert "t_reverse: one timed reverse step of 3 queries" in text  # measured, not a guessed factor
+    assert "plus one reverse step's graph (measured on CUDA devices only)" in text  # this CPU run
+    assert "Saved metagradient scores of 3 queries" in text
     saved = Scores.load(out)
     api, data = _api_scores(recorded, ws.queries)
     assert saved.method == "metagradients" and saved.query_ids == [str(i) for i in data.ids]
@@ -182,3 +185,19 @@ def test_attribute_with_metagrad_refuses_what_does_not_apply(ws, runner, recorde
                              recorded, code=2))
     assert "--recorded applies to --method metagrad" in line
     assert not (fresh / "a").exists()
+
+
+def test_the_plan_adds_a_measured_reverse_step(recorded):
+    """The time line uses the timed reverse step; where its peak memory was measured (CUDA) the memory line adds it."""
+    from types import SimpleNamespace
+
+    from gradtrace.cli.metagrad import Timing, plan_lines
+    from gradtrace.options import MetagradOptions
+    from gradtrace.replay import load_run
+
+    setup = SimpleNamespace(run=load_run(recorded), options=MetagradOptions(), queries=[{}] * 3, dtype=torch.float32)
+    lines = plan_lines(setup, Timing(step=0.5, reverse=2.0, reverse_peak=5 << 20), 1 << 20)
+    memory = next(line for line in lines if line.startswith("Memory:"))
+    assert "one reverse step's graph, measured: 5.0 MiB" in memory
+    time_line = next(line for line in lines if line.startswith("Time:"))
+    assert "4 x (0.5 + 1 x (0.5 + 2)) s = about 12.0 s" in time_line and "4.0 t_step" in time_line

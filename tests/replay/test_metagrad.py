@@ -103,7 +103,7 @@ def test_a_reverse_pass_that_overflows_is_refused_naming_the_steps(tmp_path, mon
     data = make_data()
     run, _ = _record(tmp_path, "mlp", "adamw_cosine_clip", data)
     args = (run, make_model("mlp"), loss_fn, batcher(data), QUERIES, query_loss)
-    real = mg._reverse_step
+    real = mg.reverse_step
 
     def overflowing(steps, t, state, cotangent, batched):
         previous, weight_grads = real(steps, t, state, cotangent, batched)
@@ -113,7 +113,7 @@ def test_a_reverse_pass_that_overflows_is_refused_naming_the_steps(tmp_path, mon
             previous[key][1].view(-1)[0] = float("inf")
         return previous, weight_grads
 
-    monkeypatch.setattr(mg, "_reverse_step", overflowing)
+    monkeypatch.setattr(mg, "reverse_step", overflowing)
     total = len(run.steps)
     with pytest.raises(ReplayError, match=r"overflowed \(NaN/inf\) between steps 6 and 8 of (\d+).*1 of the 3 "
                                           r"queries of this pass \(in it: \[1\]\).*float64") as err:
