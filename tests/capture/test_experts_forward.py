@@ -258,3 +258,21 @@ def test_transformers_fallback_kernel_is_read_too(arch, monkeypatch):
     assert calls == {"_hidden": 0, "_gate": 0}
     ref = tiny.reference_grads(model, _batch()[0], _lm_single_loss)
     tiny.assert_grads_close(got, ref, names=_expert_params(model))
+
+
+def test_reentrant_checkpointing_and_save_on_cpu_give_the_plain_rows():
+    """Reentrant checkpointing (the forward re-run inside backward, its own graph differentiated) and
+    ``save_on_cpu`` (the kept values moved to host memory and back): nothing recomputed, the plain step's rows."""
+    torch.manual_seed(9)
+    model = qwen3_moe()
+    model.train()
+    plain, _ = _run(model)
+    _, ids, mask, labels, pos = _batch()
+    with gradtrace.capture(model) as cap, torch.autograd.graph.save_on_cpu():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos)
+        tiny.lm_example_loss(out.logits, labels).mean().backward()
+    _close(cap.batches[0].per_example_grads(), plain, _expert_params(model))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    got, calls = _run(model)
+    assert calls == {"_hidden": 0, "_gate": 0}
+    _close(got, plain, _expert_params(model))
