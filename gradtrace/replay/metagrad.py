@@ -84,7 +84,7 @@ def _query_cotangents(steps: StepFunction, params: dict[str, Tensor], queries: S
 
 
 def reverse_step(steps: StepFunction, t: int, state: OptimState, cotangent: dict[Key, Tensor],
-                  batched: bool) -> tuple[dict[Key, Tensor], list[Tensor | None]]:
+                 batched: bool) -> tuple[dict[Key, Tensor], list[Tensor | None]]:
     """Pull the cotangent of ``s_{t+1}`` back through step ``t``: the cotangent of ``s_t`` and ``dL/dw`` per
     micro-batch (``[Q, B_m]``, None where the weights do not reach the outputs)."""
     leaves = state.replace({key: t_.detach().requires_grad_(True) for key, t_ in state.tensors()})

@@ -232,12 +232,14 @@ class ExpertsHandler(LayerHandler):
             later.pending = lambda grad: _deliver(self._terms(call, {"dh": call.graph_dh(grad, at)}, only=up),
                                                   pending)
             return {**terms, **pending}
-        x_p = call.x_tokens.index_select(0, routing.token) if at is None else None
         with torch.enable_grad():
             # the forward's h_p where it was read (no W1 x again), else recomputed for the routed pairs
-            h = call.clean(read[1].index_select(0, at)) if at is not None else self._hidden(module, x_p, routing)
+            h = (call.clean(read[1].index_select(0, at)) if at is not None
+                 else self._hidden(module, call.x_pairs(), routing))
             h = h.detach().requires_grad_(True)
             z = self._gate(module, h)
+        if projector is not None:
+            call._x_pairs = None  # LoGra projects x per token: freed before the per-pair tensors of the gradient
         _, _, w2, _ = self._weights(module)
         # dz_p = W2[e]^T dy_p and dh_p = J^T dz_p; under LoGra without the routing weight w_p (the vjp is linear in
         # dz), which then multiplies the [P, k] projected factors, not [P, R] full-width ones
@@ -265,7 +267,7 @@ class ExpertsHandler(LayerHandler):
                 return projector.project(params[role], axis, call.g_tokens).index_select(0, token).mul_(call.w_p)
             if source == "x":
                 if projector is None:
-                    return call.x_tokens.index_select(0, token)
+                    return call.x_pairs()
                 return projector.project(params[role], axis, call.x_tokens).index_select(0, token)
             value = values[source]
             if projector is None:
@@ -339,6 +341,13 @@ class _Call:
         if self.summed:
             self.segment, self.ends = routing.segments(rows)  # (expert, row) groups, contiguous in the sorted order
         self._g_pairs: Tensor | None = None
+        self._x_pairs: Tensor | None = None
+
+    def x_pairs(self) -> Tensor:
+        """``[P, d]``: ``x_t`` of each pair, formed once (the recomputed ``W1 x`` and the exact factors share it)."""
+        if self._x_pairs is None:
+            self._x_pairs = self.x_tokens.index_select(0, self.routing.token)
+        return self._x_pairs
 
     def g_pairs(self) -> Tensor:
         """``[P, d]``: ``g_t`` of each pair (``dy_p = w_p g_t`` reaches ``y_p``), formed once."""
