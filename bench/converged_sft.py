@@ -54,6 +54,17 @@ Variant ``--metagrad --metagrad-dtype float64`` (declared 2026-12-03 before any 
   disabled, the difference printed) then gives the float64 growth trace and rows, reported as metagradients of the
   float64 replay -- a different trajectory from the recorded run, not the recorded run's.
 
+Variant ``--metagrad --metagrad-last 0.1,0.5`` (declared 2026-12-03 before any of its results; issue #32):
+
+* the ``--metagrad`` variant (float32, seed 0) unchanged up to the end of training and its rows, then, instead of
+  the whole-run pass (its result, recall@1 0 of 8 with a cotangent grown x1.048 per step, is in
+  docs/metagradients.md), for each share ``s``: truncated metagradients (``MetagradOptions(start_step=T -
+  round(s * T))``, the last ``round(s * T)`` of the ``T = 1,040`` steps; all 8 queries vectorised, default spacing),
+  row ``metagradients, last s``: recall@1 out of 8, the planted documents' ranks, seconds and their ratio to the
+  training run, the growth trace, and the metasmoothness check of its own function (default scales, the weights
+  perturbed from its ``start_step`` on). The question: does leaving out the early, amplifying steps give
+  metagradients that find the planted documents where the single-model rows do not.
+
 Usage::
 
     python bench/converged_sft.py                  # 3 seeds, 40 epochs (~10 min on 2 CPU cores)
@@ -61,6 +72,7 @@ Usage::
     python bench/converged_sft.py --seeds 0 --save runs/converged   # then: gradtrace attribute runs/converged/...
     python bench/converged_sft.py --metagrad --seeds 0               # eager attention, + metagradients
     python bench/converged_sft.py --metagrad --metagrad-dtype float64 --keep-run /tmp/run   # reverse in float64
+    python bench/converged_sft.py --metagrad --metagrad-last 0.1,0.5   # truncated passes over the last 10%, 50%
 """
 
 from __future__ import annotations
@@ -94,11 +106,64 @@ def token_losses(forward, batch: dict):
     return per_token.sum(1), (shifted != -100).sum(1)
 
 
+def replay_inputs(train, queries):
+    """``batches(ids)`` of the training documents, one batch per query, and a query's loss (its summed token loss):
+    the inputs of the metagradients."""
+    import numpy as np
+
+    index = {ident: i for i, ident in enumerate(train.ids)}
+
+    def batches(ids: list) -> dict:
+        return train.rows(np.asarray([index[i] for i in ids], dtype=np.int64))
+
+    def query_loss(forward, batch: dict):
+        return token_losses(forward, batch)[0].sum()
+
+    return batches, [queries.rows(np.asarray([q], dtype=np.int64)) for q in range(queries.num_examples)], query_loss
+
+
+def truncated_rows(run_dir: Path, model, train, queries, truth: list[str], train_s: float,
+                   shares: list[float]) -> dict:
+    """The ``--metagrad-last`` rows: per share, truncated metagradients of the 8 queries over the last steps, their
+    recall@1, the growth of the pass and the metasmoothness check of the truncated function."""
+
+    from gradtrace.options import MetagradOptions
+    from gradtrace.replay import load_run, metagradients, metasmoothness
+    from gradtrace.replay.growth import growth_rate
+
+    recorded = load_run(run_dir)
+    batches, query_batches, query_loss = replay_inputs(train, queries)
+
+    total, out = len(recorded.steps), {}
+    for share in shares:
+        start = total - round(share * total)
+        started = time.perf_counter()
+        result = metagradients(recorded, model, token_losses, batches, query_batches, query_loss,
+                               train_ids=list(train.ids), options=MetagradOptions(start_step=start))
+        seconds = time.perf_counter() - started
+        order = result.scores.argsort(dim=1, descending=True)
+        ranks = [int((order[q] == result.ids.index(truth[q])).nonzero()[0, 0]) + 1 for q in range(len(truth))]
+        fitted = growth_rate(result.growth)
+        started = time.perf_counter()
+        smooth = metasmoothness(recorded, model, token_losses, batches, query_batches, query_loss, result=result)
+        row = {"start_step": start, "steps": total, "replay_difference": result.replay_difference,
+               "seconds": round(seconds, 1), "x_training": round(seconds / train_s, 2),
+               "recall@1": sum(r == 1 for r in ranks), "planted_ranks": ranks,
+               "growth_per_step": None if fitted is None else fitted[-1],
+               "growth": [[s, f"{n:.4g}"] for s, n in result.growth],
+               "nonfinite_scores": int((~result.scores.isfinite()).sum()),
+               "metasmoothness": {"scales": smooth.scales, "relative_error": smooth.relative_error,
+                                  "sign_agreement": smooth.sign_agreement,
+                                  "seconds": round(time.perf_counter() - started, 1)}}
+        print(json.dumps({f"metagradients, last {share:g}": row}), flush=True)
+        out[f"metagradients, last {share:g}"] = row
+    return out
+
+
 def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_s: float,
                   dtype: str = "float32", tolerance: float | None = None) -> dict:
     """The ``--metagrad`` rows: the replay check, metagradients of the 8 queries, their recall@1, metasmoothness,
     the growth of the reverse pass; in ``dtype`` (the run recorded in float32)."""
-    import numpy as np
     import torch
 
     from gradtrace.options import MetagradOptions
@@ -114,15 +179,7 @@ def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_
         options = MetagradOptions(tolerance=DEFAULT_TOLERANCE[torch.float32])  # the coarsest precision involved
     if tolerance is not None:
         options = MetagradOptions(tolerance=tolerance)
-    index = {ident: i for i, ident in enumerate(train.ids)}
-
-    def batches(ids: list) -> dict:
-        return train.rows(np.asarray([index[i] for i in ids], dtype=np.int64))
-
-    query_batches = [queries.rows(np.asarray([q], dtype=np.int64)) for q in range(queries.num_examples)]
-
-    def query_loss(forward, batch: dict):
-        return token_losses(forward, batch)[0].sum()
+    batches, query_batches, query_loss = replay_inputs(train, queries)
 
     started = time.perf_counter()
     try:
@@ -154,7 +211,8 @@ def metagrad_rows(run_dir: Path, model, train, queries, truth: list[str], train_
 
 def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, batch_size: int = 16,
         max_length: int = 96, lr: float = 3e-3, save: str | None = None, metagrad: bool = False,
-        metagrad_dtype: str = "float32", keep_run: str | None = None, metagrad_tolerance: float | None = None) -> dict:
+        metagrad_dtype: str = "float32", keep_run: str | None = None, metagrad_tolerance: float | None = None,
+        metagrad_last: list[float] | None = None) -> dict:
     import torch
     import transformers
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -267,8 +325,11 @@ def run(seed: int, epochs: int, docs: int, rank: int = 64, width: int = 128, bat
     if metagrad:
         out["attention"] = model.config._attn_implementation
         print(json.dumps({"rows so far": out}), flush=True)  # the metagradients take many times the rest
-        out["metagrad"] = metagrad_rows(run_dir, model, train, queries, truth, train_s, metagrad_dtype,
-                                        metagrad_tolerance)
+        if metagrad_last:
+            out["metagrad"] = truncated_rows(run_dir, model, train, queries, truth, train_s, metagrad_last)
+        else:
+            out["metagrad"] = metagrad_rows(run_dir, model, train, queries, truth, train_s, metagrad_dtype,
+                                            metagrad_tolerance)
         shutil.rmtree(run_dir.parent, ignore_errors=True)
     return out
 
@@ -289,6 +350,9 @@ def main() -> None:
                         "deleted at the end)")
     parser.add_argument("--metagrad-tolerance", type=float, help="the replay check's bound (default: the "
                         "declared one; 1e30: no check in effect, the difference printed)")
+    parser.add_argument("--metagrad-last", type=lambda text: [float(x) for x in text.split(",")], help="with "
+                        "--metagrad: truncated passes over these shares of the last steps instead of the whole run "
+                        "(the declared variant: 0.1,0.5)")
     args = parser.parse_args()
     seeds = args.seeds or ([0] if args.metagrad else [0, 1, 2])
     for seed in seeds:
@@ -297,7 +361,8 @@ def main() -> None:
                                                       else Path(args.keep_run) / f"seed-{seed}")
         print(json.dumps(run(seed, args.epochs, args.docs, save=save, metagrad=args.metagrad,
                              metagrad_dtype=args.metagrad_dtype, keep_run=keep,
-                             metagrad_tolerance=args.metagrad_tolerance)), flush=True)
+                             metagrad_tolerance=args.metagrad_tolerance, metagrad_last=args.metagrad_last)),
+              flush=True)
 
 
 if __name__ == "__main__":

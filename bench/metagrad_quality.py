@@ -59,12 +59,24 @@ digits_mlp_smooth and tinylm_smooth, and with ``F = 0.99`` (drop 1%) on digits_m
 with its task's default number of subsets, subset seed 0, the same rows and columns as above; the ground truths
 are cached apart (``<task>-keep<F>``). Everything else is unchanged.
 
+Variant ``--last`` (declared 2026-12-03 before any of its results; issue #32): truncated metagradients
+(``MetagradOptions.start_step``, truncated back-propagation), because the bundled recipes are not metasmooth and
+their cotangent grows step after step towards the start of the run. For each share ``s`` of ``--last`` (run with
+``0.01,0.1,0.5``) a row ``metagradients, last s`` differentiates the last ``max(1, round(s * T))`` of the ``T``
+steps only (``start_step = T - that``), all queries in one vectorised pass, default checkpoint spacing, against both
+ground truths (the counterfactual column stays the whole-run counterfactual: every step with the weights 0); with
+its seconds and the metasmoothness check of its own function (the first 10 queries, the default scales and seed,
+the weights perturbed from its ``start_step`` on). Beside the full pass and the other rows, unchanged. Run on
+``digits_mlp`` and ``tinylm_eager`` with ``--fraction 0.9`` and ``0.5``, and on ``digits_mlp_smooth`` with
+``--fraction 0.9`` (where the whole pass already reaches 0.938: what truncation costs on a smooth run).
+
 Usage::
 
     python bench/metagrad_quality.py                       # both tasks (~15-25 min on 2 CPU cores)
     python bench/metagrad_quality.py --tasks digits_mlp --subsets 20
     python bench/metagrad_quality.py --tasks digits_softmax,digits_mlp_fullbatch,digits_mlp_smooth,tinylm_smooth
     python bench/metagrad_quality.py --tasks digits_mlp_smooth,tinylm_smooth --fraction 0.9
+    python bench/metagrad_quality.py --tasks digits_mlp,tinylm_eager --fraction 0.9 --last 0.01,0.1,0.5
 """
 
 from __future__ import annotations
@@ -227,6 +239,20 @@ def run_task(name: str, args: argparse.Namespace) -> None:
         counterfactual = GroundTruth(truth.masks, counterfactual_truth(run, replay_model, problem, truth.masks,
                                                                        tolerance), {"kind": "counterfactual"})
         truth_seconds = time.perf_counter() - began
+        truncated = {}
+        for share in args.last:
+            start = len(run.steps) - max(1, round(share * len(run.steps)))
+            began = time.perf_counter()
+            cut = metagradients(run, replay_model, problem.loss, problem.batch, problem.queries(), problem.query_loss,
+                                train_ids=task.train_ids, options=MetagradOptions(tolerance=tolerance,
+                                                                                  start_step=start))
+            seconds = time.perf_counter() - began
+            head = MetaGradients(cut.scores[:SMOOTHNESS_QUERIES], cut.ids, cut.query_losses[:SMOOTHNESS_QUERIES],
+                                 cut.replay_difference, cut.checkpoint_every, start_step=start)
+            check = metasmoothness(run, replay_model, problem.loss, problem.batch,
+                                   problem.queries()[:SMOOTHNESS_QUERIES], problem.query_loss, result=head,
+                                   options=MetagradOptions(tolerance=tolerance))
+            truncated[f"metagradients, last {share:g}"] = (cut.scores, start, seconds, check)
         smooth = None
         if name in VARIANTS:  # the check on the first queries, reusing their metagradients
             count = SMOOTHNESS_QUERIES
@@ -238,6 +264,10 @@ def run_task(name: str, args: argparse.Namespace) -> None:
           f"({metagrad_seconds / train_seconds:.1f}x the training run); replay difference to the recorded weights "
           f"{result.replay_difference:.2e}; counterfactual ground truth {truth_seconds:.0f} s for {subsets} subsets")
     rows = {"metagradients": result.scores}
+    for label, (scores, start, seconds, _) in truncated.items():
+        rows[label] = scores
+        print(f"{label}: steps {start}..{len(run.steps) - 1} of {len(run.steps)}, {seconds:.1f} s "
+              f"({seconds / train_seconds:.1f}x the training run)")
     for method in ("grad_dot", "ekfac") + (("kfac",) if name in VARIANTS else ()):
         row = evaluate(task, [method], truth)[0]
         rows[method] = row  # scores are re-derived below for the counterfactual column
@@ -250,6 +280,12 @@ def run_task(name: str, args: argparse.Namespace) -> None:
             b = value.lds
             a = evaluate(task, [method], counterfactual)[0].lds
         print(f"| {method} | {a.mean:.3f} +- {a.se:.3f} | {b.mean:.3f} +- {b.se:.3f} |")
+    for label, (_, start, _, check) in truncated.items():
+        print(f"\nmetasmoothness of {label} (its own function: weights perturbed from step {start}; "
+              f"{SMOOTHNESS_QUERIES} queries):\n")
+        print("| eps | relative error of the linear prediction | sign agreement |\n|---|---|---|")
+        for eps, error, agree in zip(check.scales, check.relative_error, check.sign_agreement):
+            print(f"| {eps:g} | {error:.3g} | {agree:.2f} |")
     if smooth is not None:
         print(f"\nmetasmoothness ({SMOOTHNESS_QUERIES} queries, one random +-1 direction):\n")
         print("| eps | relative error of the linear prediction | sign agreement |\n|---|---|---|")
@@ -265,6 +301,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--fraction", type=float, default=0.5, help="share of the training set each LDS subset "
                         "keeps (default 0.5; the --fraction variant: 0.9, 0.99)")
+    parser.add_argument("--last", type=lambda text: [float(x) for x in text.split(",")], default=[],
+                        help="shares of the steps for truncated metagradient rows (the --last variant: 0.01,0.1,0.5)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.tasks.split(","):

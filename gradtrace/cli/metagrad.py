@@ -48,6 +48,7 @@ class ReplayFlags(Group):
     """How the run is replayed and differentiated (:class:`gradtrace.options.MetagradOptions`)."""
 
     panel = "Metagradients"
+    start_step: int = field(default=0, metadata=api_field(MetagradOptions, "start_step"))
     checkpoint_every: int | None = field(default=None, metadata=api_field(MetagradOptions, "checkpoint_every"))
     query_batch: int | None = field(default=None, metadata=api_field(MetagradOptions, "query_batch"))
     memory_limit: int = field(default=2 << 30, metadata=api_field(MetagradOptions, "memory_limit"))
@@ -58,8 +59,8 @@ class ReplayFlags(Group):
 
     def options(self, tolerance: float | None) -> Any:
         """The Python API's :class:`gradtrace.options.MetagradOptions` of these flags (``tolerance`` resolved)."""
-        return MetagradOptions(checkpoint_every=self.checkpoint_every, query_batch=self.query_batch,
-                               memory_limit=self.memory_limit, tolerance=tolerance)
+        return MetagradOptions(start_step=self.start_step, checkpoint_every=self.checkpoint_every,
+                               query_batch=self.query_batch, memory_limit=self.memory_limit, tolerance=tolerance)
 
 
 @dataclass(kw_only=True)
@@ -254,17 +255,18 @@ def plan_lines(setup: Setup, timing: Timing, state_bytes: int) -> list[str]:
     from ..replay.checkpoints import default_interval
 
     run, options = setup.run, setup.options
-    total = len(run.steps)
-    every = options.checkpoint_every or default_interval(total)
+    total, first = len(run.steps), options.start_step
+    reversed_steps = total - first
+    every = options.checkpoint_every or default_interval(reversed_steps)
     params = sum(run.initial[name].numel() for name in run.optimizer.param_names())
     count = len(setup.queries)
     block = min(options.query_batch or count, count)
     blocks = math.ceil(count / block)
-    checkpoints = math.ceil(total / every)
+    checkpoints = math.ceil(reversed_steps / every)
     in_memory = min(checkpoints, options.memory_limit // max(state_bytes, 1))
     memory = (in_memory + every + block) * state_bytes
     disk = (checkpoints - in_memory) * state_bytes
-    per_step = timing.step + blocks * (timing.step + timing.reverse)
+    seconds = total * timing.step + reversed_steps * blocks * (timing.step + timing.reverse)
     dtype = str(setup.dtype).removeprefix("torch.")
     graph = (f"plus one reverse step's graph, measured: {human_bytes(timing.reverse_peak)} (peak above the states "
              f"then), so about {human_bytes(memory + timing.reverse_peak)} in all" if timing.reverse_peak is not None
@@ -272,17 +274,21 @@ def plan_lines(setup: Setup, timing: Timing, state_bytes: int) -> list[str]:
     return [
         f"Run {run.run_dir}: {total:,} optimizer steps ({run.optimizer.kind}, accumulation {run.accumulation}), "
         f"{len(run.example_ids()):,} training examples, {params:,} parameters in {dtype}.",
-        f"Queries: {count:,} in {blocks:,} reverse pass(es) of up to {block:,}.",
+        f"Queries: {count:,} in {blocks:,} reverse pass(es) of up to {block:,}"
+        + (f", each over steps {first:,}..{total - 1:,} ({reversed_steps:,} of {total:,}: --start-step {first:,} "
+           "truncates the pass; the weights of earlier steps are not differentiated)." if first else
+           ", each over the whole run."),
         f"Checkpoints every k = {every:,} steps: {checkpoints:,} checkpoints + {every:,} states of one segment; one "
         f"state (weights and optimizer buffers) is {human_bytes(state_bytes)}.",
         f"Memory: ({in_memory:,} checkpoints in memory + k = {every:,} segment states + {block:,} query cotangents) x "
         f"{human_bytes(state_bytes)} = {human_bytes(memory)}, {graph}.",
         f"Disk: {checkpoints - in_memory:,} checkpoints beyond --memory-limit {human_bytes(options.memory_limit)}: "
         f"{human_bytes(disk)} under {run.run_dir} (removed at the end).",
-        f"Time: T x (t_step for the forward replay + {blocks:,} pass(es) x (t_step to recompute + t_reverse)) = "
-        f"{total:,} x ({timing.step:.3g} + {blocks:,} x ({timing.step:.3g} + {timing.reverse:.3g})) s = about "
-        f"{_duration(total * per_step)} (t_step: one timed replay step, forward + backward + update; t_reverse: one "
-        f"timed reverse step of {block:,} quer{'y' if block == 1 else 'ies'}, {timing.reverse / timing.step:.1f} "
+        f"Time: T x t_step for the forward replay + {'(T - K)' if first else 'T'} x {blocks:,} pass(es) x (t_step to "
+        f"recompute + t_reverse) = {total:,} x {timing.step:.3g} + {reversed_steps:,} x {blocks:,} x "
+        f"({timing.step:.3g} + {timing.reverse:.3g}) s = about {_duration(seconds)} (t_step: one timed replay step, "
+        f"forward + backward + update; t_reverse: one timed reverse step of {block:,} "
+        f"quer{'y' if block == 1 else 'ies'}, {timing.reverse / timing.step:.1f} "
         "t_step).",
     ]
 
@@ -298,6 +304,10 @@ def _print_plan(setup: Setup, opts: MetagradCommand) -> None:
 
     if not setup.run.steps:
         raise CliError(f"{opts.run_dir} records no optimizer step: nothing to differentiate")
+    if setup.options.start_step >= len(setup.run.steps):
+        raise CliError(f"--start-step {setup.options.start_step}: {opts.run_dir} records {len(setup.run.steps):,} "
+                       f"optimizer step(s), so the reverse pass would differentiate none (expected 0..."
+                       f"{len(setup.run.steps) - 1:,})")
     cuda = setup.device != "cpu"
 
     def timed(fn: Any) -> tuple[Any, float]:

@@ -1,5 +1,5 @@
-"""How metagradients replay a recorded run: checkpoint spacing, queries per reverse pass, memory, the replay
-check's bound, and the metasmoothness check's perturbations."""
+"""How metagradients replay a recorded run: where the reverse pass starts, checkpoint spacing, queries per reverse
+pass, memory, the replay check's bound, and the metasmoothness check's perturbations."""
 
 from __future__ import annotations
 
@@ -13,7 +13,13 @@ class MetagradOptions:
     """Settings of :func:`gradtrace.replay.metagradients` and :func:`gradtrace.replay.metasmoothness`.
 
     Attributes:
-        checkpoint_every: optimizer steps between state checkpoints (None: ``ceil(sqrt(T))``, ``T / k + k`` states
+        start_step: the first optimizer step the reverse pass differentiates (0: the whole run, the exact
+            derivative). With ``K > 0`` the pass is truncated (truncated back-propagation, Shaban et al. 2019): the
+            weights count only at steps ``K .. T-1`` and the state after step ``K - 1`` is taken as given, so an
+            example scores what its steps from ``K`` on did; one seen only before ``K`` scores 0. For runs that are
+            not metasmooth, where the derivative through the early steps is dominated by how the run's chaos
+            amplifies them; it costs ``(T - K) / T`` of the reverse pass.
+        checkpoint_every: optimizer steps between state checkpoints (None: ``ceil(sqrt(T - K))``, ``T / k + k`` states
             in memory; the scores do not depend on it).
         query_batch: queries per reverse pass (None: all, one vectorised pass; 1: one plain pass per query).
         memory_limit: bytes of checkpoints kept in memory; the rest are written under the run directory (removed
@@ -24,9 +30,13 @@ class MetagradOptions:
         seed: the seed of the check's random directions ``d``.
     """
 
+    start_step: int = field(default=0, metadata={"min": 0, "help": (
+        "First optimizer step the reverse pass differentiates (default 0: the whole run, exact). K > 0 truncates it: "
+        "the examples' weights count at steps K..T-1 only and the state before step K is taken as given (for runs "
+        "that are not metasmooth; costs (T-K)/T of the pass).")})
     checkpoint_every: int | None = field(default=None, metadata={"min": 1, "help": (
-        "Optimizer steps between state checkpoints (default: ceil(sqrt(T)), T/k + k states in memory; the scores do "
-        "not depend on it).")})
+        "Optimizer steps between state checkpoints (default: ceil(sqrt(T - start_step)), T/k + k states in memory; "
+        "the scores do not depend on it).")})
     query_batch: int | None = field(default=None, metadata={"min": 1, "help": (
         "Queries per reverse pass (default: all, one vectorised pass; 1: one plain pass per query, least memory).")})
     memory_limit: int = field(default=2 << 30, metadata={"min": 0, "help": (

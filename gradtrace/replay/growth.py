@@ -72,9 +72,11 @@ def growth_rate(trace: list[tuple[int, float]]) -> tuple[int, float, int, float,
     return first_step, first, last_step, last, (last / first) ** (1 / (first_step - last_step))
 
 
-def overflow_summary(trace: list[tuple[int, float]], dtype: torch.dtype, start: int, stop: int) -> str:
+def overflow_summary(trace: list[tuple[int, float]], dtype: torch.dtype, start: int, stop: int,
+                     begin: int = 0) -> str:
     """How the norm grew up to an overflow between steps ``start`` and ``stop - 1``, and whether float64 could reach
-    the start of the run at that rate: ``log(float64 max / norm) / log(rate)`` steps from the last finite norm."""
+    the first step of the pass (``begin``: 0, the start of the run, unless the pass is truncated) at that rate:
+    ``log(float64 max / norm) / log(rate)`` steps from the last finite norm."""
     finite = [(s, n) for s, n in trace if math.isfinite(n) and n > 0]
     if not finite:
         return "the cotangent was not finite at the end of the run already (the query gradients)"
@@ -96,7 +98,8 @@ def overflow_summary(trace: list[tuple[int, float]], dtype: torch.dtype, start: 
     if rate <= 1:
         return text + "; the norm did not grow on average, so the overflow is a sudden one (float64 may not help)"
     reach = math.log(torch.finfo(torch.float64).max / last) / math.log(rate)
-    verdict = "float64 could reach the start of the run" if reach >= last_step else (
-        "float64 would overflow too, before the start of the run")
+    goal = "the start of the run" if begin == 0 else f"step {begin}, where the pass stops"
+    verdict = f"float64 could reach {goal}" if reach >= last_step - begin else (
+        f"float64 would overflow too, before {goal}")
     return (text + f"; at that rate float64 (max {torch.finfo(torch.float64).max:.3g}) would hold {bound}~{reach:.0f} "
-            f"more steps from step {last_step}, with {last_step} steps left to the start of the run: {verdict}")
+            f"more steps from step {last_step}, with {last_step - begin} steps left to {goal}: {verdict}")

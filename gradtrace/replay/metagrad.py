@@ -19,6 +19,11 @@ Queries are handled together: the cotangents carry a leading query axis and each
 vector-Jacobian product (``torch.autograd.grad(..., is_grads_batched=True)``, a vmap over the backward pass);
 ``query_batch`` bounds how many go at once (1: one plain reverse pass per query).
 
+``start_step = K`` truncates the pass (truncated back-propagation): the loop above stops after step ``K`` and
+the cotangent of ``s_K`` is dropped, so the scores are the exact derivatives with respect to weights that act at
+steps ``K .. T-1`` only -- for runs that are not metasmooth, where the cotangent grows step after step towards the
+start of the run and the derivative through the early steps no longer predicts a finite change.
+
 After each segment the pass checks that it is finite and notes the norm of the parameters' cotangent (one host
 read per segment, :mod:`gradtrace.replay.growth`): ``MetaGradients.growth``, and on an overflow an error that says
 how fast the cotangent grew and whether float64 would reach the start of the run at that rate.
@@ -59,9 +64,10 @@ class MetaGradients:
     query_losses: Tensor  # [Q]: L_q(theta_T)
     replay_difference: float | None  # the replay's relative difference to the recorded final weights
     checkpoint_every: int
-    # (step, norm) from the end of the run (step T: the query gradients) to step 0, once per checkpoint segment: the
+    # (step, norm) from the end of the run (step T: the query gradients) to start_step, once per checkpoint segment: the
     # 2-norm of the cotangent of the parameters of s_step, the largest over the queries (how the reverse pass grows)
     growth: list[tuple[int, float]] = field(default_factory=list)
+    start_step: int = 0  # the first step differentiated (MetagradOptions.start_step; 0: the whole run)
 
 
 def _query_cotangents(steps: StepFunction, params: dict[str, Tensor], queries: Sequence[Any],
@@ -144,25 +150,29 @@ def metagradients(run: RecordedRun | str | Path, model: torch.nn.Module, loss_fn
         query_loss_fn: ``query_loss_fn(forward, query) -> scalar`` at the final weights.
         train_ids: the columns of the scores (default: the run's ids in order of first appearance); must hold
             every id of the run.
-        options: :class:`gradtrace.options.MetagradOptions` -- checkpoint spacing (default ``ceil(sqrt(T))``; the
-            result does not depend on it), queries per reverse pass (default all, one vmapped pass), bytes of
-            checkpoints kept in memory (the rest go to ``run_dir/metagrad_checkpoints_*/``, removed at the end), the
-            replay check's bound (see :func:`gradtrace.replay.replay`).
+        options: :class:`gradtrace.options.MetagradOptions` -- the first step differentiated (default 0: the
+            whole run; ``K > 0`` truncates the pass), checkpoint spacing (default ``ceil(sqrt(T - K))``; the result
+            does not depend on it), queries per reverse pass (default all, one vmapped pass), bytes of checkpoints
+            kept in memory (the rest go to ``run_dir/metagrad_checkpoints_*/``, removed at the end), the replay
+            check's bound (see :func:`gradtrace.replay.replay`).
 
     Returns:
         :class:`MetaGradients`: ``scores [Q, N] = -dL_q/dw_i`` and the query losses.
 
     Raises:
         ReplayError: a model that does not match, missing ids, a replay that does not reproduce the run, bad
-            ``checkpoint_every`` / ``query_batch``.
+            ``checkpoint_every`` / ``query_batch``, a ``start_step`` beyond the run.
     """
     options = option_object(options, MetagradOptions, "options")
     checkpoint_every, query_batch = options.checkpoint_every, options.query_batch
     memory_limit, tolerance = options.memory_limit, options.tolerance
     run = run if isinstance(run, RecordedRun) else load_run(run)
     steps = StepFunction(run, model, loss_fn, batches)
-    total = len(run.steps)
-    every = checkpoint_every if checkpoint_every is not None else default_interval(total)
+    total, first = len(run.steps), options.start_step
+    if first and first >= total:
+        raise ReplayError(f"start_step={first}: the run has {total} optimizer step(s), so the reverse pass would "
+                          f"differentiate none; expected 0 <= start_step < {total}")
+    every = checkpoint_every if checkpoint_every is not None else default_interval(total - first)
     if every < 1:
         raise ReplayError(f"checkpoint_every={every}: expected an int >= 1")
     if query_batch is not None and query_batch < 1:
@@ -172,7 +182,7 @@ def metagradients(run: RecordedRun | str | Path, model: torch.nn.Module, loss_fn
     try:
         state = steps.initial_state()
         for t in range(total):
-            if t % every == 0:
+            if t >= first and (t - first) % every == 0:
                 store.put(t, state)
             state = steps.step(t, state)
         difference = check_final(run, state, tolerance)[0] if run.final is not None else None
@@ -185,23 +195,24 @@ def metagradients(run: RecordedRun | str | Path, model: torch.nn.Module, loss_fn
         for start in range(0, count, chunk):
             part = {key: c[start:start + chunk] for key, c in cotangents.items()}
             growth = Growth()
-            dw[start:start + chunk] = _reverse(steps, store, every, part, chunk > 1, position, len(ids), growth)
+            dw[start:start + chunk] = _reverse(steps, store, first, every, part, chunk > 1, position, len(ids),
+                                               growth)
             traces.append(growth.trace)
     finally:
         store.close()
-    return MetaGradients(-dw, ids, query_losses, difference, every, merge(traces))
+    return MetaGradients(-dw, ids, query_losses, difference, every, merge(traces), first)
 
 
-def _reverse(steps: StepFunction, store: CheckpointStore, every: int, cotangent: dict[Key, Tensor],
+def _reverse(steps: StepFunction, store: CheckpointStore, first: int, every: int, cotangent: dict[Key, Tensor],
              batched: bool, position: dict[Any, int], width: int, growth: Growth) -> Tensor:
-    """One reverse pass over the whole run for a block of queries: ``dL_q/dw`` as ``[Q_block, N]``; the
+    """One reverse pass over steps ``first .. T-1`` for a block of queries: ``dL_q/dw`` as ``[Q_block, N]``; the
     cotangent's norm at the end of the run and after each segment goes to ``growth``."""
     count = next(iter(cotangent.values())).shape[0]
     dtype, device = next(iter(cotangent.values())).dtype, steps.device
     dw = torch.zeros(count, width, dtype=dtype, device=device)
     total = len(steps.run.steps)
     growth.add(total, cotangent)
-    for start in reversed(range(0, total, every)):
+    for start in reversed(range(first, total, every)):
         segment = [store.get(start)]
         for t in range(start, min(start + every, total) - 1):
             segment.append(steps.step(t, segment[-1]))
@@ -213,11 +224,11 @@ def _reverse(steps: StepFunction, store: CheckpointStore, every: int, cotangent:
                     dw.index_add_(1, index, grad.to(dtype))
         del segment
         growth.add(start, cotangent)
-        _check_finite(cotangent, dw, start, min(start + every, total), total, growth)  # one host read per segment
+        _check_finite(cotangent, dw, start, min(start + every, total), total, first, growth)  # one host read
     return dw
 
 
-def _check_finite(cotangent: dict[Key, Tensor], dw: Tensor, start: int, stop: int, total: int,
+def _check_finite(cotangent: dict[Key, Tensor], dw: Tensor, start: int, stop: int, total: int, first: int,
                   growth: Growth) -> None:
     """Raise :class:`ReplayError` when the reverse pass, after pulling the cotangents back through steps
     ``start .. stop - 1``, holds a NaN or inf (in a cotangent or in a weight's derivative); the error says how the
@@ -234,8 +245,9 @@ def _check_finite(cotangent: dict[Key, Tensor], dw: Tensor, start: int, stop: in
         f"(counted from the start of the run) for {len(which)} of the {queries.numel()} queries of this pass (in "
         f"it: {which[:8]}): the derivative through the later steps grew beyond the dtype's range, which happens "
         "when the training run is not metasmooth (check it with gradtrace.replay.metasmoothness on a short "
-        f"stretch). Growth: {overflow_summary(growth.trace, dw.dtype, start, stop)}. Replay in float64 (gradtrace "
-        "metagrad --dtype float64, or the model and the recorded run cast to float64) to reach further, or "
-        "attribute with a method of gradtrace.fit")
+        f"stretch). Growth: {overflow_summary(growth.trace, dw.dtype, start, stop, first)}. Replay in float64 "
+        "(gradtrace metagrad --dtype float64, or the model and the recorded run cast to float64) to reach further, "
+        f"truncate the pass to the later steps (start_step > {stop - 1}: they contribute exactly, the earlier ones "
+        "not at all), or attribute with a method of gradtrace.fit")
     error.growth = growth.trace
     raise error

@@ -55,7 +55,7 @@ def final_difference(run: RecordedRun, state: OptimState) -> float:
 
 def replay(run: RecordedRun, model: torch.nn.Module, loss_fn: LossFn, batches: BatchFn, *,
            check: bool = True, tolerance: float | None = None,
-           weights: Mapping[Any, float] | None = None) -> ReplayResult:
+           weights: Mapping[Any, float] | None = None, weights_from: int = 0) -> ReplayResult:
     """Run the recorded steps again and (``check``) compare with the recorded final weights.
 
     With ``weights`` (example id -> weight ``w_i``, 1 for the ids left out) it runs the counterfactual instead:
@@ -69,6 +69,8 @@ def replay(run: RecordedRun, model: torch.nn.Module, loss_fn: LossFn, batches: B
         check: compare with the recorded final weights and refuse beyond ``tolerance``.
         tolerance: the relative bound (default: :data:`DEFAULT_TOLERANCE` for the parameters' dtype).
         weights: per-example weights of a counterfactual run (None: the recorded run).
+        weights_from: the first step ``weights`` act at (the steps before it run with weights 1): the
+            counterfactual a truncated reverse pass models (``MetagradOptions.start_step``).
 
     Returns:
         the final state and the measured difference.
@@ -79,7 +81,8 @@ def replay(run: RecordedRun, model: torch.nn.Module, loss_fn: LossFn, batches: B
     steps = StepFunction(run, model, loss_fn, batches)
     state = steps.initial_state()
     for t in range(len(run.steps)):
-        state = steps.step(t, state, steps.weights_at(t, weights) if weights is not None else None)
+        state = steps.step(t, state, steps.weights_at(t, weights) if weights is not None and t >= weights_from
+                           else None)
     if not check or run.final is None or weights is not None:
         return ReplayResult(state, None, None)
     difference, bound = check_final(run, state, tolerance)

@@ -11,6 +11,8 @@ steps with weights ``w = 1 + eps d`` (:func:`gradtrace.replay.replay` with ``wei
 
 by the relative error ``||actual - predicted|| / ||actual||`` and the fraction of queries whose sign agrees.
 A smooth run shows an error that shrinks linearly with ``eps`` (the quadratic term) and full sign agreement.
+For a truncated pass (``start_step = K``) the re-runs perturb the weights at steps ``K .. T-1`` only: the check
+tests the function the scores are the derivative of.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def metasmoothness(run: RecordedRun, model: torch.nn.Module, loss_fn: LossFn, ba
 
     Args:
         run, model, loss_fn, batches, queries, query_loss_fn: as for :func:`gradtrace.replay.metagradients`.
-        result: metagradients already computed for these queries (computed with ``options`` when None).
+        result: metagradients already computed for these queries (computed with ``options`` when None); the
+            re-runs perturb the weights from its ``start_step`` on.
         options: :class:`gradtrace.options.MetagradOptions`: ``scales`` (the step sizes ``eps`` along ``d``) and
             ``seed`` (the seed of ``d``), and the metagradients' settings.
 
@@ -75,7 +78,7 @@ def metasmoothness(run: RecordedRun, model: torch.nn.Module, loss_fn: LossFn, ba
     actual, predicted, errors, agree = [], [], [], []
     for eps in scales:
         weights = {ident: 1.0 + eps * float(d) for ident, d in zip(result.ids, direction)}
-        state = replay(run, model, loss_fn, batches, weights=weights).state
+        state = replay(run, model, loss_fn, batches, weights=weights, weights_from=result.start_step).state
         forward = steps.forward(state.params)
         with torch.no_grad():
             losses = torch.stack([query_loss_fn(forward, q).reshape(()).to(torch.float64) for q in queries])

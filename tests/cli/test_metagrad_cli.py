@@ -76,7 +76,7 @@ def test_metagrad_equals_the_python_api_and_topk_shows_texts(ws, runner, recorde
     out = fresh / "scores"
     result = invoke(runner, "metagrad", recorded, ws.queries, "--out", out, "--no-progress")
     text = flat(result.output)
-    assert "Plan:" in text and "Time: T x (t_step for the forward replay + 1 pass(es)" in text
+    assert "Plan:" in text and "Time: T x t_step for the forward replay + T x 1 pass(es)" in text
     assert "t_reverse: one timed reverse step of 3 queries" in text  # measured, not a guessed factor
     assert "plus one reverse step's graph (measured on CUDA devices only)" in text  # this CPU run
     assert "Saved metagradient scores of 3 queries" in text
@@ -200,4 +200,42 @@ def test_the_plan_adds_a_measured_reverse_step(recorded):
     memory = next(line for line in lines if line.startswith("Memory:"))
     assert "one reverse step's graph, measured: 5.0 MiB" in memory
     time_line = next(line for line in lines if line.startswith("Time:"))
-    assert "4 x (0.5 + 1 x (0.5 + 2)) s = about 12.0 s" in time_line and "4.0 t_step" in time_line
+    assert "4 x 0.5 + 4 x 1 x (0.5 + 2) s = about 12.0 s" in time_line and "4.0 t_step" in time_line
+    setup.options = MetagradOptions(start_step=3)  # truncated: one step reversed, one checkpoint
+    lines = plan_lines(setup, Timing(step=0.5, reverse=2.0), 1 << 20)
+    assert "each over steps 3..3 (1 of 4: --start-step 3 truncates the pass" in lines[1]
+    assert "Checkpoints every k = 1 steps: 1 checkpoints" in lines[2]
+    assert "4 x 0.5 + 1 x 1 x (0.5 + 2) s = about 4.5 s" in lines[-1]
+
+
+def test_start_step_truncates_the_pass_as_the_python_api_does(ws, runner, recorded, fresh):
+    from gradtrace.options import MetagradOptions
+    from gradtrace.replay import load_run, metagradients
+    from gradtrace.replay.examples import load_examples
+    from gradtrace.replay.hf import run_loss
+    from gradtrace.score import Scores
+
+    out = fresh / "scores"
+    text = flat(invoke(runner, "metagrad", recorded, ws.queries, "--out", out, "--start-step", 2,
+                       "--no-progress").output)
+    assert "each over steps 2..3 (2 of 4: --start-step 2 truncates the pass" in text
+    saved = Scores.load(out)
+    assert saved.meta["metagradients"]["options"]["start_step"] == 2
+    full, data = _api_scores(recorded, ws.queries)
+    config = transformers.AutoConfig.from_pretrained(recorded / "model")
+    config._attn_implementation = "eager"
+    query_loss = lambda forward, q: run_loss(recorded)(forward, q)[0].sum()
+    import numpy as np
+
+    queries = []
+    for i in range(data.num_examples):
+        row = {k: v for k, v in data.rows(np.array([i])).items() if k != "id"}
+        row.setdefault("labels", row["input_ids"].clone())
+        queries.append(row)
+    api = metagradients(load_run(recorded), transformers.AutoModelForCausalLM.from_config(config), run_loss(recorded),
+                        load_examples(recorded), queries, query_loss, options=MetagradOptions(start_step=2))
+    torch.testing.assert_close(saved.matrix, api.scores, rtol=1e-5, atol=0)
+    assert not torch.allclose(api.scores, full.scores, rtol=1e-2)  # the first two steps are left out
+    line = error_line(invoke(runner, "metagrad", recorded, ws.queries, "--out", fresh / "b", "--start-step", 4,
+                             "--no-progress", code=2))
+    assert "--start-step 4: " in line and "records 4 optimizer step(s)" in line and not (fresh / "b").exists()

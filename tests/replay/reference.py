@@ -8,8 +8,9 @@ from .tasks import OPTIMIZERS, batcher, loss_fn, make_model, warmup_cosine
 
 
 def unrolled_dloss_dw(kind: str, optimizer: str, steps: list, data: dict, queries: list, *, accumulation: int = 1,
-                      grad_clip: float | None = None, warmup: int | None = None) -> torch.Tensor:
-    """``dL_q/dw`` ``[Q, N]`` (columns: ids 0..N-1), written from the update formulas, not from the replay."""
+                      grad_clip: float | None = None, warmup: int | None = None, weights_from: int = 0) -> torch.Tensor:
+    """``dL_q/dw`` ``[Q, N]`` (columns: ids 0..N-1), written from the update formulas, not from the replay; with
+    ``weights_from`` the weights act at steps ``weights_from ..`` only (ones before: the truncated pass's function)."""
     model = make_model(kind)
     hyper = OPTIMIZERS[optimizer](model.parameters()).param_groups[0]
     names = [n for n, _ in model.named_parameters()]
@@ -26,7 +27,8 @@ def unrolled_dloss_dw(kind: str, optimizer: str, steps: list, data: dict, querie
         forward = lambda *a, params=params: torch.func.functional_call(model, params, a)
         grads = {n: 0.0 for n in names}
         for ids in micro:
-            loss = (w[ids] * loss_fn(forward, batches(ids))).sum() / len(ids) / accumulation
+            weight = w[ids] if t >= weights_from else torch.ones(len(ids), dtype=torch.float64)
+            loss = (weight * loss_fn(forward, batches(ids))).sum() / len(ids) / accumulation
             got = torch.autograd.grad(loss, [params[n] for n in names], create_graph=True)
             grads = {n: grads[n] + g for n, g in zip(names, got)}
         if grad_clip is not None:

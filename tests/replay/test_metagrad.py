@@ -119,3 +119,79 @@ def test_a_reverse_pass_that_overflows_is_refused_naming_the_steps(tmp_path, mon
                                           r"queries of this pass \(in it: \[1\]\).*float64") as err:
         metagradients(*args, options=MetagradOptions(checkpoint_every=3))
     assert f"of {total} " in str(err.value)
+
+
+@pytest.mark.parametrize("config", ["sgd_momentum_wd", "adamw_cosine_clip", "adam_l2"])
+@pytest.mark.parametrize("start", [1, 4, 8])
+def test_a_truncated_pass_equals_autograd_with_the_weights_acting_from_its_start(tmp_path, config, start):
+    """``start_step = K``: the exact derivative of the run whose weights act at steps K.. only (the unrolled loop
+    with the weights of earlier steps held at 1), whatever the checkpoint spacing."""
+    data = make_data()
+    run, steps = _record(tmp_path, "mlp", config, data)
+    optimizer, accum, clip, warmup = CONFIGS[config]
+    ref = unrolled_dloss_dw("mlp", optimizer, steps, data, QUERIES, accumulation=accum, grad_clip=clip,
+                            warmup=warmup, weights_from=start)
+    full = unrolled_dloss_dw("mlp", optimizer, steps, data, QUERIES, accumulation=accum, grad_clip=clip,
+                             warmup=warmup)
+    args = (run, make_model("mlp"), loss_fn, batcher(data), QUERIES, query_loss)
+    for every in (None, 1, 3):
+        got = metagradients(*args, train_ids=list(range(12)),
+                            options=MetagradOptions(start_step=start, checkpoint_every=every))
+        assert got.start_step == start and got.replay_difference == 0.0
+        assert _rel(-got.scores, ref) <= 1e-8
+    assert _rel(ref, full) > 1e-3  # the earlier steps matter here: the truncation is a different derivative
+    assert got.growth[-1][0] == start  # the trace ends where the pass stops
+
+
+def test_a_pass_over_the_last_step_alone_scores_its_examples_and_no_others(tmp_path):
+    data = make_data()
+    run, steps = _record(tmp_path, "linear", "sgd_momentum_wd", data)
+    last = len(run.steps) - 1
+    got = metagradients(run, make_model("linear"), loss_fn, batcher(data), QUERIES, query_loss,
+                        train_ids=list(range(12)), options=MetagradOptions(start_step=last))
+    seen = sorted({i for ids in steps[last] for i in ids})
+    others = [i for i in range(12) if i not in seen]
+    assert others and torch.equal(got.scores[:, others], torch.zeros(3, len(others), dtype=got.scores.dtype))
+    assert bool((got.scores[:, seen] != 0).all())
+    zero = metagradients(run, make_model("linear"), loss_fn, batcher(data), QUERIES, query_loss,
+                         train_ids=list(range(12)), options=MetagradOptions(start_step=0))
+    assert torch.equal(zero.scores, metagradients(run, make_model("linear"), loss_fn, batcher(data), QUERIES,
+                                                  query_loss, train_ids=list(range(12))).scores)
+
+
+def test_a_truncated_pass_equals_finite_differences_of_the_runs_it_models(tmp_path):
+    """Re-runs with one example's weight at 1 +- h from step K on (``replay(weights_from=K)``)."""
+    from gradtrace.replay import replay
+
+    data = make_data()
+    run, _ = _record(tmp_path, "mlp", "adamw_cosine_clip", data)
+    model, start, h = make_model("mlp"), 5, 1e-4
+    got = metagradients(run, model, loss_fn, batcher(data), QUERIES, query_loss, train_ids=list(range(12)),
+                        options=MetagradOptions(start_step=start))
+    from gradtrace.replay.step import StepFunction
+
+    forward_of = StepFunction(run, model, loss_fn, batcher(data)).forward
+    fd = []
+    for i in (0, 5, 11):
+        losses = []
+        for sign in (1, -1):
+            state = replay(run, model, loss_fn, batcher(data), weights={i: 1 + sign * h}, weights_from=start).state
+            forward = forward_of(state.params)
+            with torch.no_grad():
+                losses.append(torch.stack([query_loss(forward, q) for q in QUERIES]))
+        fd.append((losses[0] - losses[1]) / (2 * h))
+    assert _rel(-got.scores[:, [0, 5, 11]], torch.stack(fd, dim=1)) <= 1e-5
+
+
+def test_a_start_step_beyond_the_run_is_refused(tmp_path):
+    from gradtrace.replay.spec import ReplayError
+
+    data = make_data()
+    run, _ = _record(tmp_path, "linear", "sgd_momentum_wd", data)
+    total = len(run.steps)
+    with pytest.raises(ReplayError, match=rf"start_step={total}: the run has {total} optimizer step\(s\).*"
+                                          rf"0 <= start_step < {total}"):
+        metagradients(run, make_model("linear"), loss_fn, batcher(data), QUERIES, query_loss,
+                      options=MetagradOptions(start_step=total))
+    with pytest.raises(ValueError, match="start_step"):
+        MetagradOptions(start_step=-1)

@@ -147,6 +147,20 @@ def test_the_summary_says_when_float64_would_not_reach_the_start():
     rate = (torch.finfo(torch.float32).max / 2.0) ** (1 / 10)
     assert f"at least x{rate:.4g} per step" in text and "would hold at most ~" in text
     assert "did not grow" in overflow_summary([(10, 5.0), (5, 1.0), (0, float("inf"))], torch.float32, 0, 5)
+    truncated = overflow_summary(fast, torch.float32, 980, 990, begin=900)  # the pass stops at step 900
+    assert "with 90 steps left to step 900, where the pass stops: float64 could reach step 900" in truncated
+
+
+def test_an_overflow_of_a_truncated_pass_counts_the_steps_to_its_start(tmp_path):
+    """The same run as above truncated at step 15: the overflow's summary measures float64's reach against the 5
+    steps left to step 15, and suggests a start step beyond the overflow."""
+    run, model, batches, query = _quadratic_run(tmp_path, steps=100, a=4.0, scale=1e-20, dtype=torch.float32, dim=1)
+    with pytest.raises(ReplayError, match=r"between steps 15 and 19 of 100") as err:
+        metagradients(run, model, _losses, batches, [query], _linear_query,
+                      options=MetagradOptions(checkpoint_every=5, start_step=15))
+    text = str(err.value)
+    assert "with 5 steps left to step 15, where the pass stops" in text and "start_step > 19" in text
+    assert [s for s, _ in err.value.growth] == [100, *range(95, 15, -5), 15]
 
 
 def test_merge_keeps_the_largest_norm_of_each_step():

@@ -34,3 +34,26 @@ def test_a_smooth_run_is_predicted_to_first_order(tmp_path):
     ratio = report.relative_error[1] / report.relative_error[0]
     assert 3 < ratio < 30  # the error is the quadratic term: ~10x per decade of eps
     assert "rel. error" in report.table()
+
+
+def test_a_truncated_pass_is_checked_against_the_runs_it_models(tmp_path):
+    """With start_step the re-runs perturb the weights from that step on: the linear prediction holds to first order
+    there, while the same scores against re-runs perturbed throughout (the whole run's function) do not."""
+    data = make_data()
+    train(make_model("mlp"), "sgd", schedule(), data, record=tmp_path / "run")
+    run = load_run(tmp_path / "run")
+    args = (run, make_model("mlp"), loss_fn, batcher(data), QUERIES, query_loss)
+    options = MetagradOptions(start_step=5, scales=(1e-4, 1e-3))
+    truncated = metagradients(*args, options=options)
+    report = metasmoothness(*args, result=truncated, options=options)
+    assert report.relative_error[0] < 1e-3 and 3 < report.relative_error[1] / report.relative_error[0] < 30
+    assert metasmoothness(*args, options=options).relative_error == report.relative_error  # computed with options
+    late = replay(run, make_model("mlp"), loss_fn, batcher(data), weights={3: 2.0}, weights_from=5).state
+    throughout = replay(run, make_model("mlp"), loss_fn, batcher(data), weights={3: 2.0}).state
+    never = replay(run, make_model("mlp"), loss_fn, batcher(data), weights={3: 2.0}, weights_from=len(run.steps))
+    assert not torch.equal(late.params["fc1.weight"], throughout.params["fc1.weight"])
+    assert never.difference is None and all(torch.equal(p, run.final[n]) for n, p in never.state.params.items())
+    whole = metasmoothness(*args, result=type(truncated)(truncated.scores, truncated.ids, truncated.query_losses,
+                                                         truncated.replay_difference, truncated.checkpoint_every),
+                           options=options)
+    assert whole.relative_error[0] > 1e-2  # the early steps' effect is what the truncation leaves out
