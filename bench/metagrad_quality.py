@@ -70,6 +70,15 @@ the weights perturbed from its ``start_step`` on). Beside the full pass and the 
 ``digits_mlp`` and ``tinylm_eager`` with ``--fraction 0.9`` and ``0.5``, and on ``digits_mlp_smooth`` with
 ``--fraction 0.9`` (where the whole pass already reaches 0.938: what truncation costs on a smooth run).
 
+Variant ``--ceiling`` (declared 2026-12-03 before any of its results; issue #32): how far any method can predict
+the counterfactual outcomes of a recipe that is not metasmooth. The counterfactual ground truth is computed twice
+for the task's LDS subsets: as above (weights 1 in the subset, 0 outside) and with every kept example's weight
+``1 + eps d_i`` (``d`` random +-1 per example, seed 1, one direction for all subsets; ``eps`` from ``--ceiling``,
+run with ``1e-6``: a change of the same order as float32 rounding). The row: the per-query Spearman correlation
+over subsets between the two sets of outcomes (mean +- s.e.), the LDS the exact outcomes of a world one part in a
+million away would score. Run on ``digits_mlp``, ``tinylm_eager`` and ``digits_mlp_smooth`` with ``--fraction 0.9``;
+nothing else of the bench runs with ``--ceiling``.
+
 Usage::
 
     python bench/metagrad_quality.py                       # both tasks (~15-25 min on 2 CPU cores)
@@ -184,9 +193,10 @@ def record(task: Any, problem: Problem, run_dir: Path) -> tuple[Any, float]:
     return model, seconds
 
 
-def counterfactual_truth(run: Any, model: Any, problem: Problem, masks: torch.Tensor, tolerance: float | None
-                         ) -> torch.Tensor:
-    """``[S, Q]``: ``-loss`` of each query after the recorded run with the weights outside each subset set to 0."""
+def counterfactual_truth(run: Any, model: Any, problem: Problem, masks: torch.Tensor, tolerance: float | None,
+                         scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``[S, Q]``: ``-loss`` of each query after the recorded run with the weights outside each subset set to 0 (and
+    those inside to ``scale`` when given: the ``--ceiling`` variant)."""
     from gradtrace.replay import replay
     from gradtrace.replay.step import StepFunction
 
@@ -195,7 +205,8 @@ def counterfactual_truth(run: Any, model: Any, problem: Problem, masks: torch.Te
     ids = problem.task.train_ids
     out = []
     for mask in masks:
-        weights = {ident: float(keep) for ident, keep in zip(ids, mask.tolist())}
+        kept = mask.to(torch.float64) if scale is None else mask.to(torch.float64) * scale
+        weights = {ident: float(keep) for ident, keep in zip(ids, kept.tolist())}
         state = replay(run, model, problem.loss, problem.batch, weights=weights, tolerance=tolerance).state
         forward = steps.forward(state.params)
         with torch.no_grad():
@@ -203,15 +214,48 @@ def counterfactual_truth(run: Any, model: Any, problem: Problem, masks: torch.Te
     return torch.stack(out)
 
 
+def task_of(name: str) -> Any:
+    from gradtrace.eval.tasks import get_task
+
+    return eager_tinylm() if name == "tinylm_eager" else VARIANTS[name]() if name in VARIANTS else get_task(name)
+
+
+def run_ceiling(name: str, args: argparse.Namespace) -> None:
+    """The ``--ceiling`` variant: Spearman correlation of the counterfactual outcomes with those of weights
+    ``1 + eps d`` in every subset."""
+    from gradtrace.eval.groundtruth import subset_masks
+    from gradtrace.eval.metrics import summarize
+    from gradtrace.grad.quantize import spearman
+    from gradtrace.options import LDSOptions
+    from gradtrace.replay import load_run
+
+    task = task_of(name)
+    problem = Problem(task)
+    subsets = args.subsets or DEFAULT_SUBSETS[name]
+    masks = subset_masks(task.num_train, subsets, args.fraction, LDSOptions().seed)  # the LDS subsets (seed 0)
+    direction = torch.randint(0, 2, (task.num_train,), generator=torch.Generator().manual_seed(1)) * 2 - 1
+    print(f"\n### {name}: chaos ceiling at eps = {args.ceiling:g} (subsets keep {args.fraction:g})")
+    with tempfile.TemporaryDirectory() as tmp:
+        recorded, _ = record(task, problem, Path(tmp) / "run")
+        run = load_run(Path(tmp) / "run")
+        began = time.perf_counter()
+        plain = counterfactual_truth(run, recorded, problem, masks, None)
+        moved = counterfactual_truth(run, recorded, problem, masks, None, scale=1 + args.ceiling * direction)
+    rho = summarize(spearman(moved.t().contiguous(), plain.t().contiguous()))
+    changed = (moved != plain).to(torch.float64).mean().item()
+    print(f"Spearman(outcomes at 1 + eps d, outcomes at 1), {subsets} subsets: {rho.mean:.3f} +- {rho.se:.3f} "
+          f"(min {rho.per_query.min():.3f}, max {rho.per_query.max():.3f}); outcomes changed: {changed:.1%}; "
+          f"{time.perf_counter() - began:.0f} s")
+
+
 def run_task(name: str, args: argparse.Namespace) -> None:
     from gradtrace.eval import build_lds_ground_truth, lds
     from gradtrace.eval.benchmark import evaluate
     from gradtrace.eval.groundtruth import GroundTruth
-    from gradtrace.eval.tasks import get_task
     from gradtrace.options import LDSOptions, MetagradOptions
     from gradtrace.replay import MetaGradients, load_run, metagradients, metasmoothness
 
-    task = eager_tinylm() if name == "tinylm_eager" else VARIANTS[name]() if name in VARIANTS else get_task(name)
+    task = task_of(name)
     problem = Problem(task)
     subsets = args.subsets or DEFAULT_SUBSETS[name]
     cache = name if args.fraction == 0.5 else f"{name}-keep{args.fraction:g}"
@@ -303,10 +347,12 @@ def main() -> None:
                         "keeps (default 0.5; the --fraction variant: 0.9, 0.99)")
     parser.add_argument("--last", type=lambda text: [float(x) for x in text.split(",")], default=[],
                         help="shares of the steps for truncated metagradient rows (the --last variant: 0.01,0.1,0.5)")
+    parser.add_argument("--ceiling", type=float, default=None, help="the --ceiling variant: eps of the perturbed "
+                        "counterfactual outcomes (1e-6); nothing else runs")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.tasks.split(","):
-        run_task(name, args)
+        (run_ceiling if args.ceiling is not None else run_task)(name, args)
 
 
 if __name__ == "__main__":
