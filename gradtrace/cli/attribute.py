@@ -62,6 +62,9 @@ class AttributeCommand:
     recorded: Path | None = field(default=None, metadata=cli(
         "With --method metagrad: the run gradtrace.replay.hf.record_trainer recorded (default: RUN_DIR when it "
         "is one).", metavar="RECORDED_DIR"))
+    start_step: int = field(default=0, metadata=cli(
+        "With --method metagrad: the first optimizer step the reverse pass differentiates (gradtrace metagrad "
+        "--start-step; default 0, the whole run).", min=0))
     last: int = field(default=0, metadata=cli(
         "Checkpoints used: the run's last K (default 0: every checkpoint, which measured best -- early checkpoints "
         "carry what a converged final model lost; each costs one collection).", min=0))
@@ -108,6 +111,9 @@ def run(opts: AttributeCommand) -> None:
         return
     if opts.recorded is not None:
         raise CliError("--recorded applies to --method metagrad (the checkpoint ensemble reads RUN_DIR's checkpoints)")
+    if opts.start_step:
+        raise CliError("--start-step applies to --method metagrad (it truncates the reverse pass through the recorded "
+                       "run)")
     checkpoints = run_checkpoints(opts.run_dir, opts.last or None)  # refuses a run without checkpoint-N
     scores_dir, report_path, stores_dir = _outputs(opts)
     names = [c.name for c in checkpoints]
@@ -171,6 +177,7 @@ def _run_metagrad(opts: AttributeCommand) -> None:
                                    *(["--max-length", opts.max_length] if opts.max_length else []),
                                    *(["--truncate"] if opts.truncate else []),
                                    *(["--tokenizer", opts.tokenizer] if opts.tokenizer else []),
+                                   *(["--start-step", opts.start_step] if opts.start_step else []),
                                    *(["--overwrite"] if opts.overwrite else []), *progress])
     _invoke("report", report, [scores_dir, "--out", report_path, "--k", opts.k,
                                *(["--overwrite"] if opts.overwrite else [])])

@@ -38,6 +38,10 @@ from .outputs import check_output_dir
 
 __all__ = ["OPTIONS", "MetagradCommand", "run"]
 
+AMPLIFIED = 1000
+"""The growth of the reverse pass's cotangent (norm against its value at the end of the run) past which the command
+points to truncated passes."""
+
 TEXTS_FILE = "train_texts.jsonl"
 TEXT_CHARS = 2000
 """Characters of each training example's decoded text kept beside the scores (topk and report cut them further)."""
@@ -348,8 +352,15 @@ def _growth_line(growth: list[tuple[int, float]]) -> str:
     if fitted is None:
         return f"Reverse pass: the parameters' cotangent had norm {growth[0][1]:.3g} at step {growth[0][0]}."
     first_step, first, last_step, last, rate = fitted
-    return (f"Reverse pass: the parameters' cotangent norm went from {first:.3g} at step {first_step} (the end of the "
+    line = (f"Reverse pass: the parameters' cotangent norm went from {first:.3g} at step {first_step} (the end of the "
             f"run) to {last:.3g} at step {last_step}, x{rate:.4g} per step on average (the largest over the queries).")
+    crossed = next((step for step, norm in growth if norm > AMPLIFIED * first), None)
+    if crossed is None:
+        return line
+    return line + (f" It passed {AMPLIFIED:,}x its value at the end by step {crossed}: a run that amplifies its "
+                   "early steps this much is often not metasmooth there, and their derivatives then predict little. "
+                   "Check it (gradtrace.replay.metasmoothness); a truncated pass over the later steps "
+                   f"(--start-step {crossed} or later) may predict better (docs/metagradients.md, Truncated passes).")
 
 
 def _duration(seconds: float) -> str:

@@ -170,6 +170,13 @@ def test_attribute_with_metagrad_runs_metagrad_then_the_report(ws, runner, recor
     invoke(runner, "attribute", recorded, ws.train, ws.queries, "--out", again, "--method", "metagrad",
            "--no-progress")
     assert torch.equal(Scores.load(again / "scores").matrix, by_hand.matrix)
+    late = fresh / "late"
+    text = flat(invoke(runner, "attribute", recorded, ws.train, ws.queries, "--out", late, "--method", "metagrad",
+                       "--start-step", 2, "--no-progress").output)
+    assert "--start-step 2" in text  # passed on to gradtrace metagrad, printed with its command
+    invoke(runner, "metagrad", recorded, ws.queries, "--out", fresh / "late_by_hand", "--start-step", 2,
+           "--no-progress")
+    assert torch.equal(Scores.load(late / "scores").matrix, Scores.load(fresh / "late_by_hand").matrix)
 
 
 def test_attribute_with_metagrad_refuses_what_does_not_apply(ws, runner, recorded, fresh):
@@ -184,6 +191,9 @@ def test_attribute_with_metagrad_refuses_what_does_not_apply(ws, runner, recorde
     line = error_line(invoke(runner, "attribute", plain, ws.train, ws.queries, "--out", fresh / "a", "--recorded",
                              recorded, code=2))
     assert "--recorded applies to --method metagrad" in line
+    line = error_line(invoke(runner, "attribute", plain, ws.train, ws.queries, "--out", fresh / "a", "--start-step",
+                             3, code=2))
+    assert "--start-step applies to --method metagrad" in line
     assert not (fresh / "a").exists()
 
 

@@ -176,6 +176,11 @@ def test_the_cli_prints_the_growth_of_the_reverse_pass():
     from gradtrace.cli.metagrad import _growth_line
 
     line = _growth_line([(12, 2.0), (10, 18.0), (0, 2.0 * 3.0 ** 12)])
-    assert line == ("Reverse pass: the parameters' cotangent norm went from 2 at step 12 (the end of the run) to "
-                    "1.06e+06 at step 0, x3 per step on average (the largest over the queries).")
+    assert line.startswith("Reverse pass: the parameters' cotangent norm went from 2 at step 12 (the end of the run) "
+                           "to 1.06e+06 at step 0, x3 per step on average (the largest over the queries). It passed "
+                           "1,000x its value at the end by step 0")
+    assert "(--start-step 0 or later)" in line
+    grown = _growth_line([(30, 1.0), (20, 50.0), (10, 2e3), (0, 1e9)])
+    assert "It passed 1,000x its value at the end by step 10" in grown and "--start-step 10 or later" in grown
+    assert "passed" not in _growth_line([(30, 1.0), (20, 50.0), (0, 999.0)])  # below the mark: no hint
     assert _growth_line([(4, 0.5)]) == "Reverse pass: the parameters' cotangent had norm 0.5 at step 4."
