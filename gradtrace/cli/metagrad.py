@@ -259,8 +259,12 @@ def plan_lines(setup: Setup, timing: Timing, state_bytes: int) -> list[str]:
     from ..replay.checkpoints import default_interval
 
     run, options = setup.run, setup.options
+    from ..replay.states import nearest_state
+
     total, first = len(run.steps), options.start_step
     reversed_steps = total - first
+    begin = nearest_state(run.states, first)
+    forward = total - begin
     every = options.checkpoint_every or default_interval(reversed_steps)
     params = sum(run.initial[name].numel() for name in run.optimizer.param_names())
     count = len(setup.queries)
@@ -270,7 +274,7 @@ def plan_lines(setup: Setup, timing: Timing, state_bytes: int) -> list[str]:
     in_memory = min(checkpoints, options.memory_limit // max(state_bytes, 1))
     memory = (in_memory + every + block) * state_bytes
     disk = (checkpoints - in_memory) * state_bytes
-    seconds = total * timing.step + reversed_steps * blocks * (timing.step + timing.reverse)
+    seconds = forward * timing.step + reversed_steps * blocks * (timing.step + timing.reverse)
     dtype = str(setup.dtype).removeprefix("torch.")
     graph = (f"plus one reverse step's graph, measured: {human_bytes(timing.reverse_peak)} (peak above the states "
              f"then), so about {human_bytes(memory + timing.reverse_peak)} in all" if timing.reverse_peak is not None
@@ -288,8 +292,11 @@ def plan_lines(setup: Setup, timing: Timing, state_bytes: int) -> list[str]:
         f"{human_bytes(state_bytes)} = {human_bytes(memory)}, {graph}.",
         f"Disk: {checkpoints - in_memory:,} checkpoints beyond --memory-limit {human_bytes(options.memory_limit)}: "
         f"{human_bytes(disk)} under {run.run_dir} (removed at the end).",
-        f"Time: T x t_step for the forward replay + {'(T - K)' if first else 'T'} x {blocks:,} pass(es) x (t_step to "
-        f"recompute + t_reverse) = {total:,} x {timing.step:.3g} + {reversed_steps:,} x {blocks:,} x "
+        (f"Forward replay from the state the run recorded before step {begin:,} (keep_states): {forward:,} of "
+         f"{total:,} steps." if begin else "Forward replay from the initial weights: every step."),
+        f"Time: {'(T - S)' if begin else 'T'} x t_step for the forward replay + {'(T - K)' if first else 'T'} x "
+        f"{blocks:,} pass(es) x (t_step to recompute + t_reverse) = {forward:,} x {timing.step:.3g} + "
+        f"{reversed_steps:,} x {blocks:,} x "
         f"({timing.step:.3g} + {timing.reverse:.3g}) s = about {_duration(seconds)} (t_step: one timed replay step, "
         f"forward + backward + update; t_reverse: one timed reverse step of {block:,} "
         f"quer{'y' if block == 1 else 'ies'}, {timing.reverse / timing.step:.1f} "

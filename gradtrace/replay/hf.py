@@ -124,8 +124,10 @@ def run_loss(run_dir: str | Path, *, dtype: torch.dtype | None = torch.float32) 
 class ReplayCallback(TrainerCallback):
     """Trainer callback feeding a :class:`RunRecorder` (made by :func:`record_trainer`)."""
 
-    def __init__(self, trainer: Any, run_dir: str | Path, ids: str = "index", examples: bool = True) -> None:
+    def __init__(self, trainer: Any, run_dir: str | Path, ids: str = "index", examples: bool = True,
+                 keep_states: int | None = None) -> None:
         self.trainer, self.run_dir, self.reduction = trainer, Path(run_dir), trainer_reduction(trainer)
+        self.keep_states = keep_states
         self.recorder: RunRecorder | None = None
         self.examples = ExampleRecorder() if examples else None
         self._micro: list[list[Any]] = []
@@ -149,7 +151,8 @@ class ReplayCallback(TrainerCallback):
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
         self.recorder = RunRecorder(self.run_dir, model, inner, scheduler=lr_scheduler,
                                     grad_clip=args.max_grad_norm if args.max_grad_norm else None,
-                                    accumulation=args.gradient_accumulation_steps, reduction=self.reduction)
+                                    accumulation=args.gradient_accumulation_steps, reduction=self.reduction,
+                                    keep_states=self.keep_states)
         (self.run_dir / TRAINER_FILE).write_text(json.dumps({"label_counts": label_counting(self.trainer)}),
                                                  encoding="utf-8")
         if self.examples is not None:
@@ -184,7 +187,8 @@ def save_model_files(trainer: Any, run_dir: Path) -> None:
         tokenizer.save_pretrained(run_dir / "model")
 
 
-def record_trainer(trainer: Any, run_dir: str | Path, *, ids: str = "index", examples: bool = True) -> ReplayCallback:
+def record_trainer(trainer: Any, run_dir: str | Path, *, ids: str = "index", examples: bool = True,
+                   keep_states: int | None = None) -> ReplayCallback:
     """Record ``trainer``'s next ``train()`` into ``run_dir``.
 
     Args:
@@ -194,6 +198,9 @@ def record_trainer(trainer: Any, run_dir: str | Path, *, ids: str = "index", exa
         examples: also save the model's configuration, the tokenizer and every training example as the collator
             gave it (what ``gradtrace metagrad`` rebuilds the run from; see the module docstring). False for a
             collator whose batches cannot be saved (tensors of more than 2 dimensions, packed sequences).
+        keep_states: also write the optimizer state before every ``keep_states``-th optimizer step
+            (:class:`RunRecorder`), so that a truncated metagradient pass (``gradtrace metagrad --start-step K``)
+            replays from the latest one instead of from the first step; None: none.
 
     Returns:
         the callback, already added to the trainer.
@@ -203,6 +210,6 @@ def record_trainer(trainer: Any, run_dir: str | Path, *, ids: str = "index", exa
     """
     if trainer.args.dataloader_num_workers:
         raise ReplayError("record_trainer: needs dataloader_num_workers=0 (ids travel through the collator)")
-    callback = ReplayCallback(trainer, run_dir, ids, examples)
+    callback = ReplayCallback(trainer, run_dir, ids, examples, keep_states)
     trainer.add_callback(callback)
     return callback

@@ -22,7 +22,9 @@ vector-Jacobian product (``torch.autograd.grad(..., is_grads_batched=True)``, a 
 ``start_step = K`` truncates the pass (truncated back-propagation): the loop above stops after step ``K`` and
 the cotangent of ``s_K`` is dropped, so the scores are the exact derivatives with respect to weights that act at
 steps ``K .. T-1`` only -- for runs that are not metasmooth, where the cotangent grows step after step towards the
-start of the run and the derivative through the early steps no longer predicts a finite change.
+start of the run and the derivative through the early steps no longer predicts a finite change. When the run
+recorded optimizer states (``RunRecorder(..., keep_states=N)``) the forward replay starts from the latest one at
+or before ``K`` instead of from the initial weights.
 
 After each segment the pass checks that it is finite and notes the norm of the parameters' cotangent (one host
 read per segment, :mod:`gradtrace.replay.growth`): ``MetaGradients.growth``, and on an overflow an error that says
@@ -47,6 +49,7 @@ from .optim import OptimState
 from .replay import check_final
 from .run import RecordedRun, load_run
 from .spec import ReplayError
+from .states import nearest_state
 from .step import BatchFn, LossFn, StepFunction
 
 __all__ = ["MetaGradients", "metagradients"]
@@ -68,6 +71,7 @@ class MetaGradients:
     # 2-norm of the cotangent of the parameters of s_step, the largest over the queries (how the reverse pass grows)
     growth: list[tuple[int, float]] = field(default_factory=list)
     start_step: int = 0  # the first step differentiated (MetagradOptions.start_step; 0: the whole run)
+    replayed_from: int = 0  # the step the forward replay started at: 0, or a state the run recorded (keep_states)
 
 
 def _query_cotangents(steps: StepFunction, params: dict[str, Tensor], queries: Sequence[Any],
@@ -179,9 +183,10 @@ def metagradients(run: RecordedRun | str | Path, model: torch.nn.Module, loss_fn
         raise ReplayError(f"query_batch={query_batch}: expected an int >= 1")
     ids, position = _columns(run, train_ids)
     store = CheckpointStore(run.run_dir, memory_limit)
+    begin = nearest_state(run.states, first)  # a truncated pass starts from the latest recorded state before it
     try:
-        state = steps.initial_state()
-        for t in range(total):
+        state = run.state(begin, steps.device) if begin else steps.initial_state()
+        for t in range(begin, total):
             if t >= first and (t - first) % every == 0:
                 store.put(t, state)
             state = steps.step(t, state)
@@ -200,7 +205,7 @@ def metagradients(run: RecordedRun | str | Path, model: torch.nn.Module, loss_fn
             traces.append(growth.trace)
     finally:
         store.close()
-    return MetaGradients(-dw, ids, query_losses, difference, every, merge(traces), first)
+    return MetaGradients(-dw, ids, query_losses, difference, every, merge(traces), first, begin)
 
 
 def _reverse(steps: StepFunction, store: CheckpointStore, first: int, every: int, cotangent: dict[Key, Tensor],

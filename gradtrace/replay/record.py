@@ -16,7 +16,9 @@ It writes, under ``run_dir``: ``initial.safetensors`` (parameters and buffers wh
 group, read by a pre-hook of ``optimizer.step()`` -- so any scheduler, e.g. transformers'
 ``get_cosine_schedule_with_warmup``, is captured without re-implementing it), ``final.safetensors`` (the weights
 after the last step, for the replay check) and ``manifest.json`` (schema, optimizer kind and groups, reduction,
-clipping, accumulation, dtypes, parameter names and shapes).
+clipping, accumulation, dtypes, parameter names and shapes). With ``keep_states=N`` it also writes the optimizer
+state before steps ``N, 2N, ...`` (:mod:`gradtrace.replay.states`): a truncated metagradient pass then replays from
+the latest one instead of from the first step.
 
 Randomness: the replay recomputes every forward pass, so a forward pass must be deterministic. The recorder
 refuses a model with a dropout module of ``p > 0`` or a batch-norm layer with running statistics in training
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from .spec import SCHEMA, Reduction, ReplayError, group_hyper, optimizer_spec
+from .states import write_state
 from .weights import model_tensors, write_tensors
 
 __all__ = ["RunRecorder", "check_deterministic", "normalise_step_ids"]
@@ -94,6 +97,8 @@ class RunRecorder:
             parameters) before each step, or None.
         accumulation: micro-batches per optimizer step.
         reduction: how the loop reduces per-example losses (:class:`Reduction`, the mean by default).
+        keep_states: write the state before every ``keep_states``-th step (parameters and optimizer buffers, about
+            3x the parameters' size for Adam, 2x for SGD with momentum, each time); None: none.
 
     Raises:
         ReplayError: an optimizer or model the replay cannot follow (see :func:`optimizer_spec`,
@@ -102,9 +107,12 @@ class RunRecorder:
 
     def __init__(self, run_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, grad_clip: float | None = None, accumulation: int = 1,
-                 reduction: Reduction | None = None) -> None:
+                 reduction: Reduction | None = None, keep_states: int | None = None) -> None:
         if accumulation < 1:
             raise ReplayError(f"accumulation={accumulation}: expected an int >= 1")
+        if keep_states is not None and (isinstance(keep_states, bool) or not isinstance(keep_states, int)
+                                        or keep_states < 1):
+            raise ReplayError(f"keep_states={keep_states!r}: expected an int >= 1 (steps between kept states) or None")
         if grad_clip is not None and not grad_clip > 0:
             raise ReplayError(f"grad_clip={grad_clip}: expected a positive max norm or None")
         self.run_dir = Path(run_dir)
@@ -122,6 +130,9 @@ class RunRecorder:
         self._steps_file = open(self.run_dir / "steps.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         self._pending: list[list[float]] = []
         self.steps = 0
+        self.keep_states, self.kept_states = keep_states, []
+        self._params = {name: p for name, p in model.named_parameters() if name in set(self.spec.param_names())}
+        self._counts: dict[str, int] = {}  # updates per parameter so far (those with a gradient at a step)
         self._hook = optimizer.register_step_pre_hook(self._on_step)
 
     def _on_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -133,6 +144,10 @@ class RunRecorder:
                                   f"{group_hyper(self.spec.kind, group)} (only lr may change)")
         self._pending.append([float(g["lr"].item() if isinstance(g["lr"], torch.Tensor) else g["lr"])
                               for g in optimizer.param_groups])
+        if self.keep_states is not None:
+            for name, param in self._params.items():
+                if param.grad is not None:
+                    self._counts[name] = self._counts.get(name, 0) + 1
 
     def step(self, batch_ids: Sequence[Any]) -> None:
         """Record one optimizer step, after ``optimizer.step()``: the example ids of each micro-batch, in order.
@@ -152,6 +167,9 @@ class RunRecorder:
                                            "lr": self._pending.pop()}) + "\n")
         self._steps_file.flush()
         self.steps += 1
+        if self.keep_states is not None and self.steps % self.keep_states == 0:
+            write_state(self.run_dir, self.steps, self.spec, self._params, self.optimizer, self._counts)
+            self.kept_states.append(self.steps)
 
     def finish(self, model: torch.nn.Module | None = None) -> Path:
         """Save the final weights and the manifest; remove the optimizer hook.
@@ -179,6 +197,7 @@ class RunRecorder:
             "params": {name: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
                        for name, p in params.items()},
             "buffers": [name for name, _ in model.named_buffers()],
+            "states": {"every": self.keep_states, "steps": [t for t in self.kept_states if t < self.steps]},
         }
         tmp = self.run_dir / "manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")

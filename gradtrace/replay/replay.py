@@ -19,6 +19,7 @@ import torch
 from .optim import OptimState
 from .run import RecordedRun
 from .spec import ReplayError
+from .states import nearest_state
 from .step import BatchFn, LossFn, StepFunction
 
 __all__ = ["DEFAULT_TOLERANCE", "ReplayResult", "check_final", "final_difference", "replay"]
@@ -70,7 +71,8 @@ def replay(run: RecordedRun, model: torch.nn.Module, loss_fn: LossFn, batches: B
         tolerance: the relative bound (default: :data:`DEFAULT_TOLERANCE` for the parameters' dtype).
         weights: per-example weights of a counterfactual run (None: the recorded run).
         weights_from: the first step ``weights`` act at (the steps before it run with weights 1): the
-            counterfactual a truncated reverse pass models (``MetagradOptions.start_step``).
+            counterfactual a truncated reverse pass models (``MetagradOptions.start_step``). With ``weights`` the
+            replay starts from the latest state the run recorded at or before it (``keep_states``), if any.
 
     Returns:
         the final state and the measured difference.
@@ -79,8 +81,9 @@ def replay(run: RecordedRun, model: torch.nn.Module, loss_fn: LossFn, batches: B
         ReplayError: a model that does not match, missing ids, or a replay beyond the bound.
     """
     steps = StepFunction(run, model, loss_fn, batches)
-    state = steps.initial_state()
-    for t in range(len(run.steps)):
+    begin = nearest_state(run.states, weights_from) if weights is not None else 0
+    state = run.state(begin, steps.device) if begin else steps.initial_state()
+    for t in range(begin, len(run.steps)):
         state = steps.step(t, state, steps.weights_at(t, weights) if weights is not None and t >= weights_from
                            else None)
     if not check or run.final is None or weights is not None:

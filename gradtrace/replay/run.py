@@ -1,17 +1,19 @@
-"""A recorded run read back from its directory: manifest, steps, initial and final weights."""
+"""A recorded run read back from its directory: manifest, steps, initial and final weights, recorded states."""
 
 from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from .optim import OptimState
 from .spec import SCHEMA, OptimizerSpec, Reduction, ReplayError
+from .states import STATES_DIR, read_state, state_path
 from .weights import read_tensors
 
 __all__ = ["RecordedRun", "RecordedStep", "load_run"]
@@ -38,6 +40,19 @@ class RecordedRun:
     steps: list[RecordedStep]
     initial: dict[str, Tensor]  # parameters and buffers before the first step
     final: dict[str, Tensor] | None  # after the last step (None if the file is absent)
+    states: dict[int, Path] = field(default_factory=dict)  # step -> the state recorded before it (keep_states)
+    dtype: torch.dtype | None = None  # set by cast(): the precision recorded states are read in
+
+    def state(self, step: int, device: torch.device | str) -> OptimState:
+        """The optimizer state recorded before ``step`` (a key of :attr:`states`), on ``device``.
+
+        Raises:
+            ReplayError: no state recorded there, or one that does not match the run.
+        """
+        if step not in self.states:
+            raise ReplayError(f"{self.run_dir}: no state recorded before step {step} (recorded: "
+                              f"{sorted(self.states)[:8]})")
+        return read_state(self.states[step], step, self.optimizer, self.manifest["params"], device, self.dtype)
 
     def example_ids(self) -> list[Any]:
         """The distinct example ids of the run, in the order of their first appearance."""
@@ -51,6 +66,7 @@ class RecordedRun:
         """Make the run's floating tensors (initial and final) and the manifest's record of their dtypes ``dtype``,
         in memory (a float32 run replayed in float64; the files are not touched)."""
         convert = lambda tensors: {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        self.dtype = dtype
         self.initial = convert(self.initial)
         self.final = convert(self.final) if self.final is not None else None
         self.manifest = copy.deepcopy(self.manifest)
@@ -115,6 +131,13 @@ def load_run(run_dir: str | Path) -> RecordedRun:
     if initial is None:
         raise ReplayError(f"{run_dir}: no initial weights")
     final = _weights(run_dir, "final")
+    states = {}
+    for step in manifest.get("states", {}).get("steps", []):
+        path = _weights(run_dir / STATES_DIR, state_path(run_dir, step).name)
+        if path is None:
+            raise ReplayError(f"{run_dir}: the manifest lists a state recorded before step {step}, and "
+                              f"{state_path(run_dir, step)}.safetensors is missing")
+        states[int(step)] = path
     return RecordedRun(run_dir, manifest, OptimizerSpec.from_dict(manifest["optimizer"]),
                        Reduction(**manifest["reduction"]), manifest["grad_clip"], manifest["accumulation"], steps,
-                       read_tensors(initial), read_tensors(final) if final is not None else None)
+                       read_tensors(initial), read_tensors(final) if final is not None else None, states)

@@ -28,9 +28,12 @@ class _Lines(torch.utils.data.Dataset):
 @pytest.fixture(scope="module")
 def recorded(ws, tmp_path_factory) -> Path:
     """A Trainer run of the workspace GPT-2 (dropout 0) on 8 lines, batch 2, accumulation 2, 2 epochs: 4 steps."""
+    return _trainer_run(ws, tmp_path_factory.mktemp("metagrad"))
+
+
+def _trainer_run(ws, root: Path, keep_states: int | None = None) -> Path:
     from gradtrace.replay.hf import record_trainer
 
-    root = tmp_path_factory.mktemp("metagrad")
     tokenizer = transformers.AutoTokenizer.from_pretrained(ws.model)
     model = transformers.AutoModelForCausalLM.from_pretrained(ws.model, attn_implementation="eager")
     args = transformers.TrainingArguments(
@@ -41,7 +44,7 @@ def recorded(ws, tmp_path_factory) -> Path:
     collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=_Lines(tokenizer, ws.lines[:8]),
                                    data_collator=collator, processing_class=tokenizer)
-    record_trainer(trainer, root / "run")
+    record_trainer(trainer, root / "run", keep_states=keep_states)
     trainer.train()
     return root / "run"
 
@@ -249,3 +252,39 @@ def test_start_step_truncates_the_pass_as_the_python_api_does(ws, runner, record
     line = error_line(invoke(runner, "metagrad", recorded, ws.queries, "--out", fresh / "b", "--start-step", 4,
                              "--no-progress", code=2))
     assert "--start-step 4: " in line and "records 4 optimizer step(s)" in line and not (fresh / "b").exists()
+
+
+def test_a_truncated_pass_replays_from_the_state_the_trainer_run_kept(ws, runner, fresh):
+    """record_trainer(keep_states=2): the plan says where the forward replay starts, and the scores are those of a
+    replay from the first step (the same run with its states ignored)."""
+    from gradtrace.options import MetagradOptions
+    from gradtrace.replay import load_run, metagradients
+    from gradtrace.replay.examples import load_examples
+    from gradtrace.replay.hf import run_loss
+    from gradtrace.score import Scores
+
+    run_dir = _trainer_run(ws, fresh / "kept", keep_states=2)
+    assert sorted(load_run(run_dir).states) == [2]
+    out = fresh / "scores"
+    text = flat(invoke(runner, "metagrad", run_dir, ws.queries, "--out", out, "--start-step", 3,
+                       "--no-progress").output)
+    assert "Forward replay from the state the run recorded before step 2 (keep_states): 2 of 4 steps." in text
+    assert "Time: (T - S) x t_step for the forward replay + (T - K) x 1 pass(es)" in text
+    saved = Scores.load(out)
+    _, data = _api_scores(run_dir, ws.queries)
+    import numpy as np
+
+    queries = []
+    for i in range(data.num_examples):
+        row = {k: v for k, v in data.rows(np.array([i])).items() if k != "id"}
+        row.setdefault("labels", row["input_ids"].clone())
+        queries.append(row)
+    config = transformers.AutoConfig.from_pretrained(run_dir / "model")
+    config._attn_implementation = "eager"
+    run = load_run(run_dir)
+    run.states = {}  # replayed from the initial weights
+    loss = run_loss(run_dir)
+    api = metagradients(run, transformers.AutoModelForCausalLM.from_config(config), loss, load_examples(run_dir),
+                        queries, lambda forward, q: loss(forward, q)[0].sum(), options=MetagradOptions(start_step=3))
+    assert api.replayed_from == 0
+    torch.testing.assert_close(saved.matrix, api.scores, rtol=1e-5, atol=0)

@@ -85,13 +85,13 @@ OPTIMIZERS = {
 
 def train(model: nn.Module, optimizer: str, steps: list, data: dict, *, accumulation: int = 1,
           grad_clip: float | None = None, warmup: int | None = None, weights: dict | None = None,
-          record: Path | None = None, foreach: bool | None = False) -> nn.Module:
+          record: Path | None = None, foreach: bool | None = False, keep_states: int | None = None) -> nn.Module:
     """The real loop: torch.optim, ``loss = sum w_i l_i / B / accumulation``, ``clip_grad_norm_``, a scheduler."""
     opt = OPTIMIZERS[optimizer](model.parameters(), foreach=foreach)
     sched = (torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(warmup, len(steps)))
              if warmup is not None else None)
     rec = RunRecorder(record, model, opt, scheduler=sched, grad_clip=grad_clip,
-                      accumulation=accumulation) if record is not None else None
+                      accumulation=accumulation, keep_states=keep_states) if record is not None else None
     batches = batcher(data)
     for micro in steps:
         for ids in micro:
