@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from .spec import SCHEMA, Reduction, ReplayError, group_hyper, optimizer_spec
-from .states import write_state
+from .states import state_path, write_state
 from .weights import model_tensors, write_tensors
 
 __all__ = ["RunRecorder", "check_deterministic", "normalise_step_ids"]
@@ -190,6 +190,10 @@ class RunRecorder:
         if missing:
             raise ReplayError(f"finish(model): the model lacks optimized parameters {missing[:5]}")
         write_tensors(self.run_dir / "final", model_tensors(model))
+        if self.kept_states and self.kept_states[-1] == self.steps:  # the state after the last step: final's
+            state_path(self.run_dir, self.steps).with_suffix(".safetensors").unlink(missing_ok=True)
+            state_path(self.run_dir, self.steps).with_suffix(".pt").unlink(missing_ok=True)
+            self.kept_states.pop()
         manifest = {
             "schema": SCHEMA, "steps": self.steps, "accumulation": self.accumulation,
             "grad_clip": self.grad_clip, "reduction": self.reduction.to_dict(), "optimizer": self.spec.to_dict(),
@@ -197,7 +201,7 @@ class RunRecorder:
             "params": {name: {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
                        for name, p in params.items()},
             "buffers": [name for name, _ in model.named_buffers()],
-            "states": {"every": self.keep_states, "steps": [t for t in self.kept_states if t < self.steps]},
+            "states": {"every": self.keep_states, "steps": list(self.kept_states)},
         }
         tmp = self.run_dir / "manifest.json.tmp"
         tmp.write_text(json.dumps(manifest, indent=1), encoding="utf-8")

@@ -34,6 +34,8 @@ def test_the_recorded_states_are_the_replays_states(tmp_path, recipe):
     run = _record(tmp_path / "run", recipe, keep_states=2)
     total = len(run.steps)
     assert sorted(run.states) == list(range(2, total, 2))  # not the state after the last step: final.safetensors
+    assert sorted(p.name for p in (tmp_path / "run" / "states").iterdir()) == [
+        f"step-{t:08d}.safetensors" for t in range(2, total, 2)]  # nor its file (9 steps: 8 kept, 9 % 2 != 0)
     steps = StepFunction(run, make_model("mlp"), loss_fn, batcher(make_data()))
     state = steps.initial_state()
     for t in range(total):
@@ -123,6 +125,8 @@ def test_keep_states_is_checked_and_recorded_in_the_manifest(tmp_path):
     run = _record(tmp_path / "run", "sgd_momentum", keep_states=5)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["states"] == {"every": 5, "steps": [5]}
+    last = _record(tmp_path / "last", "sgd_momentum", keep_states=3)  # 9 steps: the state before step 9 is final's
+    assert sorted(last.states) == [3, 6] and not (tmp_path / "last" / "states" / "step-00000009.safetensors").exists()
     assert sorted(run.states) == [5]
     run.cast(torch.float32)  # a run replayed in another precision reads its states in that precision
     assert run.state(5, "cpu").params["fc1.weight"].dtype == torch.float32
