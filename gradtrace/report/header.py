@@ -43,10 +43,26 @@ def header_rows(scores: Any) -> list[tuple[str, str]]:
         models = (meta.get("config") or {}).get("model")
         if isinstance(models, list) and len(models) > 1:
             rows.append(("models", ", ".join(_distinct_names([str(m) for m in models]))))
+    replay = meta.get("metagradients")
+    if isinstance(replay, dict):  # gradtrace metagrad: exact derivatives through a recorded run, no projection
+        rows = [rows[0], ("projection", "none (exact derivatives through the recorded run)"),
+                ("run", _run_line(replay))]
     coverage = training_coverage(scores.meta)
     if coverage is not None:
         rows.append(("coverage", coverage.line()))
     return rows
+
+
+def _run_line(replay: Mapping[str, Any]) -> str:
+    """The recorded run metagradients went through, and the steps their reverse pass covered."""
+    steps = replay.get("steps")
+    start = (replay.get("options") or {}).get("start_step") or 0
+    covered = (f"steps {start:,}..{steps - 1:,} of {steps:,} differentiated (a truncated pass: the earlier steps' "
+               "weights are not)" if start and isinstance(steps, int) else
+               f"all {steps:,} steps differentiated" if isinstance(steps, int) else "steps not recorded")
+    difference = replay.get("replay_difference")
+    return (f"{replay.get('run_dir', '?')}: {covered}"
+            + (f"; replay difference {difference:.2e}" if isinstance(difference, (int, float)) else ""))
 
 
 def _distinct_names(paths: list[str]) -> list[str]:

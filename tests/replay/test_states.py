@@ -25,7 +25,7 @@ def _record(path, recipe, keep_states=None):
     optimizer, accumulation, clip, warmup = RECIPES[recipe]
     train(make_model("mlp"), optimizer, schedule(accumulation=accumulation), make_data(), accumulation=accumulation,
           grad_clip=clip, warmup=warmup, record=path, keep_states=keep_states,
-          foreach=True if recipe == "foreach_adam" else False)
+          foreach=recipe == "foreach_adam")
     return load_run(path)
 
 

@@ -93,6 +93,19 @@ def test_header_states_method_projection_fingerprint_and_sign():
     assert "60 training examples" in text and "kept full score matrix" in text
 
 
+def test_header_of_metagradients_names_the_run_and_the_steps_differentiated():
+    scores, texts, queries = synthetic()
+    scores.meta = {"metagradients": {"run_dir": "/runs/r1", "steps": 12, "replay_difference": 0.0,
+                                     "options": {"start_step": 9}}}
+    text = " ".join(parse(render_report(scores, texts, queries)).text.split())
+    assert "projection none (exact derivatives through the recorded run)" in text
+    assert "run /runs/r1: steps 9..11 of 12 differentiated (a truncated pass" in text
+    assert "replay difference 0.00e+00" in text and "not recorded" not in text
+    scores.meta["metagradients"]["options"] = {"start_step": 0}
+    text = " ".join(parse(render_report(scores, texts, queries)).text.split())
+    assert "run /runs/r1: all 12 steps differentiated" in text
+
+
 def test_header_of_an_ensemble_says_how_it_combines_and_names_the_models():
     scores, texts, queries = synthetic()
     scores.meta.update(checkpoints=3, ensemble={"members": 3, "weights": [0.5, 0.25, 0.25], "normalize": True},
